@@ -1,0 +1,466 @@
+"""Model presets and the demo checkpoint.
+
+The demo checkpoint is a tiny but architecturally complete Qwen3.5
+vision-language model with random weights, a locally trained byte-level BPE
+tokenizer, a Qwen-style chat template and a Qwen2-VL image processor
+configuration, saved in the Hugging Face folder layout. It exercises every
+code path of the exporter and the runtime (Gated DeltaNet and full-attention
+layers, GQA, more linear-attention value heads than key heads, partial
+interleaved mRoPE, the vision tower and image-token injection) in seconds on a
+CPU, and it is what the parity tests between PyTorch and ONNX Runtime use.
+
+Everything here is offline and deterministic: the tokenizer corpus is generated
+from fixed word lists, and the weights depend only on the seed. Nothing is
+downloaded. torch and transformers are imported inside the functions that need
+them, so importing this module is cheap and torch-free.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEMO_SEED",
+    "SPECIAL_TOKENS",
+    "TINY_PRESET",
+    "build_demo_checkpoint",
+    "demo_checkpoint_dir",
+    "photo_path",
+    "tiny_config",
+]
+
+# ---------------------------------------------------------------------------
+# Tokenizer layout
+# ---------------------------------------------------------------------------
+
+#: Added tokens, in the order of the published Qwen3.5 vocabulary, appended
+#: after the BPE vocabulary (as in Qwen, where they follow the 248044 BPE
+#: entries). ``<think>``/``</think>`` are added as non-special tokens, as in Qwen.
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<think>",
+    "</think>",
+)
+_NON_SPECIAL = frozenset({"<think>", "</think>"})
+
+_VOCAB_SIZE = 1024  # BPE entries (256 bytes + merges) + added tokens
+_BPE_SIZE = _VOCAB_SIZE - len(SPECIAL_TOKENS)
+
+
+def _token_id(token: str) -> int:
+    return _BPE_SIZE + SPECIAL_TOKENS.index(token)
+
+
+# ---------------------------------------------------------------------------
+# The tiny preset
+# ---------------------------------------------------------------------------
+
+#: Keyword arguments for ``transformers.Qwen3_5Config(**TINY_PRESET)``: a small
+#: but real Qwen3.5 (~1.6 M parameters, fp32). Text: 8 layers in the published
+#: pattern (3 Gated DeltaNet layers, then 1 full-attention layer, twice), hidden
+#: 128, GQA with 4 query / 2 KV heads of dim 64, Gated DeltaNet with 2 key / 4
+#: value heads of dim 32, partial rotary (25 % of 64 = 16 dims = 8 frequencies
+#: split 3/3/2 over t/h/w, interleaved). Vision: 2 blocks of width 64, patch 16,
+#: temporal patch 2, 2x2 merge into 128-wide image tokens. Token ids are those of
+#: the demo tokenizer. ``initializer_range`` is raised from the usual 0.02 so
+#: that random weights give clear greedy argmax margins (see
+#: :func:`build_demo_checkpoint`). Treat as read-only; :func:`tiny_config` copies it.
+TINY_PRESET: dict[str, Any] = {
+    "text_config": {
+        "vocab_size": _VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 8,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.08,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        },
+        "eos_token_id": _token_id("<|endoftext|>"),
+    },
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "intermediate_size": 128,
+        "hidden_act": "gelu_pytorch_tanh",
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": 128,
+        "num_position_embeddings": 64,
+        "in_channels": 3,
+        "initializer_range": 0.08,
+    },
+    "image_token_id": _token_id("<|image_pad|>"),
+    "video_token_id": _token_id("<|video_pad|>"),
+    "vision_start_token_id": _token_id("<|vision_start|>"),
+    "vision_end_token_id": _token_id("<|vision_end|>"),
+    "tie_word_embeddings": False,
+}
+
+#: Image processor settings (``preprocessor_config.json``) of the demo checkpoint:
+#: the published Qwen3.5 patching (16 px patches, temporal 2, 2x2 merge, mean and
+#: std 0.5), with a pixel budget of 128x128 .. 256x256 so images stay small.
+_IMAGE_PROCESSOR = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 128 * 128, "longest_edge": 256 * 256},
+}
+
+#: Seed of the demo checkpoint's weights (see :func:`build_demo_checkpoint`).
+DEMO_SEED = 0
+
+_FORMAT_VERSION = 1
+_MARKER = ".qwen35_onnx_demo"
+_REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+)
+
+# A Qwen-style chat template (written for this project). Every image or video
+# part becomes ONE pad token between vision start/end; the runtime expands the
+# pad to the number of image tokens of the processed image.
+_CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+<|im_start|>{{ message['role'] }}
+{% if message['content'] is string -%}
+{{ message['content'] }}
+{%- else -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'image' -%}
+<|vision_start|><|image_pad|><|vision_end|>
+{%- elif part['type'] == 'video' -%}
+<|vision_start|><|video_pad|><|vision_end|>
+{%- elif part['type'] == 'text' -%}
+{{ part['text'] }}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% endif -%}
+"""
+
+
+def tiny_config():
+    """Return a fresh ``transformers.Qwen3_5Config`` built from :data:`TINY_PRESET`.
+
+    Returns:
+        transformers.Qwen3_5Config: a new config object (the preset is deep-copied,
+        so changing the result never changes the preset).
+    """
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(**copy.deepcopy(TINY_PRESET))
+
+
+# ---------------------------------------------------------------------------
+# Paths
+# ---------------------------------------------------------------------------
+
+
+def demo_checkpoint_dir() -> Path:
+    """Return the default folder of the demo checkpoint.
+
+    The folder is ``<cache>/demo-checkpoint`` where ``<cache>`` is the value of
+    the environment variable ``QWEN35_ONNX_CACHE`` if it is set and non-empty,
+    else ``~/.cache/qwen35-onnx``. Nothing is created or checked.
+
+    Returns:
+        Path: absolute path (``~`` expanded) of the demo checkpoint folder.
+    """
+    root = os.environ.get("QWEN35_ONNX_CACHE") or "~/.cache/qwen35-onnx"
+    return Path(root).expanduser().absolute() / "demo-checkpoint"
+
+
+def photo_path() -> Path:
+    """Return the path of the photograph shipped with the package.
+
+    The photo is ``qwen35_onnx/assets/photo.jpg``: a 256x256 RGB JPEG of the
+    astronaut Eileen Collins (NASA, public domain; see ``assets/README.md``).
+
+    Returns:
+        Path: a file-system path to the JPEG.
+
+    Raises:
+        FileNotFoundError: if the package was installed without its assets.
+    """
+    path = Path(str(resources.files("qwen35_onnx").joinpath("assets").joinpath("photo.jpg")))
+    if not path.is_file():
+        raise FileNotFoundError(f"shipped photo missing: {path} (package installed without its assets?)")
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+_WORDS = """
+the a an this that these those there here is are was were be been has have had
+and or but with without of in on at to from by for over under above below near
+into onto across around behind beside between through along inside outside
+photo photograph picture image scene view shot frame portrait background foreground
+person woman man child people astronaut pilot engineer crew team face hair eyes
+smile hand hands arm shoulder suit uniform jacket shirt patch badge flag helmet
+orange white black blue red green yellow gray grey brown dark light bright pale
+small large tall short wide narrow round square flat smooth rough soft sharp
+left right top bottom middle center corner edge side front back
+sky space earth moon star stars planet station shuttle rocket launch mission orbit
+table chair window door wall floor room desk cup coffee plate book screen camera
+tree trees grass flower flowers water river lake sea beach sand mountain hill road
+street city house building car bus train bike boat bridge light shadow cloud clouds
+cat dog bird horse animal tail ear nose mouth
+looks appears seems shows holds wears stands sits smiles looking standing sitting
+wearing holding showing smiling posing facing pointing flying floating
+describe describes described explain write read answer question ask tell say
+user assistant system message chat reply prompt
+what which who where when why how many much some any every each all both
+one two three four five six seven eight nine ten first second third last
+very quite rather slightly mostly clearly probably likely also only just still
+model models token tokens text vision language input output value values state
+layer layers head heads attention linear full cache memory position positions
+export graph graphs runtime session sessions decode prefill batch shape shapes
+image tokens patch patches grid merge size width height color colors pixel pixels
+"""
+
+_TEMPLATES = (
+    "{W} {w} of {w} {w} {w}.",
+    "The {w} shows {w} {w} {w} {w} the {w}.",
+    "In the {w}, {w} {w} is {w} {w} {w}.",
+    "Describe this {w}: {w} {w} {w} {w} the {w} {w}.",
+    "How many {w} are {w} the {w}? There are {d} {w}.",
+    "{W} {w} {w} the {w}, and the {w} is {w}.",
+    "Question: what is {w} the {w}? Answer: {w} {w} {w}.",
+    "user\n{W} {w} {w}?\nassistant\n{W} {w} {w} {w}.\n",
+)
+
+
+def _corpus() -> list[str]:
+    """Return the tokenizer training corpus: ~6000 generated lines, always the same.
+
+    Lines fill :data:`_TEMPLATES` with words drawn from :data:`_WORDS`
+    (``{w}``: word, ``{W}``: capitalised word, ``{d}``: number below 1000) by a
+    fixed-seed ``random.Random``, whose sequence is stable across Python versions.
+    """
+    words = _WORDS.split()
+    rng = random.Random(1234)
+
+    def pick(match: re.Match) -> str:
+        kind = match.group(1)
+        if kind == "d":
+            return str(rng.randrange(1000))
+        word = rng.choice(words)
+        return word.capitalize() if kind == "W" else word
+
+    lines = [" ".join(words), " ".join(w.capitalize() for w in words)]
+    lines += [re.sub(r"\{(\w)\}", pick, rng.choice(_TEMPLATES)) for _ in range(6000)]
+    return lines
+
+
+def _train_tokenizer():
+    """Train the demo byte-level BPE tokenizer and wrap it for transformers.
+
+    Returns:
+        transformers.PreTrainedTokenizerBase: a ``Qwen3_5Tokenizer`` with
+        :data:`_VOCAB_SIZE` entries: 256 byte tokens and the BPE merges (ids
+        ``0 .. _BPE_SIZE - 1``), then :data:`SPECIAL_TOKENS` in order.
+
+    Raises:
+        RuntimeError: if the trainer did not reach the planned vocabulary size.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen3_5Tokenizer
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BPE_SIZE,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    bpe.train_from_iterator(_corpus(), trainer=trainer)
+    model = json.loads(bpe.to_str())["model"]
+    vocab, merges = model["vocab"], model["merges"]
+    if len(vocab) != _BPE_SIZE:
+        raise RuntimeError(f"BPE training gave {len(vocab)} entries, expected {_BPE_SIZE}")
+
+    tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges])
+    tokenizer.add_tokens(
+        [AddedToken(t, special=t not in _NON_SPECIAL, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    tokenizer.chat_template = _CHAT_TEMPLATE
+    for token in SPECIAL_TOKENS:
+        got = tokenizer.convert_tokens_to_ids(token)
+        if got != _token_id(token):
+            raise RuntimeError(f"token {token!r} got id {got}, expected {_token_id(token)}")
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------
+# The demo checkpoint
+# ---------------------------------------------------------------------------
+
+
+def _is_complete(path: Path, seed: int) -> bool:
+    """True if ``path`` holds a finished demo checkpoint of this format and seed."""
+    try:
+        marker = json.loads((path / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker == {"format_version": _FORMAT_VERSION, "seed": seed} and all(
+        (path / name).is_file() for name in _REQUIRED_FILES
+    )
+
+
+def _write_checkpoint(folder: Path, seed: int) -> None:
+    """Write every file of the demo checkpoint (marker excluded) into ``folder``."""
+    import torch
+    from transformers import GenerationConfig, Qwen2VLImageProcessorPil, Qwen3_5ForConditionalGeneration
+
+    tokenizer = _train_tokenizer()
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR).save_pretrained(folder)
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(tiny_config()).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[_token_id("<|im_end|>"), _token_id("<|endoftext|>")],
+        pad_token_id=_token_id("<|endoftext|>"),
+        do_sample=False,
+    )
+    model.save_pretrained(folder)
+
+
+def build_demo_checkpoint(path: str | os.PathLike, *, seed: int = DEMO_SEED, overwrite: bool = False) -> Path:
+    """Build the tiny random-weight Qwen3.5 demo checkpoint at ``path`` (cached).
+
+    The folder gets the Hugging Face layout, loadable offline by transformers:
+
+    - ``config.json`` + ``model.safetensors``: ``Qwen3_5ForConditionalGeneration``
+      from :data:`TINY_PRESET`, fp32, weights drawn after ``torch.manual_seed(seed)``
+      (identical for identical seeds on the same torch version).
+    - ``generation_config.json``: greedy (``do_sample=False``), ``eos_token_id`` =
+      [``<|im_end|>``, ``<|endoftext|>``], ``pad_token_id`` = ``<|endoftext|>``.
+    - ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``: a
+      1024-entry byte-level BPE with the exact Qwen3.5 pre-tokenizer, trained on a
+      generated corpus, :data:`SPECIAL_TOKENS` at ids 1008..1023 (``<|image_pad|>``
+      = 1020). The chat template writes ONE ``<|image_pad|>`` per image; callers
+      expand it to the image's number of image tokens. Load with
+      ``AutoTokenizer.from_pretrained(path)``.
+    - ``preprocessor_config.json``: Qwen2-VL image processor (patch 16, temporal
+      patch 2, merge 2, mean/std 0.5, 128x128 to 256x256 pixels). Load it without
+      torchvision with ``transformers.AutoImageProcessor.from_pretrained(path,
+      backend="pil")`` (or ``Qwen2VLImageProcessorPil.from_pretrained(path)``);
+      with ``backend`` unset, transformers picks the torchvision class when
+      torchvision is installed.
+    - ``.qwen35_onnx_demo``: marker (JSON with format version and seed), written last.
+
+    The default seed gives random weights whose greedy continuation of the demo
+    prompt (the chat template on the shipped photo plus "Describe this image.")
+    runs 40+ tokens without an end-of-sequence id, with a top-1/top-2 logit gap
+    above 1e-3 at every step, so PyTorch and ONNX Runtime must agree token for token.
+
+    The build is atomic: files are written to a temporary sibling folder that is
+    renamed to ``path`` when complete, so ``path`` never holds half a checkpoint.
+    A complete checkpoint already at ``path`` with the same seed and format is
+    returned as is (no rebuild); one with another seed or format is replaced.
+
+    Args:
+        path: destination folder; its parent is created if needed.
+        seed: seed for the weights (the tokenizer and configs do not depend on it).
+        overwrite: rebuild even if a complete checkpoint is already there, and
+            replace a folder that is not a demo checkpoint.
+
+    Returns:
+        Path: ``path`` as an absolute ``Path``.
+
+    Raises:
+        FileExistsError: ``path`` exists, is not empty and is not a demo
+            checkpoint, and ``overwrite`` is False (nothing is deleted).
+        RuntimeError: the tokenizer trainer did not produce the planned layout.
+    """
+    path = Path(path).expanduser().absolute()
+    if not overwrite and _is_complete(path, seed):
+        return path
+    foreign = path.exists() and not (path / _MARKER).exists() and (not path.is_dir() or any(path.iterdir()))
+    if foreign and not overwrite:
+        raise FileExistsError(f"{path} exists and is not a demo checkpoint; pass overwrite=True to replace it")
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+    try:
+        _write_checkpoint(staging, seed)
+        (staging / _MARKER).write_text(json.dumps({"format_version": _FORMAT_VERSION, "seed": seed}))
+        if path.exists():  # replace: move the old folder aside first, delete it after the swap
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            path.rename(old / path.name)
+            staging.rename(path)
+            shutil.rmtree(old)
+        else:
+            try:
+                staging.rename(path)
+            except OSError:  # another process finished first
+                if not _is_complete(path, seed):
+                    raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path

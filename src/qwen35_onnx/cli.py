@@ -1,0 +1,137 @@
+"""The ``qwen35-onnx`` command: ``export``, ``generate``, ``verify`` and ``demo``.
+
+Errors the user can fix (bad options, bad input, mismatched exports) are printed as one
+``error: ...`` line with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .contract import ContractError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+USER_ERRORS = (ValueError, FileNotFoundError, ContractError, TypeError)
+
+
+def _fail(exc: BaseException) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _progress(name: str) -> None:
+    typer.echo(f"[export] {name} graph ...", err=True)
+
+
+@app.command()
+def export(
+    model_id: Path = typer.Option(..., "--model-id", help="Local Hugging Face checkpoint folder."),
+    output_dir: Path = typer.Option(..., "--output-dir", help="Folder to write (vision/, prefill/, decode/, manifest.json)."),
+    max_seq_len: int = typer.Option(2048, "--max-seq-len", help="Capacity in tokens: KV cache and mask width."),
+    kv_cache: str = typer.Option("fixed", "--kv-cache", help="fixed (constant-width KV, static decode graph) or dynamic (growing)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Weights and states dtype (fp32)."),
+    vision_image_size: int = typer.Option(128, "--vision-image-size", help="Image side in pixels (multiple of patch x merge)."),
+    dummy_seq_len: int = typer.Option(8, "--dummy-seq-len", help="Trace length in tokens."),
+    component: str = typer.Option("all", "--component", help="all, vision, prefill or decode (one graph updates an existing export)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
+) -> None:
+    """Export a Qwen3.5 checkpoint to fixed-shape ONNX graphs."""
+    try:
+        from .export.exporter import ExportOptions, export as run_export
+    except ImportError as exc:  # torch / onnx missing
+        _fail(ValueError(f"export needs the 'export' extra (torch, onnx, onnxscript): {exc}"))
+    options = ExportOptions(
+        capacity=max_seq_len,
+        kv_mode=kv_cache,
+        dtype=dtype,
+        image_size=vision_image_size,
+        dummy_seq_len=dummy_seq_len,
+        component=component,
+        overwrite=overwrite,
+    )
+    try:
+        contract = run_export(model_id, output_dir, options, progress=_progress)
+    except USER_ERRORS as exc:
+        _fail(exc)
+    typer.echo(
+        f"exported {options.component} to {output_dir} (capacity {contract.capacity}, kv {contract.kv_mode}, "
+        f"{contract.n_image_tokens} image tokens)",
+        err=True,
+    )
+
+
+@app.command()
+def generate(
+    model: Path = typer.Option(..., "--model", help="Export folder written by `qwen35-onnx export`."),
+    image: Path = typer.Option(..., "--image", help="Image file (any size and mode)."),
+    prompt: str = typer.Option(..., "--prompt", help="User prompt."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to generate."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    host_state_roundtrip: bool = typer.Option(False, "--host-state-roundtrip", help="Copy states to host every step (for comparison)."),
+) -> None:
+    """Stream text for an image and a prompt; timings go to stderr."""
+    from .pipeline import Pipeline
+
+    try:
+        pipe = Pipeline.from_exported(model, device=device, host_state_roundtrip=host_state_roundtrip)
+        stream = pipe.stream(image, prompt, max_new_tokens=max_new_tokens)
+    except USER_ERRORS as exc:
+        _fail(exc)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    result = stream.result
+    typer.echo(f"[{result.finish_reason}] {len(result.token_ids)} tokens | {result.timings.summary()}", err=True)
+
+
+@app.command()
+def verify(
+    model: Path = typer.Option(..., "--model", help="Export folder."),
+    model_id: Path = typer.Option(..., "--model-id", help="The checkpoint folder it was exported from."),
+    image: Path = typer.Option(..., "--image"),
+    prompt: str = typer.Option("Describe this image.", "--prompt"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+) -> None:
+    """Greedy token parity of the exported graphs against transformers; exit 1 on mismatch."""
+    from .pipeline import Pipeline
+    from .verify import token_parity
+
+    try:
+        pipe = Pipeline.from_exported(model)
+        parity = token_parity(pipe, model_id, image, prompt, max_new_tokens)
+    except USER_ERRORS as exc:
+        _fail(exc)
+    typer.echo(parity.line())
+    if not parity.ok:
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def demo(
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Where the demo checkpoint and export live."),
+) -> None:
+    """Build (once) the demo checkpoint, export it, generate for the shipped photo, check parity."""
+    from .demo import run_demo
+
+    try:
+        ok = run_demo(max_new_tokens=max_new_tokens, cache_dir=cache_dir)
+    except USER_ERRORS as exc:
+        _fail(exc)
+    if not ok:
+        raise typer.Exit(code=1)
+
+
+def main() -> None:  # pragma: no cover
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,289 @@
+"""The fixed-shape contract: the one place where capacity, image grid, layer counts,
+state shapes, dtypes and token ids live.
+
+The exporter writes a :class:`ShapeContract` into ``manifest.json`` at the export root
+and into every graph's ``metadata_props`` (key :data:`METADATA_KEY`); the runtime reads
+it back and cross-checks it against the graphs' own input/output shapes. This module
+imports neither torch nor onnxruntime so that both sides share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+"""Version of the manifest layout; bumped when a field changes meaning."""
+
+METADATA_KEY = "qwen35_onnx.contract"
+"""Key of the contract JSON in each graph's ``metadata_props``."""
+
+MANIFEST_NAME = "manifest.json"
+GRAPH_NAMES = ("vision", "prefill", "decode")
+KV_MODES = ("fixed", "dynamic")
+DTYPES = ("fp32",)
+MIN_CAPACITY = 2
+
+
+class ContractError(ValueError):
+    """A contract is missing, malformed, or disagrees with a graph or another contract."""
+
+
+def check_capacity(capacity: int) -> None:
+    """Check ``--max-seq-len`` (capacity, in tokens).
+
+    Raises:
+        ValueError: capacity is not an int >= :data:`MIN_CAPACITY` (prefill needs at least
+            one token and decode one more slot).
+    """
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < MIN_CAPACITY:
+        raise ValueError(f"--max-seq-len (capacity) must be an integer >= {MIN_CAPACITY}, got {capacity!r}")
+
+
+def check_dummy_seq_len(dummy_seq_len: int, capacity: int) -> None:
+    """Check the trace length used for export against capacity (tokens).
+
+    The prefill trace needs ``1 <= dummy_seq_len <= capacity``; the decode trace appends one
+    token to a past of ``dummy_seq_len`` tokens, so it needs ``dummy_seq_len + 1 <= capacity``.
+
+    Raises:
+        ValueError: naming the dummy length and the limit it broke.
+    """
+    if isinstance(dummy_seq_len, bool) or not isinstance(dummy_seq_len, int) or dummy_seq_len < 1:
+        raise ValueError(f"--dummy-seq-len must be an integer >= 1, got {dummy_seq_len!r}")
+    if dummy_seq_len + 1 > capacity:
+        raise ValueError(
+            f"--dummy-seq-len {dummy_seq_len} leaves no decode slot: dummy-seq-len + 1 must be <= "
+            f"--max-seq-len {capacity}"
+        )
+
+
+def check_image_size(image_size: int, patch_size: int, merge_size: int) -> None:
+    """Check ``--vision-image-size`` (pixels) against the vision tower's patch x merge factor.
+
+    Raises:
+        ValueError: the size is not a positive multiple of ``patch_size * merge_size``.
+    """
+    factor = patch_size * merge_size
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < factor or image_size % factor:
+        raise ValueError(
+            f"--vision-image-size {image_size!r} must be a positive multiple of patch_size x spatial_merge_size "
+            f"= {patch_size} x {merge_size} = {factor}"
+        )
+
+
+@dataclass(frozen=True)
+class ShapeContract:
+    """Everything both sides must agree on. Sizes are element counts, lengths are tokens.
+
+    State layouts (batch ``B`` is always :attr:`batch`):
+
+    - conv state: ``[n_linear, B, conv_dim, conv_kernel - 1]`` in :attr:`dtype`
+    - recurrent state: ``[n_linear, B, linear_num_value_heads, linear_key_head_dim,
+      linear_value_head_dim]`` always fp32
+    - KV cache: ``[2 * n_full, B, num_key_value_heads, capacity, head_dim]`` in fixed mode
+      (k of full layer i at ``2*i``, v at ``2*i + 1``); the token axis grows in dynamic mode.
+    """
+
+    capacity: int
+    kv_mode: str
+    dtype: str
+    batch: int
+    # vision
+    image_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    image_embed_dim: int
+    # text
+    hidden_size: int
+    vocab_size: int
+    layer_types: tuple[str, ...]
+    conv_dim: int
+    conv_kernel: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    num_key_value_heads: int
+    head_dim: int
+    chunk_size: int
+    # token ids
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    exporter_version: str
+    format_version: int = FORMAT_VERSION
+    graphs: dict[str, str] = field(default_factory=dict)
+
+    # ---- derived quantities -------------------------------------------------------
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:
+        """Patch grid (temporal, height, width) of the exported image size."""
+        side = self.image_size // self.patch_size
+        return (1, side, side)
+
+    @property
+    def n_patches(self) -> int:
+        """Rows of ``pixel_values``."""
+        t, h, w = self.grid_thw
+        return t * h * w
+
+    @property
+    def patch_dim(self) -> int:
+        """Columns of ``pixel_values``: channels x temporal patch x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def n_image_tokens(self) -> int:
+        """Image tokens (rows of ``image_embeds``) after the spatial merge."""
+        return self.n_patches // self.spatial_merge_size**2
+
+    @property
+    def n_linear(self) -> int:
+        return sum(t == "linear_attention" for t in self.layer_types)
+
+    @property
+    def n_full(self) -> int:
+        return sum(t == "full_attention" for t in self.layer_types)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, ...]:
+        return (self.n_linear, self.batch, self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, ...]:
+        return (
+            self.n_linear,
+            self.batch,
+            self.linear_num_value_heads,
+            self.linear_key_head_dim,
+            self.linear_value_head_dim,
+        )
+
+    def kv_shape(self, length: int | None = None) -> tuple[int, ...]:
+        """KV cache shape for ``length`` tokens (default: capacity)."""
+        length = self.capacity if length is None else length
+        return (2 * self.n_full, self.batch, self.num_key_value_heads, length, self.head_dim)
+
+    @property
+    def state_dtypes(self) -> dict[str, str]:
+        return {"conv": self.dtype, "recurrent": "fp32", "kv": self.dtype}
+
+    # ---- serialisation --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict, with the derived shapes included for readers of the manifest."""
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        d["derived"] = {
+            "grid_thw": list(self.grid_thw),
+            "n_patches": self.n_patches,
+            "patch_dim": self.patch_dim,
+            "n_image_tokens": self.n_image_tokens,
+            "n_linear": self.n_linear,
+            "n_full": self.n_full,
+            "conv_state_shape": list(self.conv_state_shape),
+            "recurrent_state_shape": list(self.recurrent_state_shape),
+            "kv_shape": list(self.kv_shape()) if self.kv_mode == "fixed" else "dynamic",
+            "state_dtypes": self.state_dtypes,
+        }
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ShapeContract":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ContractError: unknown format version, missing or malformed fields.
+        """
+        if not isinstance(data, dict):
+            raise ContractError(f"contract must be a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ContractError(
+                f"contract format_version {version!r} is not supported (this runtime reads {FORMAT_VERSION}); "
+                "re-export the model with this version of qwen35-onnx"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(n for n in names if n not in data and n not in ("graphs", "format_version"))
+        if missing:
+            raise ContractError(f"contract is missing fields: {', '.join(missing)}")
+        kwargs = {k: data[k] for k in names if k in data}
+        kwargs["layer_types"] = tuple(kwargs["layer_types"])
+        kwargs["eos_token_ids"] = tuple(kwargs["eos_token_ids"])
+        kwargs["graphs"] = dict(kwargs.get("graphs") or {})
+        try:
+            contract = cls(**kwargs)
+        except TypeError as exc:  # pragma: no cover - guarded by the checks above
+            raise ContractError(f"malformed contract: {exc}") from exc
+        contract.validate()
+        return contract
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShapeContract":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ContractError(f"contract is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    def validate(self) -> None:
+        """Check internal consistency.
+
+        Raises:
+            ContractError: naming the field and the rule it broke.
+        """
+        if self.kv_mode not in KV_MODES:
+            raise ContractError(f"kv_mode {self.kv_mode!r} is not one of {KV_MODES}")
+        if self.dtype not in DTYPES:
+            raise ContractError(f"dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.batch != 1:
+            raise ContractError(f"batch {self.batch} is not supported (only batch 1)")
+        try:
+            check_capacity(self.capacity)
+            check_image_size(self.image_size, self.patch_size, self.spatial_merge_size)
+        except ValueError as exc:
+            raise ContractError(str(exc)) from exc
+        bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
+        if bad:
+            raise ContractError(f"unknown layer types {bad}")
+
+    def same_shapes(self, other: "ShapeContract") -> list[str]:
+        """Fields (other than ``graphs``) on which two contracts disagree, as 'name: a != b'."""
+        a, b = dataclasses.asdict(self), dataclasses.asdict(other)
+        return [f"{k}: {a[k]!r} != {b[k]!r}" for k in a if k != "graphs" and a[k] != b[k]]
+
+
+def write_manifest(root: Path, contract: ShapeContract) -> Path:
+    """Write ``root/manifest.json`` atomically (temp file + rename); returns its path."""
+    path = Path(root) / MANIFEST_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(contract.to_json())
+    tmp.replace(path)
+    return path
+
+
+def read_manifest(root: Path) -> ShapeContract:
+    """Read ``root/manifest.json``.
+
+    Raises:
+        ContractError: the folder is not a complete export (no manifest), or it is malformed.
+    """
+    path = Path(root) / MANIFEST_NAME
+    if not Path(root).is_dir():
+        raise ContractError(f"exported model folder {str(root)!r} does not exist")
+    if not path.is_file():
+        raise ContractError(
+            f"{str(path)!r} not found: {str(root)!r} is not a complete qwen35-onnx export "
+            "(was the export interrupted?)"
+        )
+    return ShapeContract.from_json(path.read_text())

@@ -1,0 +1,384 @@
+"""Export a Qwen3.5 checkpoint folder to ``vision/``, ``prefill/`` and ``decode/`` ONNX graphs
+plus ``manifest.json`` and the tokenizer/processor files.
+
+The export is atomic: everything is written into a temporary sibling folder and renamed into
+place once complete, so an interrupted export never leaves a folder the runtime accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .. import __version__
+from ..contract import (
+    DTYPES,
+    GRAPH_NAMES,
+    KV_MODES,
+    METADATA_KEY,
+    ShapeContract,
+    check_capacity,
+    check_dummy_seq_len,
+    check_image_size,
+    read_manifest,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",)
+SUPPORTED_MODEL_TYPES = ("qwen3_5",)
+OPSET = 18
+EXTERNAL_DATA_THRESHOLD = 256 * 1024 * 1024
+"""Graphs whose weights exceed this many bytes keep them in a ``model.onnx.data`` file."""
+PROCESSOR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "generation_config.json",
+    "config.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+class ExportError(ValueError):
+    """The checkpoint or the export options cannot be exported."""
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Options of ``qwen35-onnx export`` (see the CLI for their meaning).
+
+    ``capacity`` (tokens) and ``kv_mode`` are independent of every other option.
+    """
+
+    capacity: int = 2048
+    kv_mode: str = "fixed"
+    dtype: str = "fp32"
+    image_size: int = 128
+    dummy_seq_len: int = 8
+    component: str = "all"
+    chunk_size: int = 64
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        """Raises ExportError naming the option and the rule it broke."""
+        try:
+            check_capacity(self.capacity)
+            check_dummy_seq_len(self.dummy_seq_len, self.capacity)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from exc
+        if self.kv_mode not in KV_MODES:
+            raise ExportError(f"--kv-cache {self.kv_mode!r} must be one of {', '.join(KV_MODES)}")
+        if self.dtype not in DTYPES:
+            raise ExportError(f"--dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPES)}")
+        if self.component not in ("all", *GRAPH_NAMES):
+            raise ExportError(f"--component {self.component!r} must be one of all, {', '.join(GRAPH_NAMES)}")
+        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
+            raise ExportError(f"chunk size {self.chunk_size} must be a power of two")
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return GRAPH_NAMES if self.component == "all" else (self.component,)
+
+
+def check_architecture(config) -> None:
+    """Raise ExportError unless ``config`` is a Qwen3.5 vision-language config with only
+    ``linear_attention``/``full_attention`` layers."""
+    model_type = getattr(config, "model_type", None)
+    archs = tuple(getattr(config, "architectures", None) or ())
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ExportError(
+            f"unsupported architecture: model_type {model_type!r} (architectures {list(archs)}); "
+            f"qwen35-onnx exports {', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'qwen3_5')"
+        )
+    text = config.text_config
+    bad = sorted(set(text.layer_types) - {"linear_attention", "full_attention"})
+    if bad:
+        raise ExportError(f"unsupported layer types {bad} in text_config.layer_types")
+    if text.linear_num_value_heads % text.linear_num_key_heads:
+        raise ExportError(
+            f"linear_num_value_heads {text.linear_num_value_heads} is not a multiple of "
+            f"linear_num_key_heads {text.linear_num_key_heads}"
+        )
+
+
+def eos_token_ids(generation_config, config) -> tuple[int, ...]:
+    """All end-of-sequence ids of the checkpoint's generation config (falls back to the model config)."""
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if eos is None:
+        eos = getattr(config.text_config, "eos_token_id", None) or getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def chunk_size_for(capacity: int, preferred: int) -> int:
+    """Largest power of two <= ``preferred`` that divides ``capacity`` (tokens).
+
+    Prefill lengths are multiples of the chunk size (the runtime right-pads prompts exactly),
+    so the chunk size must divide capacity for a prompt near capacity to fit.
+    """
+    chunk = 1
+    while chunk * 2 <= preferred and capacity % (chunk * 2) == 0:
+        chunk *= 2
+    return chunk
+
+
+def trace_seq_len(name: str, contract: ShapeContract, dummy_seq_len: int) -> int:
+    """Trace length of graph ``name``: decode traces a past of ``dummy_seq_len`` tokens;
+    prefill rounds it up to whole chunks, using at least two chunks when capacity allows so
+    that ``torch.export`` keeps the chunk count symbolic (a size of 1 is specialised)."""
+    if name != "prefill":
+        return dummy_seq_len
+    chunk = contract.chunk_size
+    n_chunks = max(2, -(-dummy_seq_len // chunk))
+    return min(n_chunks, contract.capacity // chunk) * chunk
+
+
+def build_contract(config, generation_config, options: ExportOptions) -> ShapeContract:
+    """The contract of an export of ``config`` (a ``Qwen3_5Config``) with ``options``.
+
+    Raises:
+        ExportError: unsupported architecture or image size not a multiple of patch x merge.
+    """
+    check_architecture(config)
+    vision, text = config.vision_config, config.text_config
+    try:
+        check_image_size(options.image_size, vision.patch_size, vision.spatial_merge_size)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from exc
+    pad = getattr(generation_config, "pad_token_id", None) if generation_config is not None else None
+    key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+    contract = ShapeContract(
+        capacity=options.capacity,
+        kv_mode=options.kv_mode,
+        dtype=options.dtype,
+        batch=1,
+        image_size=options.image_size,
+        patch_size=vision.patch_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        spatial_merge_size=vision.spatial_merge_size,
+        in_channels=vision.in_channels,
+        image_embed_dim=vision.out_hidden_size,
+        hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size,
+        layer_types=tuple(text.layer_types),
+        conv_dim=2 * key_dim + text.linear_num_value_heads * text.linear_value_head_dim,
+        conv_kernel=text.linear_conv_kernel_dim,
+        linear_num_value_heads=text.linear_num_value_heads,
+        linear_key_head_dim=text.linear_key_head_dim,
+        linear_value_head_dim=text.linear_value_head_dim,
+        num_key_value_heads=text.num_key_value_heads,
+        head_dim=text.head_dim,
+        chunk_size=chunk_size_for(options.capacity, options.chunk_size),
+        image_token_id=config.image_token_id,
+        vision_start_token_id=config.vision_start_token_id,
+        vision_end_token_id=config.vision_end_token_id,
+        eos_token_ids=eos_token_ids(generation_config, config),
+        pad_token_id=None if pad is None else int(pad),
+        exporter_version=__version__,
+    )
+    contract.validate()
+    return contract
+
+
+# ----------------------------------------------------------------------------------------
+# Tracing
+# ----------------------------------------------------------------------------------------
+def dummy_inputs(name: str, contract: ShapeContract, seq_len: int):
+    """Example inputs for tracing graph ``name`` (the values only matter for shapes)."""
+    import torch
+
+    b = contract.batch
+    if name == "vision":
+        return (torch.randn(contract.n_patches, contract.patch_dim),)
+    if name == "prefill":
+        ids = torch.randint(0, contract.vocab_size, (b, seq_len))
+        return (
+            ids,
+            torch.ones(b, seq_len, dtype=torch.long),
+            torch.arange(seq_len).view(1, 1, -1).expand(4, b, seq_len).contiguous(),
+            torch.randn(contract.n_image_tokens, contract.image_embed_dim),
+        )
+    # decode: a past of seq_len tokens plus the new one
+    kv_len = contract.capacity if contract.kv_mode == "fixed" else seq_len
+    mask_len = contract.capacity if contract.kv_mode == "fixed" else seq_len + 1
+    mask = torch.zeros(b, mask_len, dtype=torch.long)
+    mask[:, : seq_len + 1] = 1
+    return (
+        torch.randint(0, contract.vocab_size, (b, 1)),
+        mask,
+        torch.full((4, b, 1), seq_len, dtype=torch.long),
+        torch.zeros(contract.conv_state_shape),
+        torch.zeros(contract.recurrent_state_shape),
+        torch.zeros(contract.kv_shape(kv_len)),
+    )
+
+
+def dynamic_shapes(name: str, contract: ShapeContract):
+    """``torch.export`` dynamic shapes: none for vision and fixed decode; the prompt length
+    for prefill; the past length for dynamic decode."""
+    from torch.export import Dim
+
+    if name == "vision":
+        return None
+    if name == "prefill":
+        max_chunks = contract.capacity // contract.chunk_size
+        if max_chunks == 1:
+            return None
+        seq = contract.chunk_size * Dim("n_chunks", min=1, max=max_chunks)
+        return ({1: seq}, {1: seq}, {2: seq}, None)
+    if contract.kv_mode == "fixed":
+        return None
+    past = Dim("past_len", min=1, max=contract.capacity - 1)
+    return (None, {1: past + 1}, None, None, None, {3: past})
+
+
+def graph_module(name: str, model, contract: ShapeContract):
+    from .graphs import DecodeGraph, PrefillGraph, VisionGraph
+
+    if name == "vision":
+        return VisionGraph(model.model.visual, contract)
+    return (PrefillGraph if name == "prefill" else DecodeGraph)(model, contract)
+
+
+def io_names(name: str) -> tuple[list[str], list[str]]:
+    from .graphs import DECODE_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
+
+    if name == "vision":
+        return VISION_INPUTS, VISION_OUTPUTS
+    return (PREFILL_INPUTS if name == "prefill" else DECODE_INPUTS), TEXT_OUTPUTS
+
+
+def export_graph(name: str, model, contract: ShapeContract, folder: Path, dummy_seq_len: int) -> Path:
+    """Trace graph ``name`` with ``torch.onnx.export`` (dynamo) into ``folder/model.onnx``,
+    with the contract in its ``metadata_props``. Returns the ONNX file path."""
+    import torch
+
+    module = graph_module(name, model, contract).eval()
+    inputs, outputs = io_names(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    with torch.no_grad():
+        program = torch.onnx.export(
+            module,
+            dummy_inputs(name, contract, trace_seq_len(name, contract, dummy_seq_len)),
+            dynamo=True,
+            opset_version=OPSET,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_shapes=dynamic_shapes(name, contract),
+            optimize=True,
+            verbose=False,
+        )
+    program.model.metadata_props[METADATA_KEY] = contract.to_json()
+    program.model.metadata_props["qwen35_onnx.graph"] = name
+    weight_bytes = sum(int(v.const_value.nbytes) for v in program.model.graph.initializers.values()
+                       if v.const_value is not None)
+    program.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_THRESHOLD)
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# Whole export
+# ----------------------------------------------------------------------------------------
+def load_checkpoint(model_id: str | Path):
+    """Load config, generation config and fp32 weights of a local Hugging Face folder.
+
+    Raises:
+        ExportError: the folder is missing, has no ``config.json``, or is not Qwen3.5.
+    """
+    from transformers import AutoConfig, GenerationConfig, Qwen3_5ForConditionalGeneration
+
+    path = Path(model_id)
+    if not (path / "config.json").is_file():
+        raise ExportError(f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)")
+    config = AutoConfig.from_pretrained(path)
+    check_architecture(config)
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation_config = None
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype="float32").eval()
+    return config, generation_config, model
+
+
+def copy_processor_files(src: Path, dst: Path) -> None:
+    """Copy the tokenizer, chat template, image-processor and config files next to the graphs."""
+    for name in PROCESSOR_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def export(
+    model_id: str | Path,
+    output_dir: str | Path,
+    options: ExportOptions,
+    progress: Callable[[str], None] | None = None,
+) -> ShapeContract:
+    """Export a checkpoint folder; returns the written contract.
+
+    ``component='all'`` writes a new folder (refusing an existing one unless
+    ``options.overwrite``); a single component replaces that graph in an existing export.
+    Everything is written into a temporary sibling folder and moved into place at the end.
+
+    Raises:
+        ExportError: bad options, unsupported checkpoint, or an output folder conflict.
+    """
+    options.validate()
+    out = Path(output_dir)
+    if options.component == "all" and out.exists() and any(out.iterdir()) and not options.overwrite:
+        raise ExportError(f"--output-dir {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+    if options.component != "all" and not out.is_dir():
+        raise ExportError(
+            f"--component {options.component} updates an existing export, but {str(out)!r} does not exist; "
+            "export with --component all first"
+        )
+    config, generation_config, model = load_checkpoint(model_id)
+    contract = build_contract(config, generation_config, options)
+    graphs = {name: f"{name}/model.onnx" for name in GRAPH_NAMES}
+    contract = replace(contract, graphs=graphs)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        if options.component != "all":
+            read_manifest(out)  # the folder must be a complete export
+            for name in GRAPH_NAMES:
+                if name != options.component and (out / name).is_dir():
+                    shutil.copytree(out / name, tmp / name)
+        for name in options.components:
+            if progress:
+                progress(name)
+            export_graph(name, model, contract, tmp / name, options.dummy_seq_len)
+        copy_processor_files(Path(model_id), tmp)
+        write_manifest(tmp, contract)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return contract
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Replace ``out`` by the complete folder ``tmp`` (rename; the old folder is removed after)."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

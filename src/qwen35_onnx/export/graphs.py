@@ -1,0 +1,277 @@
+"""The three exported graphs as ``nn.Module`` wrappers around a transformers
+``Qwen3_5ForConditionalGeneration``: :class:`VisionGraph`, :class:`PrefillGraph` and
+:class:`DecodeGraph`. They reuse the checkpoint's own submodules (projections, norms, MLPs,
+rotary embedding) and replace only the parts whose transformers form is not static-shape:
+the cache objects, the gated delta rule, the causal conv and the attention mask.
+
+Graph I/O (names as in the reference system; B = 1, L = capacity):
+
+=========  ================================================================================
+vision     pixel_values [n_patches, patch_dim] -> image_embeds [n_image_tokens, hidden]
+prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_embeds [N,hidden]
+           -> logits [B,S,V], present_conv_states [n_linear,B,conv_dim,K-1],
+           present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
+decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_conv_states,
+           past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states
+=========  ================================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..contract import ShapeContract
+from . import layers
+
+VISION_INPUTS = ["pixel_values"]
+VISION_OUTPUTS = ["image_embeds"]
+PREFILL_INPUTS = ["input_ids", "attention_mask", "position_ids", "image_embeds"]
+DECODE_INPUTS = [
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "past_conv_states",
+    "past_recurrent_states",
+    "past_kv_cache",
+]
+STATE_OUTPUTS = ["present_conv_states", "present_recurrent_states", "present_kv_cache"]
+TEXT_OUTPUTS = ["logits", *STATE_OUTPUTS]
+
+
+class VisionGraph(nn.Module):
+    """ViT tower for one image at the exported grid.
+
+    Position embeddings (bilinear resampling of the learned grid) and the 2-D rotary tables
+    depend only on the grid, which the contract fixes, so they are computed once here with
+    transformers' own functions and stored as constants. Mirrors ``Qwen3_5VisionModel.forward``
+    for a single image (one attention window over all patches).
+
+    Input ``pixel_values [n_patches, patch_dim]`` (fp32), output ``image_embeds
+    [n_image_tokens, out_hidden]``.
+    """
+
+    def __init__(self, visual: nn.Module, contract: ShapeContract):
+        super().__init__()
+        from transformers.vision_utils import (
+            get_vision_interpolation_indices_and_weights,
+            get_vision_position_ids,
+        )
+
+        self.visual = visual
+        grid = torch.tensor([contract.grid_thw], dtype=torch.long)
+        with torch.no_grad():
+            idx, weights = get_vision_interpolation_indices_and_weights(
+                grid,
+                num_grid_per_side=visual.num_grid_per_side,
+                mode=visual.interpolation_mode,
+                align_corners=visual.interpolation_align_corners,
+                spatial_merge_size=visual.config.spatial_merge_size,
+            )
+            pos_embeds = (visual.pos_embed(idx) * weights[:, :, None]).sum(1)
+            position_ids = get_vision_position_ids(grid, visual.spatial_merge_size)
+            cos, sin = visual.rotary_pos_emb(pos_embeds, position_ids)
+        self.register_buffer("pos_embeds", pos_embeds, persistent=False)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
+
+        visual = self.visual
+        hidden = visual.patch_embed(pixel_values) + self.pos_embeds.to(pixel_values.dtype)
+        n_tokens = hidden.shape[0]
+        for block in visual.blocks:
+            attn = block.attn
+            normed = block.norm1(hidden)
+            q, k, v = attn.qkv(normed).reshape(n_tokens, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+            q, k = apply_rotary_pos_emb_vision(q, k, self.rope_cos, self.rope_sin)
+            q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, N, D]
+            scores = (q @ k.transpose(-1, -2)) * attn.scaling
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out = (probs @ v).transpose(0, 1).reshape(n_tokens, -1)
+            hidden = hidden + attn.proj(out)
+            hidden = hidden + block.mlp(block.norm2(hidden))
+        return visual.merger(hidden)
+
+
+class _TextGraph(nn.Module):
+    """Shared pieces of the prefill and decode graphs (per-layer mixers around the
+    checkpoint's decoder layers)."""
+
+    def __init__(self, model: nn.Module, contract: ShapeContract):
+        super().__init__()
+        self.text = model.model.language_model
+        self.lm_head = model.lm_head
+        self.contract = contract
+        self.linear_ids = [i for i, t in enumerate(contract.layer_types) if t == "linear_attention"]
+        self.full_ids = [i for i, t in enumerate(contract.layer_types) if t == "full_attention"]
+
+    def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[B, S, rotary_dim]`` from the three mRoPE rows (rows 1-3) of position_ids."""
+        return self.text.rotary_emb(hidden, position_ids[1:])
+
+    def gdn_projections(self, attn: nn.Module, hidden: torch.Tensor):
+        """in_proj_* of a Gated DeltaNet layer: packed qkv ``[B, D, S]``, z, and g/beta ``[B, S, Hv]``."""
+        qkv = attn.in_proj_qkv(hidden).transpose(1, 2)
+        z = attn.in_proj_z(hidden)
+        beta = attn.in_proj_b(hidden).sigmoid()
+        g = -attn.A_log.float().exp() * F.softplus(attn.in_proj_a(hidden).float() + attn.dt_bias)
+        return qkv, z, g, beta
+
+    @staticmethod
+    def split_qkv(attn: nn.Module, mixed: torch.Tensor):
+        """``[B, D, S]`` conv output -> q, k ``[B, S, Hk, Dk]`` and v ``[B, S, Hv, Dv]``."""
+        batch, _, seq_len = mixed.shape
+        mixed = mixed.transpose(1, 2)
+        q, k, v = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
+        return (
+            q.reshape(batch, seq_len, -1, attn.head_k_dim),
+            k.reshape(batch, seq_len, -1, attn.head_k_dim),
+            v.reshape(batch, seq_len, -1, attn.head_v_dim),
+        )
+
+    @staticmethod
+    def gdn_output(attn: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm + out_proj: core ``[B, S, Hv, Dv]``, z ``[B, S, Hv*Dv]`` -> ``[B, S, hidden]``."""
+        batch, seq_len = core.shape[:2]
+        out = attn.norm(core.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
+        return attn.out_proj(out.reshape(batch, seq_len, -1))
+
+    def attention_qkv(self, attn: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Gated full attention projections: q ``[B,Hq,S,D]``, k/v ``[B,Hkv,S,D]`` (rotated), gate ``[B,S,Hq*D]``."""
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+        batch, seq_len = hidden.shape[:2]
+        q, gate = torch.chunk(attn.q_proj(hidden).view(batch, seq_len, -1, attn.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(batch, seq_len, -1)
+        q = attn.q_norm(q).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(hidden).view(batch, seq_len, -1, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(hidden).view(batch, seq_len, -1, attn.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v, gate
+
+    @staticmethod
+    def attention_output(attn: nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        batch, seq_len = out.shape[:2]
+        out = out.reshape(batch, seq_len, -1) * torch.sigmoid(gate)
+        return attn.o_proj(out)
+
+    def run_layers(self, hidden: torch.Tensor, linear_mixer, full_mixer) -> torch.Tensor:
+        """Decoder stack: pre-norm mixer + residual, pre-norm MLP + residual, final norm."""
+        for i, layer in enumerate(self.text.layers):
+            mixer = linear_mixer if layer.block_type == "linear_attention" else full_mixer
+            hidden = hidden + mixer(i, layer, layer.input_layernorm(hidden))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.text.norm(hidden)
+
+
+class PrefillGraph(_TextGraph):
+    """Prompt -> logits and the three decode states (see module docstring for shapes).
+
+    ``attention_mask`` must be a contiguous prefix of ones; padded positions neither decay
+    nor write the recurrent state, leave the conv state alone, stay zero in the KV cache and
+    are ignored by attention. In fixed mode the KV output is zero-padded to capacity.
+    """
+
+    def forward(self, input_ids, attention_mask, position_ids, image_embeds):
+        contract = self.contract
+        valid = attention_mask.bool()
+        valid_f = valid.unsqueeze(-1).to(torch.float32)
+        n_valid = attention_mask.sum(dim=-1)
+        seq_len = input_ids.shape[1]
+
+        hidden = self.text.embed_tokens(input_ids)
+        hidden = layers.inject_image_embeds(hidden, input_ids, image_embeds, contract.image_token_id)
+        cos, sin = self.rotary(hidden, position_ids)
+        pos = torch.arange(seq_len, device=input_ids.device)
+        causal = (pos.view(1, -1) <= pos.view(-1, 1)).unsqueeze(0) & valid.unsqueeze(1)  # [B, S, S]
+        conv_states, rec_states, kv = [], [], []
+
+        def linear_mixer(i, layer, h):
+            attn = layer.linear_attn
+            h = h * valid_f.to(h.dtype)
+            qkv, z, g, beta = self.gdn_projections(attn, h)
+            mixed, conv_state = layers.causal_conv_prefill(qkv, attn.conv1d.weight.squeeze(1), n_valid)
+            q, k, v = self.split_qkv(attn, mixed)
+            g = g * valid_f
+            beta = beta * valid_f.to(beta.dtype)
+            state0 = torch.zeros(
+                contract.recurrent_state_shape[1:], dtype=torch.float32, device=h.device
+            )
+            core, state = layers.gated_delta_rule_chunked(q, k, v, g, beta, state0, contract.chunk_size)
+            conv_states.append(conv_state)
+            rec_states.append(state)
+            return self.gdn_output(attn, core, z)
+
+        def full_mixer(i, layer, h):
+            attn = layer.self_attn
+            q, k, v, gate = self.attention_qkv(attn, h, cos, sin)
+            out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
+            keep = valid.view(valid.shape[0], 1, -1, 1).to(k.dtype)
+            k, v = k * keep, v * keep
+            if contract.kv_mode == "fixed":
+                k, v = (F.pad(t, (0, 0, 0, contract.capacity - seq_len)) for t in (k, v))
+            kv.extend([k, v])
+            return self.attention_output(attn, out, gate)
+
+        hidden = self.run_layers(hidden, linear_mixer, full_mixer)
+        logits = self.lm_head(hidden)
+        return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)
+
+
+class DecodeGraph(_TextGraph):
+    """One token -> logits and updated states.
+
+    Fixed mode: ``attention_mask [B, L]`` already holds the new token; the graph derives the
+    write slot ``cache_pos = sum(mask) - 1``, writes the new k and v into that slot (one
+    ScatterElements per k and per v: ``2 * n_full`` slot writes) and attends to
+    ``slot <= cache_pos AND mask``. Capacity is the static width L.
+    Dynamic mode: the past KV has ``P`` tokens, the mask ``P + 1``; the present KV grows by one.
+    """
+
+    def forward(self, input_ids, attention_mask, position_ids, past_conv, past_rec, past_kv):
+        contract = self.contract
+        hidden = self.text.embed_tokens(input_ids)
+        cos, sin = self.rotary(hidden, position_ids)
+        mask = attention_mask.bool()
+        if contract.kv_mode == "fixed":
+            cache_pos = attention_mask.sum(dim=-1) - 1  # [B]
+            slots = torch.arange(attention_mask.shape[1], device=input_ids.device).view(1, -1)
+            allowed = (slots <= cache_pos.view(-1, 1)) & mask
+        else:
+            allowed = mask
+        allowed = allowed.view(allowed.shape[0], 1, 1, -1)
+        conv_states, rec_states, kv = [], [], []
+        linear_slot = {layer: n for n, layer in enumerate(self.linear_ids)}
+        full_slot = {layer: n for n, layer in enumerate(self.full_ids)}
+
+        def linear_mixer(i, layer, h):
+            attn = layer.linear_attn
+            n = linear_slot[i]
+            qkv, z, g, beta = self.gdn_projections(attn, h)
+            mixed, conv_state = layers.causal_conv_step(qkv, past_conv[n], attn.conv1d.weight.squeeze(1))
+            q, k, v = self.split_qkv(attn, mixed)
+            core, state = layers.gated_delta_rule_step(q, k, v, g, beta, past_rec[n])
+            conv_states.append(conv_state)
+            rec_states.append(state)
+            return self.gdn_output(attn, core, z)
+
+        def full_mixer(i, layer, h):
+            attn = layer.self_attn
+            n = full_slot[i]
+            q, k, v, gate = self.attention_qkv(attn, h, cos, sin)
+            past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
+            if contract.kv_mode == "fixed":
+                k_all = layers.write_kv_slot(past_k, k, cache_pos)
+                v_all = layers.write_kv_slot(past_v, v, cache_pos)
+            else:
+                k_all, v_all = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            kv.extend([k_all, v_all])
+            out = layers.masked_attention(q, k_all, v_all, allowed, attn.scaling)
+            return self.attention_output(attn, out, gate)
+
+        hidden = self.run_layers(hidden, linear_mixer, full_mixer)
+        logits = self.lm_head(hidden)
+        return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)

@@ -1,0 +1,280 @@
+"""Static-shape building blocks of the exported graphs (torch, traced by ``torch.onnx.export``).
+
+Each function mirrors a piece of ``transformers/models/qwen3_5/modeling_qwen3_5.py`` but is
+written so that the traced ONNX graph has a size independent of the sequence length and no
+data-dependent Python control flow:
+
+- the chunked gated delta rule scans over chunks with ``torch._higher_order_ops.scan``
+  (exported as one ONNX ``Scan``), and inverts each chunk's unit lower-triangular system with
+  a fixed number of matrix products;
+- the KV slot write, image injection and masks are computed from tensors, not Python ints.
+
+Shapes use: B batch, S tokens, L capacity (KV slots), H heads, D head dim, C chunk size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch._higher_order_ops.scan import scan
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """L2-normalise the last axis as transformers' ``l2norm`` (FLA convention): ``x / sqrt(sum x^2 + eps)``."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def repeat_heads(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
+    """``x.repeat_interleave(n_rep, dim)`` written as expand + reshape (friendlier to export)."""
+    if n_rep == 1:
+        return x
+    shape = list(x.shape)
+    x = x.unsqueeze(dim + 1)
+    expanded = shape[: dim + 1] + [n_rep] + shape[dim + 1 :]
+    x = x.expand(*expanded)
+    shape[dim] = shape[dim] * n_rep
+    return x.reshape(*shape)
+
+
+# ----------------------------------------------------------------------------------------
+# Causal depthwise conv with state (Gated DeltaNet input mixing)
+# ----------------------------------------------------------------------------------------
+def causal_conv_prefill(
+    x: torch.Tensor, weight: torch.Tensor, n_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv1d + SiLU over a whole prompt, and the conv state it leaves.
+
+    Mirrors ``causal_conv1d_fn`` and the prefill branch of the transformers cache.
+
+    Args:
+        x: ``[B, D, S]`` packed q/k/v projections (padded tokens already zeroed).
+        weight: ``[D, K]`` depthwise kernel.
+        n_valid: ``[B]`` int64, number of real tokens (a contiguous prefix).
+
+    Returns:
+        ``(y [B, D, S], conv_state [B, D, K-1])``; the state holds the inputs of the last
+        ``K-1`` real tokens (zeros where the prompt is shorter), so right padding does not
+        leak into it.
+    """
+    kernel = weight.shape[-1]
+    seq_len = x.shape[-1]
+    padded = F.pad(x, (kernel - 1, 0))  # [B, D, S + K - 1]
+    y = F.conv1d(padded, weight.unsqueeze(1), groups=x.shape[1])[..., :seq_len]
+    # The last K-1 real inputs sit at padded positions n_valid .. n_valid + K - 2.
+    idx = n_valid.view(-1, 1) + torch.arange(kernel - 1, device=x.device).view(1, -1)  # [B, K-1]
+    idx = idx.unsqueeze(1).expand(x.shape[0], x.shape[1], kernel - 1)
+    state = torch.gather(padded, 2, idx)
+    return F.silu(y), state
+
+
+def causal_conv_step(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of the causal conv (mirrors ``causal_conv1d_update``).
+
+    Args:
+        x: ``[B, D, 1]``; conv_state: ``[B, D, K-1]``; weight: ``[D, K]``.
+
+    Returns:
+        ``(y [B, D, 1] after SiLU, new conv_state [B, D, K-1])``.
+    """
+    window = torch.cat([conv_state, x], dim=-1)  # [B, D, K]
+    y = (window * weight.unsqueeze(0)).sum(dim=-1, keepdim=True)
+    return F.silu(y), window[..., 1:]
+
+
+# ----------------------------------------------------------------------------------------
+# Gated delta rule (Yang, Kautz & Hatamizadeh, "Gated Delta Networks", ICLR 2025)
+# ----------------------------------------------------------------------------------------
+def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``I + A`` for strictly lower-triangular ``A`` of size C x C (last two axes).
+
+    ``A`` is nilpotent (``A^C = 0``), so ``(I + A)^-1 = sum_k (-A)^k = prod_j (I + (-A)^(2^j))``
+    for ``j < ceil(log2 C)``: a fixed count of matrix products, independent of the sequence
+    length. It replaces transformers' ``solve_triangular`` (not exportable) and its unrolled
+    forward substitution (C-1 steps).
+    """
+    size = a.shape[-1]
+    eye = torch.eye(size, dtype=a.dtype, device=a.device)
+    power = -a
+    inverse = eye + power
+    for _ in range(max(0, math.ceil(math.log2(size)) - 1)):
+        power = power @ power
+        inverse = inverse @ (eye + power)
+    return inverse
+
+
+def gated_delta_rule_chunked(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule over a prompt; mirrors transformers' ``torch_chunk_gated_delta_rule``.
+
+    Args:
+        query, key: ``[B, S, Hk, Dk]``; value: ``[B, S, Hv, Dv]`` (Hv a multiple of Hk).
+        g: ``[B, S, Hv]`` log decay (<= 0; 0 for padded tokens means "no decay").
+        beta: ``[B, S, Hv]`` write strength (0 for padded tokens means "no write").
+        initial_state: ``[B, Hv, Dk, Dv]`` fp32.
+        chunk_size: C, a fixed export-time constant.
+
+    Returns:
+        ``(out [B, S, Hv, Dv] in query's dtype, final_state [B, Hv, Dk, Dv] fp32)``.
+        The intra-chunk work is batched over all chunks; the inter-chunk recurrence is one
+        ``scan`` whose body is the same for every length.
+    """
+    in_dtype = query.dtype
+    batch, seq_len, n_k, d_k = key.shape
+    n_v, d_v = value.shape[-2:]
+    query = repeat_heads(query, n_v // n_k, dim=2)
+    key = repeat_heads(key, n_v // n_k, dim=2)
+    # -> [B, H, S, D] fp32
+    query, key, value = (t.transpose(1, 2).float() for t in (query, key, value))
+    beta, g = beta.transpose(1, 2).float(), g.transpose(1, 2).float()
+    query = l2norm(query) * (d_k**-0.5)
+    key = l2norm(key)
+
+    pad = (chunk_size - seq_len % chunk_size) % chunk_size
+    query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+    beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    n_chunks = (seq_len + pad) // chunk_size
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(batch, n_v, n_chunks, chunk_size, *t.shape[3:])
+
+    k_beta = chunks(key * beta.unsqueeze(-1))
+    v_beta = chunks(value * beta.unsqueeze(-1))
+    query, key = chunks(query), chunks(key)
+    cum = chunks(g).cumsum(dim=-1)  # [B, H, N, C]
+
+    pos = torch.arange(chunk_size, device=query.device)
+    lower = pos.view(-1, 1) >= pos.view(1, -1)  # causal incl. diagonal
+    diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)
+    decay = torch.exp(torch.where(lower, diff, torch.full_like(diff, float("-inf"))))  # [B,H,N,C,C]
+
+    strictly_lower = pos.view(-1, 1) > pos.view(1, -1)
+    a = torch.where(strictly_lower, (k_beta @ key.transpose(-1, -2)) * decay, torch.zeros_like(decay))
+    t_inv = unit_lower_inverse(a)
+    new_values = t_inv @ v_beta  # u
+    k_cumdecay = t_inv @ (k_beta * cum.exp().unsqueeze(-1))  # w
+    intra = (query @ key.transpose(-1, -2)) * decay
+    q_decayed = query * cum.exp().unsqueeze(-1)
+    k_decayed = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+
+    def step(state, u, w, q, attn, k, d):
+        v_new = u - w @ state
+        out = q @ state + attn @ v_new
+        state = state * d + k.transpose(-1, -2) @ v_new
+        return state, out
+
+    def to_scan(t: torch.Tensor) -> torch.Tensor:  # chunk axis first
+        return t.movedim(2, 0)
+
+    def body(state, xs):
+        u, w, q, attn, k, d = xs
+        return step(state, u, w, q, attn, k, d)
+
+    final_state, outs = scan(
+        body,
+        initial_state.float(),
+        [to_scan(t) for t in (new_values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay)],
+    )
+    # outs: [N, B, H, C, Dv] -> [B, S, H, Dv]
+    out = outs.movedim(0, 2).reshape(batch, n_v, n_chunks * chunk_size, d_v)[:, :, :seq_len]
+    return out.transpose(1, 2).to(in_dtype), final_state
+
+
+def gated_delta_rule_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-token gated delta rule; mirrors transformers' ``torch_recurrent_gated_delta_rule``.
+
+    Args:
+        query, key: ``[B, 1, Hk, Dk]``; value: ``[B, 1, Hv, Dv]``; g, beta: ``[B, 1, Hv]``;
+        state: ``[B, Hv, Dk, Dv]`` fp32.
+
+    Returns:
+        ``(out [B, 1, Hv, Dv], new state [B, Hv, Dk, Dv] fp32)``.
+    """
+    in_dtype = query.dtype
+    n_k, d_k = key.shape[-2:]
+    n_v = value.shape[-2]
+    query = repeat_heads(query, n_v // n_k, dim=2)[:, 0].float()  # [B, H, Dk]
+    key = repeat_heads(key, n_v // n_k, dim=2)[:, 0].float()
+    value = value[:, 0].float()  # [B, H, Dv]
+    query = l2norm(query) * (d_k**-0.5)
+    key = l2norm(key)
+    state = state.float() * g[:, 0].float().exp()[..., None, None]
+    kv_mem = (state * key.unsqueeze(-1)).sum(dim=-2)  # [B, H, Dv]
+    delta = (value - kv_mem) * beta[:, 0].float().unsqueeze(-1)
+    state = state + key.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (state * query.unsqueeze(-1)).sum(dim=-2)
+    return out.unsqueeze(1).to(in_dtype), state
+
+
+# ----------------------------------------------------------------------------------------
+# Attention, KV cache and image injection
+# ----------------------------------------------------------------------------------------
+def masked_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Softmax attention with grouped KV heads; mirrors transformers' ``eager_attention_forward``.
+
+    Args:
+        query: ``[B, Hq, Sq, D]``; key, value: ``[B, Hkv, Sk, D]``;
+        allowed: bool, broadcastable to ``[B, 1, Sq, Sk]``.
+
+    Returns:
+        ``[B, Sq, Hq, D]``. Rows with nothing allowed (padded queries) give a finite mean.
+    """
+    n_rep = query.shape[1] // key.shape[1]
+    key = repeat_heads(key, n_rep, dim=1)
+    value = repeat_heads(value, n_rep, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return (probs @ value).transpose(1, 2)
+
+
+def write_kv_slot(cache: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Write one token's k or v into a fixed-capacity cache (one ``ScatterElements`` node).
+
+    Args:
+        cache: ``[B, Hkv, L, D]``; new: ``[B, Hkv, 1, D]``; slot: ``[B]`` int64, the write slot
+            (``cache_pos = sum(mask) - 1``).
+
+    Returns:
+        ``[B, Hkv, L, D]``, ``cache`` with ``new`` at token index ``slot``.
+    """
+    index = slot.view(-1, 1, 1, 1).expand(new.shape)
+    return cache.scatter(2, index, new)
+
+
+def inject_image_embeds(
+    inputs_embeds: torch.Tensor, input_ids: torch.Tensor, image_embeds: torch.Tensor, image_token_id: int
+) -> torch.Tensor:
+    """Replace image-token embeddings by image embeddings, without ``masked_scatter``.
+
+    The running count of image tokens (cumsum, minus one, clamped) indexes the image rows,
+    a gather builds a ``[B, S, H]`` tensor and ``where`` keeps it at image-token positions,
+    so every intermediate keeps the shape of ``input_ids``.
+
+    Args:
+        inputs_embeds: ``[B, S, H]``; input_ids: ``[B, S]`` int64; image_embeds: ``[N, H]``.
+    """
+    is_image = input_ids == image_token_id
+    rows = (is_image.long().cumsum(dim=-1) - 1).clamp(min=0, max=image_embeds.shape[0] - 1)
+    gathered = image_embeds.to(inputs_embeds.dtype)[rows]  # [B, S, H]
+    return torch.where(is_image.unsqueeze(-1), gathered, inputs_embeds)

@@ -1,0 +1,65 @@
+"""Next-token selection: greedy, temperature, top-k and top-p (nucleus) sampling (numpy only).
+
+Sampling follows transformers' logits processors in order (temperature, then top-k, then
+top-p; Holtzman et al., "The Curious Case of Neural Text Degeneration", ICLR 2020, for
+top-p). Temperature 0 means greedy (``argmax``, first index on ties, as ``torch.argmax``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature >= 0 (0 = greedy); top_k >= 0 (0 = off); 0 < top_p <= 1; seed: int or None."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming the parameter and its allowed range."""
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Picks the next token id from logits ``[V]`` (any float dtype)."""
+
+    def __init__(self, config: SamplingConfig):
+        config.validate()
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if self.config.greedy:
+            return int(np.argmax(logits))
+        scores = logits / self.config.temperature
+        if self.config.top_k and self.config.top_k < scores.size:
+            kth = np.partition(scores, -self.config.top_k)[-self.config.top_k]
+            scores = np.where(scores < kth, -np.inf, scores)
+        probs = np.exp(scores - scores.max())
+        probs /= probs.sum()
+        if self.config.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            keep = cumulative - probs[order] < self.config.top_p
+            mask = np.zeros_like(probs, dtype=bool)
+            mask[order[keep]] = True
+            probs = np.where(mask, probs, 0.0)
+            probs /= probs.sum()
+        return int(self.rng.choice(probs.size, p=probs))

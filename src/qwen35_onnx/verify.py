@@ -1,0 +1,82 @@
+"""Parity against the reference implementation (transformers ``Qwen3_5ForConditionalGeneration``).
+
+Needs torch (the ``export`` extra). The same host-side inputs (token ids, pixel values) feed
+both sides, so a difference can only come from the graphs or the decode loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .pipeline import GenerationResult, Pipeline, PreparedPrompt
+
+
+@dataclass
+class TokenParity:
+    """``identical`` leading tokens out of ``total`` compared (the longer of the two runs)."""
+
+    ours: list[int]
+    reference: list[int]
+
+    @property
+    def total(self) -> int:
+        return max(len(self.ours), len(self.reference))
+
+    @property
+    def identical(self) -> int:
+        n = 0
+        for a, b in zip(self.ours, self.reference):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    @property
+    def ok(self) -> bool:
+        return self.ours == self.reference
+
+    def line(self) -> str:
+        return f"parity: {self.identical}/{self.total} tokens identical to transformers"
+
+
+def load_reference(model_id: str | Path):
+    """The transformers model of a checkpoint folder, fp32, eval mode."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(Path(model_id), dtype="float32").eval()
+
+
+def reference_generate(model, prepared: PreparedPrompt, grid_thw, max_new_tokens: int, eos_token_ids) -> list[int]:
+    """Greedy ``model.generate`` on the same ids and pixels (image grid ``grid_thw``); returns
+    the new token ids (stopping at any of ``eos_token_ids``, which is kept, as ours)."""
+    import torch
+
+    ids = torch.from_numpy(prepared.input_ids)
+    grid = torch.tensor([list(grid_thw)], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=torch.from_numpy(prepared.pixel_values),
+            image_grid_thw=grid,
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_token_ids) or None,
+            pad_token_id=0,
+        )
+    return out[0, ids.shape[1]:].tolist()
+
+
+def token_parity(pipeline: Pipeline, model_id: str | Path, image, prompt: str, max_new_tokens: int,
+                 result: GenerationResult | None = None, model=None) -> TokenParity:
+    """Generate with ``pipeline`` (unless ``result`` is given) and with transformers on the
+    checkpoint ``model_id``; compare the greedy token ids."""
+    prepared = pipeline.prepare(image, prompt)
+    if result is None:
+        result = pipeline.generate(image, prompt, max_new_tokens=max_new_tokens)
+    model = model if model is not None else load_reference(model_id)
+    contract = pipeline.contract
+    reference = reference_generate(model, prepared, contract.grid_thw, max_new_tokens, contract.eos_token_ids)
+    return TokenParity(result.token_ids, reference)

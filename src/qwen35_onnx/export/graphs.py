@@ -110,7 +110,7 @@ class _TextGraph(nn.Module):
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[B, S, rotary_dim]`` from the three mRoPE rows (rows 1-3) of position_ids."""
-        return self.text.rotary_emb(hidden, position_ids[1:])
+        return layers.mrope_cos_sin(self.text.rotary_emb, hidden, position_ids[1:])
 
     def gdn_projections(self, attn: nn.Module, hidden: torch.Tensor):
         """in_proj_* of a Gated DeltaNet layer: packed qkv ``[B, D, S]``, z, and g/beta ``[B, S, Hv]``."""

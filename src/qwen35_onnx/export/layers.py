@@ -225,6 +225,40 @@ def gated_delta_rule_step(
 
 
 # ----------------------------------------------------------------------------------------
+# Interleaved multimodal RoPE
+# ----------------------------------------------------------------------------------------
+def mrope_rows(mrope_section: list[int], n_freqs: int) -> list[int]:
+    """Which position row (0 = temporal, 1 = height, 2 = width) drives each rotary frequency.
+
+    Interleaved layout of transformers' ``Qwen3_5TextRotaryEmbedding.recomposition_frequencies``:
+    frequency ``j`` uses height when ``j % 3 == 1`` and ``j < 3 * section[1]``, width when
+    ``j % 3 == 2`` and ``j < 3 * section[2]``, temporal otherwise.
+    """
+    rows = [0] * n_freqs
+    for row in (1, 2):
+        for j in range(row, min(3 * mrope_section[row], n_freqs), 3):
+            rows[j] = row
+    return rows
+
+
+def mrope_cos_sin(rotary_emb, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[B, S, rotary_dim]`` for mRoPE position rows ``position_ids [3, B, S]``.
+
+    Same arithmetic as ``Qwen3_5TextRotaryEmbedding.forward`` (fp32 ``position * inv_freq``),
+    but the per-frequency row choice is one Gather with a constant index instead of the
+    in-place slice assignments there (which export as ScatterND nodes).
+    """
+    inv_freq = rotary_emb.inv_freq.float()
+    rows = torch.tensor(mrope_rows(rotary_emb.mrope_section, inv_freq.shape[0]), device=hidden.device)
+    positions = position_ids.float().index_select(0, rows)  # [F, B, S]
+    freqs = positions.permute(1, 2, 0) * inv_freq  # [B, S, F]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos = emb.cos() * rotary_emb.attention_scaling
+    sin = emb.sin() * rotary_emb.attention_scaling
+    return cos.to(hidden.dtype), sin.to(hidden.dtype)
+
+
+# ----------------------------------------------------------------------------------------
 # Attention, KV cache and image injection
 # ----------------------------------------------------------------------------------------
 def masked_attention(

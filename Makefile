@@ -1,0 +1,30 @@
+# `make demo`: set up, then the main job on the built-in demo checkpoint.
+# `make test`: set up, then the whole test suite (slow end-to-end tests included).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch 2.13.0 is the CPU build this project is tested with (export and verification only).
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[export,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/qwen35-onnx demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

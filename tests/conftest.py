@@ -1,0 +1,65 @@
+"""Shared fixtures: the demo checkpoint and its exports, built once per test session.
+
+Exports use a small capacity (CAPACITY tokens) so that the suite stays fast; everything
+else is the real flow (`from_pretrained` on a local folder, `torch.onnx.export`, ORT).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CAPACITY = 128
+MAX_NEW_TOKENS = 40
+PROMPT = "Describe this image."
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    from qwen35_onnx.checkpoints import build_demo_checkpoint
+
+    return build_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
+
+
+@pytest.fixture(scope="session")
+def photo() -> Path:
+    from qwen35_onnx.checkpoints import photo_path
+
+    return photo_path()
+
+
+def _export(checkpoint: Path, out: Path, **options) -> Path:
+    from qwen35_onnx.export.exporter import ExportOptions, export
+
+    export(checkpoint, out, ExportOptions(capacity=CAPACITY, **options))
+    return out
+
+
+@pytest.fixture(scope="session")
+def fixed_export(checkpoint, tmp_path_factory) -> Path:
+    return _export(checkpoint, tmp_path_factory.mktemp("exp") / "fixed", kv_mode="fixed")
+
+
+@pytest.fixture(scope="session")
+def dynamic_export(checkpoint, tmp_path_factory) -> Path:
+    return _export(checkpoint, tmp_path_factory.mktemp("exp") / "dynamic", kv_mode="dynamic")
+
+
+@pytest.fixture(scope="session")
+def reference_model(checkpoint):
+    from qwen35_onnx.verify import load_reference
+
+    return load_reference(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(fixed_export, reference_model, photo) -> list[int]:
+    """Greedy transformers tokens for the demo prompt (shared by all parity tests)."""
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.verify import reference_generate
+
+    pipe = Pipeline.from_exported(fixed_export)
+    prepared = pipe.prepare(photo, PROMPT)
+    c = pipe.contract
+    return reference_generate(reference_model, prepared, c.grid_thw, MAX_NEW_TOKENS, c.eos_token_ids)

@@ -1,0 +1,99 @@
+"""The command line as a user runs it: streamed text on stdout, timings on stderr, and
+one-line errors (exit status 2, no traceback) for bad input. Also: the runtime runs with
+torch made unimportable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .conftest import CAPACITY
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qwen35_onnx.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_generate_streams_text_and_reports_timings(fixed_export, photo):
+    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(photo),
+                   "--prompt", "Describe this image.", "--max-new-tokens", "10")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    for word in ("vision", "prefill", "ms/token", "tokens/s", "[length] 10 tokens"):
+        assert word in proc.stderr
+
+
+def _assert_clean_error(proc, *fragments):
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert "error:" in proc.stderr
+    for fragment in fragments:
+        assert fragment in proc.stderr, proc.stderr
+
+
+def test_missing_image(fixed_export, tmp_path):
+    missing = tmp_path / "nope.jpg"
+    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(missing), "--prompt", "hi")
+    _assert_clean_error(proc, str(missing))
+
+
+def test_corrupt_image(fixed_export, tmp_path):
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg")
+    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(bad), "--prompt", "hi")
+    _assert_clean_error(proc, str(bad))
+
+
+def test_model_folder_that_is_not_an_export(tmp_path, photo):
+    proc = run_cli("generate", "--model", str(tmp_path), "--image", str(photo), "--prompt", "hi")
+    _assert_clean_error(proc, "manifest.json", "not a complete qwen35-onnx export")
+
+
+def test_prompt_longer_than_capacity(fixed_export, photo):
+    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(photo), "--prompt", "word " * CAPACITY)
+    _assert_clean_error(proc, "prompt is", f"capacity {CAPACITY}")
+
+
+def test_bad_max_new_tokens(fixed_export, photo):
+    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(photo), "--prompt", "hi",
+                   "--max-new-tokens", "0")
+    _assert_clean_error(proc, "max_new_tokens must be an integer >= 1, got 0")
+
+
+def test_export_bad_image_size(checkpoint, tmp_path):
+    proc = run_cli("export", "--model-id", str(checkpoint), "--output-dir", str(tmp_path / "o"),
+                   "--vision-image-size", "100")
+    _assert_clean_error(proc, "--vision-image-size 100")
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_missing_checkpoint(tmp_path):
+    proc = run_cli("export", "--model-id", str(tmp_path / "none"), "--output-dir", str(tmp_path / "o"))
+    _assert_clean_error(proc, "is not a local Hugging Face checkpoint folder")
+
+
+def test_runtime_generates_without_torch(fixed_export, photo):
+    """torch made unimportable (as in an install without the export extra)."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        for name in ("torch", "torchvision"):
+            sys.modules[name] = None
+        from qwen35_onnx.pipeline import Pipeline
+        result = Pipeline.from_exported({str(fixed_export)!r}).generate({str(photo)!r}, "Hi", max_new_tokens=4)
+        assert len(result.token_ids) == 4, result
+        loaded = [m for m in sys.modules if m.split(".")[0] == "torch" and sys.modules[m] is not None]
+        assert not loaded, loaded
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("ok")

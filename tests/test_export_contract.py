@@ -1,0 +1,153 @@
+"""Acceptance: static fixed decode graph, slot writes, prefill KV width, manifest and metadata
+round trip, atomic export, export-time checks and the capacity cross-check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnx
+import pytest
+
+from qwen35_onnx.contract import METADATA_KEY, ContractError, ShapeContract, read_manifest
+from qwen35_onnx.export import exporter
+from qwen35_onnx.export.exporter import ExportError, ExportOptions, export
+from qwen35_onnx.pipeline import Pipeline
+
+from .conftest import CAPACITY
+
+pytestmark = pytest.mark.slow
+
+
+def _all_nodes(graph):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(attr.g)
+            for g in attr.graphs:
+                yield from _all_nodes(g)
+
+
+def _symbolic_dims(model) -> list[str]:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    g = inferred.graph
+    found = []
+    for info in [*g.input, *g.output, *g.value_info]:
+        for d in info.type.tensor_type.shape.dim:
+            if not d.HasField("dim_value"):
+                found.append(f"{info.name}:{d.dim_param or '?'}")
+    return found
+
+
+def test_fixed_decode_graph_is_static_with_one_slot_write_per_kv(fixed_export):
+    contract = read_manifest(fixed_export)
+    model = onnx.load(str(fixed_export / "decode" / "model.onnx"))
+    assert _symbolic_dims(model) == []
+    scatters = [n for n in _all_nodes(model.graph) if n.op_type in ("ScatterElements", "ScatterND")]
+    assert len(scatters) == 2 * contract.n_full
+    for io in [*model.graph.input, *model.graph.output]:
+        if "kv_cache" in io.name or io.name == "attention_mask":
+            dims = [d.dim_value for d in io.type.tensor_type.shape.dim]
+            assert dims[-1 if io.name == "attention_mask" else 3] == CAPACITY
+
+
+def test_prefill_kv_output_width_is_capacity(fixed_export):
+    model = onnx.load(str(fixed_export / "prefill" / "model.onnx"))
+    (kv,) = [o for o in model.graph.output if o.name == "present_kv_cache"]
+    assert kv.type.tensor_type.shape.dim[3].dim_value == CAPACITY
+
+
+def test_dynamic_decode_grows_kv(dynamic_export):
+    model = onnx.load(str(dynamic_export / "decode" / "model.onnx"))
+    (past,) = [i for i in model.graph.input if i.name == "past_kv_cache"]
+    (present,) = [o for o in model.graph.output if o.name == "present_kv_cache"]
+    assert past.type.tensor_type.shape.dim[3].dim_param
+    assert present.type.tensor_type.shape.dim[3].dim_param != past.type.tensor_type.shape.dim[3].dim_param
+
+
+def test_manifest_and_metadata_round_trip(fixed_export):
+    contract = read_manifest(fixed_export)
+    assert ShapeContract.from_json(contract.to_json()) == contract
+    raw = json.loads((fixed_export / "manifest.json").read_text())
+    assert raw["capacity"] == CAPACITY and raw["kv_mode"] == "fixed"
+    assert raw["derived"]["kv_shape"] == [2 * contract.n_full, 1, contract.num_key_value_heads, CAPACITY, contract.head_dim]
+    for name in ("vision", "prefill", "decode"):
+        model = onnx.load(str(fixed_export / name / "model.onnx"), load_external_data=False)
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert ShapeContract.from_json(meta[METADATA_KEY]) == contract
+    # the tokenizer/processor files travel with the export
+    for f in ("tokenizer.json", "preprocessor_config.json", "generation_config.json"):
+        assert (fixed_export / f).is_file()
+
+
+def test_interrupted_export_leaves_nothing_generate_accepts(checkpoint, tmp_path, monkeypatch):
+    real = exporter.export_graph
+    calls = []
+
+    def failing(name, *args, **kwargs):
+        calls.append(name)
+        if name == "prefill":
+            raise KeyboardInterrupt("simulated interruption")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(exporter, "export_graph", failing)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        export(checkpoint, out, ExportOptions(capacity=CAPACITY))
+    assert calls == ["vision", "prefill"]
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [], "no temporary folder may be left behind"
+    with pytest.raises(ContractError, match="does not exist"):
+        Pipeline.from_exported(out)
+
+
+def test_folder_without_manifest_is_rejected(fixed_export, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(fixed_export, partial)
+    (partial / "manifest.json").unlink()
+    with pytest.raises(ContractError, match="not a complete qwen35-onnx export"):
+        Pipeline.from_exported(partial)
+
+
+def test_capacity_mismatch_between_graphs_is_a_clear_error(checkpoint, fixed_export, tmp_path, photo):
+    mixed = tmp_path / "mixed"
+    shutil.copytree(fixed_export, mixed)  # decode (and vision) at CAPACITY
+    export(checkpoint, mixed, ExportOptions(capacity=CAPACITY // 2, component="prefill"))
+    assert read_manifest(mixed).capacity == CAPACITY // 2
+    with pytest.raises(ContractError, match=rf"capacity: {CAPACITY // 2} != {CAPACITY}|capacity: {CAPACITY} != {CAPACITY // 2}"):
+        Pipeline.from_exported(mixed)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(capacity=1), r"--max-seq-len \(capacity\) must be an integer >= 2, got 1"),
+        (dict(capacity=16, dummy_seq_len=16), r"--dummy-seq-len 16 leaves no decode slot.*--max-seq-len 16"),
+        (dict(dummy_seq_len=0), r"--dummy-seq-len must be an integer >= 1, got 0"),
+        (dict(image_size=100), r"--vision-image-size 100 must be a positive multiple of .* = 32"),
+        (dict(kv_mode="paged"), r"--kv-cache 'paged' must be one of fixed, dynamic"),
+        (dict(dtype="int3"), r"--dtype 'int3' is not supported"),
+        (dict(component="audio"), r"--component 'audio' must be one of"),
+    ],
+)
+def test_export_time_checks(checkpoint, tmp_path, options, message):
+    with pytest.raises(ExportError, match=message):
+        export(checkpoint, tmp_path / "out", ExportOptions(**options))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture_is_rejected(checkpoint, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    config["model_type"] = "qwen2_vl"
+    config["architectures"] = ["Qwen2VLForConditionalGeneration"]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="unsupported architecture: model_type 'qwen2_vl'"):
+        export(other, tmp_path / "out", ExportOptions(capacity=CAPACITY))
+
+
+def test_existing_output_needs_overwrite(checkpoint, fixed_export):
+    with pytest.raises(ExportError, match="exists and is not empty; pass --overwrite"):
+        export(checkpoint, fixed_export, ExportOptions(capacity=CAPACITY))

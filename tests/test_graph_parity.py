@@ -1,0 +1,101 @@
+"""Acceptance: each graph against the transformers modules on the same inputs (vision
+embeddings, prefill last logits and all three states, several decode steps): max abs error
+<= 1e-4 in fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qwen35_onnx.pipeline import Pipeline
+
+from .conftest import PROMPT
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4
+DECODE_STEPS = 4
+
+
+def _maxabs(a, b) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
+
+
+def _reference_states(cache, contract):
+    """transformers cache -> our stacked layouts (conv state keeps its last K-1 columns)."""
+    conv, rec, kv = [], [], []
+    for i, kind in enumerate(contract.layer_types):
+        layer = cache.layers[i]
+        if kind == "linear_attention":
+            conv.append(layer.conv_states[0][..., -(contract.conv_kernel - 1):].numpy())
+            rec.append(layer.recurrent_states[0].float().numpy())
+        else:
+            kv.extend([layer.keys.numpy(), layer.values.numpy()])
+    return np.stack(conv), np.stack(rec), kv
+
+
+@pytest.fixture(scope="module")
+def pipe(fixed_export):
+    return Pipeline.from_exported(fixed_export, host_state_roundtrip=True)
+
+
+def test_each_graph_matches_transformers(pipe, reference_model, photo):
+    import torch
+    from transformers import DynamicCache
+
+    from qwen35_onnx.runtime.positions import decode_position_ids
+
+    contract = pipe.contract
+    prepared = pipe.prepare(photo, PROMPT)
+    ids = torch.from_numpy(prepared.input_ids)
+    pixels = torch.from_numpy(prepared.pixel_values)
+    grid = torch.tensor([list(contract.grid_thw)])
+    prompt_len = ids.shape[1]
+
+    # vision
+    embeds = pipe.run_vision(prepared.pixel_values, contract.n_image_tokens)
+    with torch.no_grad():
+        ref_embeds = reference_model.model.get_image_features(pixels, grid).pooler_output[0]
+    assert _maxabs(embeds, ref_embeds) <= TOL
+
+    # prefill: last logits and the three states
+    padded_ids, mask, positions = pipe.padded_prompt(prepared)
+    assert padded_ids.shape[1] >= prompt_len
+    logits, states = pipe.run_prefill(padded_ids, mask, positions, embeds)
+    cache = DynamicCache(config=reference_model.config.text_config)
+    with torch.no_grad():
+        out = reference_model(
+            input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
+            mm_token_type_ids=(ids == contract.image_token_id).int(), cache=cache, use_cache=True,
+        )
+    assert _maxabs(logits[0, prompt_len - 1], out.logits[0, -1]) <= TOL
+    ref_conv, ref_rec, ref_kv = _reference_states(cache, contract)
+    assert _maxabs(states["present_conv_states"], ref_conv) <= TOL
+    assert _maxabs(states["present_recurrent_states"], ref_rec) <= TOL
+    kv = states["present_kv_cache"]
+    assert kv.shape[3] == contract.capacity
+    for n, ref in enumerate(ref_kv):
+        assert _maxabs(kv[n, :, :, :prompt_len], ref) <= TOL
+    assert not kv[:, :, :, prompt_len:].any(), "KV slots past the prompt must stay zero"
+
+    # decode: several steps on the reference's greedy tokens
+    from qwen35_onnx.runtime.masks import advance_mask, prepare_decode_mask
+    from qwen35_onnx.runtime.state import HostDecoder
+
+    decoder = HostDecoder(pipe.sessions["decode"], contract, states)
+    decode_mask = prepare_decode_mask(mask, contract.capacity, kv.shape[3])
+    token = int(out.logits[0, -1].argmax())
+    for step in range(DECODE_STEPS):
+        next_pos = advance_mask(decode_mask)
+        assert next_pos == prompt_len + step
+        step_logits = decoder.step(
+            np.array([[token]]), decode_mask, decode_position_ids(next_pos, prepared.rope_deltas)
+        )
+        with torch.no_grad():
+            out = reference_model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+        assert _maxabs(step_logits[0, -1], out.logits[0, -1]) <= TOL, f"decode step {step}"
+        ref_conv, ref_rec, ref_kv = _reference_states(cache, contract)
+        assert _maxabs(decoder.past["conv_states"], ref_conv) <= TOL
+        assert _maxabs(decoder.past["recurrent_states"], ref_rec) <= TOL
+        for n, ref in enumerate(ref_kv):
+            assert _maxabs(decoder.past["kv_cache"][n, :, :, : next_pos + 1], ref) <= TOL
+        token = int(out.logits[0, -1].argmax())

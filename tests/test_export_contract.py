@@ -40,22 +40,61 @@ def _symbolic_dims(model) -> list[str]:
     return found
 
 
-def test_fixed_decode_graph_is_static_with_one_slot_write_per_kv(fixed_export):
-    contract = read_manifest(fixed_export)
-    model = onnx.load(str(fixed_export / "decode" / "model.onnx"))
-    assert _symbolic_dims(model) == []
-    scatters = [n for n in _all_nodes(model.graph) if n.op_type in ("ScatterElements", "ScatterND")]
+def _fixed_graphs(export_dir):
+    contract = read_manifest(export_dir)
+    return contract, {key: onnx.load(str(export_dir / path)) for key, path in contract.graphs.items()}
+
+
+def test_every_fixed_mode_graph_is_static(fixed_export):
+    contract, graphs = _fixed_graphs(fixed_export)
+    assert set(graphs) == {"vision", "decode", *(f"prefill_{b}" for b in contract.prefill_buckets)}
+    assert contract.prefill_buckets == (32, CAPACITY)
+    for key, model in graphs.items():
+        assert _symbolic_dims(model) == [], key
+
+
+def test_decode_writes_one_slot_per_k_and_v(fixed_export):
+    contract, graphs = _fixed_graphs(fixed_export)
+    scatters = [n for n in _all_nodes(graphs["decode"].graph) if n.op_type in ("ScatterElements", "ScatterND")]
     assert len(scatters) == 2 * contract.n_full
-    for io in [*model.graph.input, *model.graph.output]:
+    for io in [*graphs["decode"].graph.input, *graphs["decode"].graph.output]:
         if "kv_cache" in io.name or io.name == "attention_mask":
             dims = [d.dim_value for d in io.type.tensor_type.shape.dim]
             assert dims[-1 if io.name == "attention_mask" else 3] == CAPACITY
 
 
-def test_prefill_kv_output_width_is_capacity(fixed_export):
-    model = onnx.load(str(fixed_export / "prefill" / "model.onnx"))
-    (kv,) = [o for o in model.graph.output if o.name == "present_kv_cache"]
-    assert kv.type.tensor_type.shape.dim[3].dim_value == CAPACITY
+def node_counts(model) -> dict[str, int]:
+    """Nodes per op type, subgraphs (the Scan body) included."""
+    counts: dict[str, int] = {}
+    for node in _all_nodes(model.graph):
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def test_prefill_buckets_have_equal_node_counts_and_kv_width_capacity(fixed_export):
+    contract, graphs = _fixed_graphs(fixed_export)
+    counts = {b: node_counts(graphs[f"prefill_{b}"]) for b in contract.prefill_buckets}
+    first = counts[contract.prefill_buckets[0]]
+    for b, c in counts.items():
+        assert c == first, f"bucket {b} differs from bucket {contract.prefill_buckets[0]}"
+    assert first.get("Scan", 0) == contract.n_linear, "one Scan per Gated DeltaNet layer"
+    for b in contract.prefill_buckets:
+        model = graphs[f"prefill_{b}"]
+        outputs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
+        assert outputs["present_kv_cache"][3] == CAPACITY
+        assert outputs["logits"] == [1, 1, contract.vocab_size], "last-token logits only"
+        inputs = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+        assert inputs["input_ids"] == [1, b]
+
+
+def test_node_count_does_not_grow_from_32_to_2048_tokens(checkpoint, tmp_path):
+    """Issue acceptance: prefill graphs at 32 and 2048 tokens have the same node count."""
+    out = tmp_path / "long"
+    export(checkpoint, out, ExportOptions(capacity=2048, prefill_buckets=(32, 2048)))
+    contract, graphs = _fixed_graphs(out)
+    small, large = node_counts(graphs["prefill_32"]), node_counts(graphs["prefill_2048"])
+    print(f"prefill nodes: 32 tokens {sum(small.values())}, 2048 tokens {sum(large.values())}")
+    assert small == large
 
 
 def test_dynamic_decode_grows_kv(dynamic_export):
@@ -72,8 +111,8 @@ def test_manifest_and_metadata_round_trip(fixed_export):
     raw = json.loads((fixed_export / "manifest.json").read_text())
     assert raw["capacity"] == CAPACITY and raw["kv_mode"] == "fixed"
     assert raw["derived"]["kv_shape"] == [2 * contract.n_full, 1, contract.num_key_value_heads, CAPACITY, contract.head_dim]
-    for name in ("vision", "prefill", "decode"):
-        model = onnx.load(str(fixed_export / name / "model.onnx"), load_external_data=False)
+    for path in contract.graphs.values():
+        model = onnx.load(str(fixed_export / path), load_external_data=False)
         meta = {p.key: p.value for p in model.metadata_props}
         assert ShapeContract.from_json(meta[METADATA_KEY]) == contract
     # the tokenizer/processor files travel with the export
@@ -85,11 +124,11 @@ def test_interrupted_export_leaves_nothing_generate_accepts(checkpoint, tmp_path
     real = exporter.export_graph
     calls = []
 
-    def failing(name, *args, **kwargs):
-        calls.append(name)
-        if name == "prefill":
+    def failing(job, *args, **kwargs):
+        calls.append(job.kind)
+        if job.kind == "prefill":
             raise KeyboardInterrupt("simulated interruption")
-        return real(name, *args, **kwargs)
+        return real(job, *args, **kwargs)
 
     monkeypatch.setattr(exporter, "export_graph", failing)
     out = tmp_path / "out"
@@ -129,6 +168,11 @@ def test_capacity_mismatch_between_graphs_is_a_clear_error(checkpoint, fixed_exp
         (dict(kv_mode="paged"), r"--kv-cache 'paged' must be one of fixed, dynamic"),
         (dict(dtype="int3"), r"--dtype 'int3' is not supported"),
         (dict(component="audio"), r"--component 'audio' must be one of"),
+        (dict(prefill_buckets=(64, 32)), r"strictly increasing, got 32 after 64"),
+        (dict(prefill_buckets=(32, 4096)), r"prefill bucket 4096 is above the capacity --max-seq-len 2048"),
+        (dict(prefill_buckets=()), r"--prefill-buckets is empty"),
+        (dict(kv_mode="dynamic", prefill_buckets=(32,)), r"--prefill-buckets needs --kv-cache fixed"),
+        (dict(prefill_logits="some"), r"--prefill-logits 'some' must be one of last, all"),
     ],
 )
 def test_export_time_checks(checkpoint, tmp_path, options, message):

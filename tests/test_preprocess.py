@@ -158,14 +158,20 @@ def test_any_size_gives_exactly_the_grid(pre, size):
     assert pre.n_image_tokens == 16
 
 
-def test_letterbox_is_centred_and_black():
+def test_pad_to_centred_square_then_resize():
     out = fit_to_grid(Image.new("RGB", (300, 100), (255, 255, 255)), 96)
     assert out.size == (96, 96) and out.mode == "RGB"
-    pixels = np.asarray(out)
-    assert (pixels[:32] == 0).all() and (pixels[64:] == 0).all()  # bars above and below
-    assert (pixels[33:63] == 255).all()
+    pixels = np.asarray(out).astype(int)
+    assert (pixels[:30] == 0).all() and (pixels[66:] == 0).all()  # black bars above and below
+    assert (pixels[35:61] == 255).all()
     tall = np.asarray(fit_to_grid(Image.new("RGB", (100, 300), (255, 255, 255)), 96))
-    assert (tall[:, :32] == 0).all() and (tall[:, 64:] == 0).all()
+    assert (tall[:, :30] == 0).all() and (tall[:, 66:] == 0).all()
+    # exactly: pad to a centred 300x300 square, then a bicubic resize
+    image = gradient((300, 100))
+    square = Image.new("RGB", (300, 300), (0, 0, 0))
+    square.paste(image, (0, 100))
+    expected = square.resize((96, 96), Image.Resampling.BICUBIC)
+    np.testing.assert_array_equal(np.asarray(fit_to_grid(image, 96)), np.asarray(expected))
 
 
 def test_fitted_square_is_unchanged():
@@ -214,9 +220,15 @@ def test_encode_rejects_a_prompt_holding_the_placeholder(pre):
         pre.encode("sneaky <|image_pad|>", 16)
 
 
-def test_encode_rejects_non_positive_count(pre):
-    with pytest.raises(ValueError, match="n_image_tokens"):
-        pre.encode("hi", 0)
+def test_encode_rejects_negative_count(pre):
+    with pytest.raises(ValueError, match="n_image_tokens must be >= 0, got -1"):
+        pre.encode("hi", -1)
+
+
+def test_encode_text_only_prompt(pre):
+    ids = pre.encode("hi", 0)
+    assert ids.ndim == 2 and ids.shape[0] == 1
+    assert not (ids == pre.image_token_id).any()
 
 
 # ---- TextStreamer -------------------------------------------------------------------------------

@@ -42,9 +42,10 @@ __all__ = [
 # Tokenizer layout
 # ---------------------------------------------------------------------------
 
-#: Added tokens, in the order of the published Qwen3.5 vocabulary, appended
-#: after the BPE vocabulary (as in Qwen, where they follow the 248044 BPE
-#: entries). ``<think>``/``</think>`` are added as non-special tokens, as in Qwen.
+#: Added tokens of the demo tokenizer: a subset of the published Qwen3.5 added
+#: tokens, in their published order. As in Qwen they come after the BPE
+#: entries (ids ``1008 .. 1023``), and ``<think>``/``</think>`` are added as
+#: non-special tokens (kept by ``decode(..., skip_special_tokens=True)``).
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -65,11 +66,12 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 )
 _NON_SPECIAL = frozenset({"<think>", "</think>"})
 
-_VOCAB_SIZE = 1024  # BPE entries (256 bytes + merges) + added tokens
+_VOCAB_SIZE = 1024  # 256 byte tokens + 752 BPE merges + 16 added tokens
 _BPE_SIZE = _VOCAB_SIZE - len(SPECIAL_TOKENS)
 
 
 def _token_id(token: str) -> int:
+    """Id of an added token in the demo tokenizer (the trainer is checked to match)."""
     return _BPE_SIZE + SPECIAL_TOKENS.index(token)
 
 
@@ -78,22 +80,24 @@ def _token_id(token: str) -> int:
 # ---------------------------------------------------------------------------
 
 #: Keyword arguments for ``transformers.Qwen3_5Config(**TINY_PRESET)``: a small
-#: but real Qwen3.5 (~1.6 M parameters, fp32). Text: 8 layers in the published
-#: pattern (3 Gated DeltaNet layers, then 1 full-attention layer, twice), hidden
-#: 128, GQA with 4 query / 2 KV heads of dim 64, Gated DeltaNet with 2 key / 4
-#: value heads of dim 32, partial rotary (25 % of 64 = 16 dims = 8 frequencies
-#: split 3/3/2 over t/h/w, interleaved). Vision: 2 blocks of width 64, patch 16,
-#: temporal patch 2, 2x2 merge into 128-wide image tokens. Token ids are those of
-#: the demo tokenizer. ``initializer_range`` is raised from the usual 0.02 so
-#: that random weights give clear greedy argmax margins (see
-#: :func:`build_demo_checkpoint`). Treat as read-only; :func:`tiny_config` copies it.
+#: but real Qwen3.5 (2.0 M parameters, 0.27 M of them in the vision tower).
+#: Text: vocab 1024, hidden 128, 8 layers in the published pattern (3 Gated
+#: DeltaNet layers then 1 full-attention layer, twice); GQA with 4 query and 2
+#: KV heads of dim 64; Gated DeltaNet with 2 key and 4 value heads of dim 32,
+#: conv kernel 4; partial rotary (25 % of 64 = 16 dims = 8 frequencies, split
+#: 3/3/2 over t/h/w, interleaved), theta 1e7. Vision: 2 blocks of width 64, patch
+#: 16, temporal patch 2, 2x2 merge into image tokens of width 128 (= text hidden).
+#: Token ids are those of the demo tokenizer. ``initializer_range`` is 0.08
+#: instead of the usual 0.02 so that random weights give clear greedy argmax
+#: margins (logits std ~0.9; see :func:`build_demo_checkpoint`). Treat as read-only;
+#: :func:`tiny_config` works on a copy.
 TINY_PRESET: dict[str, Any] = {
     "text_config": {
         "vocab_size": _VOCAB_SIZE,
         "hidden_size": 128,
         "intermediate_size": 256,
         "num_hidden_layers": 8,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 64,
@@ -150,7 +154,7 @@ _IMAGE_PROCESSOR = {
 }
 
 #: Seed of the demo checkpoint's weights (see :func:`build_demo_checkpoint`).
-DEMO_SEED = 0
+DEMO_SEED = 23
 
 _FORMAT_VERSION = 1
 _MARKER = ".qwen35_onnx_demo"
@@ -343,10 +347,11 @@ def _train_tokenizer():
     if len(vocab) != _BPE_SIZE:
         raise RuntimeError(f"BPE training gave {len(vocab)} entries, expected {_BPE_SIZE}")
 
-    tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in merges])
-    tokenizer.add_tokens(
-        [AddedToken(t, special=t not in _NON_SPECIAL, normalized=False) for t in SPECIAL_TOKENS]
-    )
+    # Re-wrap in transformers' own Qwen3.5 class: it rebuilds the same pipeline
+    # around the trained vocab and merges, and saves as a Qwen3.5 tokenizer.
+    tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[tuple(pair) for pair in merges])
+    tokenizer.add_tokens([AddedToken(t, special=t not in _NON_SPECIAL, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.eos_token = "<|im_end|>"  # as in Qwen chat models; set after adding, to keep the id order
     tokenizer.chat_template = _CHAT_TEMPLATE
     for token in SPECIAL_TOKENS:
         got = tokenizer.convert_tokens_to_ids(token)
@@ -380,8 +385,9 @@ def _write_checkpoint(folder: Path, seed: int) -> None:
     tokenizer.save_pretrained(folder)
     Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR).save_pretrained(folder)
 
-    torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(tiny_config()).to(torch.float32).eval()
+    with torch.random.fork_rng(devices=[]):  # seed locally; the caller's RNG state is left alone
+        torch.manual_seed(seed)
+        model = Qwen3_5ForConditionalGeneration(tiny_config()).to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         eos_token_id=[_token_id("<|im_end|>"), _token_id("<|endoftext|>")],
         pad_token_id=_token_id("<|endoftext|>"),
@@ -403,8 +409,9 @@ def build_demo_checkpoint(path: str | os.PathLike, *, seed: int = DEMO_SEED, ove
     - ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``: a
       1024-entry byte-level BPE with the exact Qwen3.5 pre-tokenizer, trained on a
       generated corpus, :data:`SPECIAL_TOKENS` at ids 1008..1023 (``<|image_pad|>``
-      = 1020). The chat template writes ONE ``<|image_pad|>`` per image; callers
-      expand it to the image's number of image tokens. Load with
+      = 1020), ``eos_token`` ``<|im_end|>``, ``pad_token`` ``<|endoftext|>``. The
+      chat template writes ONE ``<|image_pad|>`` per image; callers expand it to
+      the image's number of image tokens. Load with
       ``AutoTokenizer.from_pretrained(path)``.
     - ``preprocessor_config.json``: Qwen2-VL image processor (patch 16, temporal
       patch 2, merge 2, mean/std 0.5, 128x128 to 256x256 pixels). Load it without
@@ -414,10 +421,17 @@ def build_demo_checkpoint(path: str | os.PathLike, *, seed: int = DEMO_SEED, ove
       torchvision is installed.
     - ``.qwen35_onnx_demo``: marker (JSON with format version and seed), written last.
 
-    The default seed gives random weights whose greedy continuation of the demo
-    prompt (the chat template on the shipped photo plus "Describe this image.")
-    runs 40+ tokens without an end-of-sequence id, with a top-1/top-2 logit gap
-    above 1e-3 at every step, so PyTorch and ONNX Runtime must agree token for token.
+    The default seed, :data:`DEMO_SEED` = 23, was picked from seeds 0..89 so that
+    greedy decoding is well separated, as token-for-token parity between PyTorch
+    and ONNX Runtime needs (fp32, torch 2.13, CPU). Demo prompt = chat template
+    with the shipped photo and "Describe this image.":
+
+    - photo at its native 256x256 (64 image tokens): the first 64 new tokens hold
+      no end-of-sequence id nor any added token; the top-1 minus top-2 logit gap
+      is >= 0.019 over the first 40 steps (median 0.21), >= 0.006 over 64;
+    - photo resized to 128x128 (16 image tokens): gap >= 0.018 over 48 steps, no
+      end-of-sequence id in 64 (``<think>`` is step 42);
+    - text-only "Hello, who are you?": gap >= 0.0038 over 40 steps.
 
     The build is atomic: files are written to a temporary sibling folder that is
     renamed to ``path`` when complete, so ``path`` never holds half a checkpoint.
@@ -447,6 +461,7 @@ def build_demo_checkpoint(path: str | os.PathLike, *, seed: int = DEMO_SEED, ove
 
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint is ordinary data
     try:
         _write_checkpoint(staging, seed)
         (staging / _MARKER).write_text(json.dumps({"format_version": _FORMAT_VERSION, "seed": seed}))

@@ -24,8 +24,13 @@ def _fail(exc: BaseException) -> None:
     raise typer.Exit(code=2)
 
 
-def _progress(name: str) -> None:
-    typer.echo(f"[export] {name} graph ...", err=True)
+def _parse_buckets(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--prefill-buckets {text!r} must be comma-separated integers, e.g. 32,512,1024,2048") from None
 
 
 @app.command()
@@ -38,6 +43,11 @@ def export(
     vision_image_size: int = typer.Option(128, "--vision-image-size", help="Image side in pixels (multiple of patch x merge)."),
     dummy_seq_len: int = typer.Option(8, "--dummy-seq-len", help="Trace length in tokens."),
     component: str = typer.Option("all", "--component", help="all, vision, prefill or decode (one graph updates an existing export)."),
+    prefill_buckets: Optional[str] = typer.Option(
+        None, "--prefill-buckets",
+        help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode; default: those below capacity, plus capacity).",
+    ),
+    prefill_logits: str = typer.Option("last", "--prefill-logits", help="last (logits of the last real token) or all (every position, for verification)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
 ) -> None:
     """Export a Qwen3.5 checkpoint to fixed-shape ONNX graphs."""
@@ -45,7 +55,13 @@ def export(
         from .export.exporter import ExportOptions, export as run_export
     except ImportError as exc:  # torch / onnx missing
         _fail(ValueError(f"export needs the 'export' extra (torch, onnx, onnxscript): {exc}"))
+    try:
+        buckets = _parse_buckets(prefill_buckets)
+    except ValueError as exc:
+        _fail(exc)
     options = ExportOptions(
+        prefill_buckets=buckets,
+        prefill_logits=prefill_logits,
         capacity=max_seq_len,
         kv_mode=kv_cache,
         dtype=dtype,
@@ -55,7 +71,7 @@ def export(
         overwrite=overwrite,
     )
     try:
-        contract = run_export(model_id, output_dir, options, progress=_progress)
+        contract = run_export(model_id, output_dir, options, show_progress=True)
     except USER_ERRORS as exc:
         _fail(exc)
     typer.echo(
@@ -68,18 +84,25 @@ def export(
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", help="Export folder written by `qwen35-onnx export`."),
-    image: Path = typer.Option(..., "--image", help="Image file (any size and mode)."),
+    image: Optional[Path] = typer.Option(None, "--image", help="Image file (any size and mode); omit for a text-only prompt."),
     prompt: str = typer.Option(..., "--prompt", help="User prompt."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (same seed, same text)."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not included in the output."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     host_state_roundtrip: bool = typer.Option(False, "--host-state-roundtrip", help="Copy states to host every step (for comparison)."),
 ) -> None:
     """Stream text for an image and a prompt; timings go to stderr."""
     from .pipeline import Pipeline
+    from .runtime.sampling import SamplingConfig
 
     try:
         pipe = Pipeline.from_exported(model, device=device, host_state_roundtrip=host_state_roundtrip)
-        stream = pipe.stream(image, prompt, max_new_tokens=max_new_tokens)
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        stream = pipe.stream(image, prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
     except USER_ERRORS as exc:
         _fail(exc)
     for piece in stream:

@@ -24,6 +24,9 @@ METADATA_KEY = "qwen35_onnx.contract"
 MANIFEST_NAME = "manifest.json"
 GRAPH_NAMES = ("vision", "prefill", "decode")
 KV_MODES = ("fixed", "dynamic")
+PREFILL_LOGITS = ("last", "all")
+STANDARD_BUCKETS = (32, 512, 1024, 2048)
+"""Prefill length tiers of the reference system (tokens)."""
 DTYPES = ("fp32",)
 MIN_CAPACITY = 2
 
@@ -75,6 +78,51 @@ def check_image_size(image_size: int, patch_size: int, merge_size: int) -> None:
         )
 
 
+def default_buckets(capacity: int) -> tuple[int, ...]:
+    """The standard tiers below capacity, plus capacity itself (tokens)."""
+    return tuple(b for b in STANDARD_BUCKETS if b < capacity) + (capacity,)
+
+
+def check_buckets(buckets, capacity: int) -> None:
+    """Check prefill buckets (tokens): strictly increasing integers in ``[1, capacity]``.
+
+    Raises:
+        ValueError: naming the offending bucket and the limit.
+    """
+    previous = 0
+    for b in buckets:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"prefill bucket {b!r} must be an integer >= 1")
+        if b > capacity:
+            raise ValueError(f"prefill bucket {b} is above the capacity --max-seq-len {capacity}")
+        if b <= previous:
+            raise ValueError(f"prefill buckets must be strictly increasing, got {b} after {previous}")
+        previous = b
+
+
+def select_bucket(prompt_len: int, buckets, capacity: int, chunk_size: int) -> int:
+    """Smallest bucket >= ``prompt_len`` (tokens); without buckets, ``prompt_len`` rounded up to
+    a multiple of ``chunk_size`` (at most ``capacity``).
+
+    Raises:
+        ValueError: ``prompt_len`` < 1 or larger than the largest bucket (or the capacity),
+            naming the prompt length and the limit.
+    """
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt length must be an integer >= 1 token, got {prompt_len!r}")
+    if buckets:
+        for b in buckets:
+            if prompt_len <= b:
+                return b
+        raise ValueError(
+            f"prompt is {prompt_len} tokens, more than the largest prefill bucket {buckets[-1]} "
+            f"(buckets {list(buckets)}, capacity {capacity})"
+        )
+    if prompt_len > capacity:
+        raise ValueError(f"prompt is {prompt_len} tokens, more than the capacity {capacity}")
+    return -(-prompt_len // chunk_size) * chunk_size
+
+
 @dataclass(frozen=True)
 class ShapeContract:
     """Everything both sides must agree on. Sizes are element counts, lengths are tokens.
@@ -111,6 +159,8 @@ class ShapeContract:
     num_key_value_heads: int
     head_dim: int
     chunk_size: int
+    prefill_buckets: tuple[int, ...]
+    prefill_logits: str
     # token ids
     image_token_id: int
     vision_start_token_id: int
@@ -143,6 +193,19 @@ class ShapeContract:
     def n_image_tokens(self) -> int:
         """Image tokens (rows of ``image_embeds``) after the spatial merge."""
         return self.n_patches // self.spatial_merge_size**2
+
+    def prefill_graph_key(self, bucket: int | None) -> str:
+        """Key in :attr:`graphs` of the prefill graph for ``bucket`` (None: the dynamic-length graph)."""
+        return "prefill" if bucket is None else f"prefill_{bucket}"
+
+    def select_bucket(self, prompt_len: int) -> int:
+        """Prefill length (tokens) for a prompt of ``prompt_len`` tokens: the smallest bucket
+        that holds it in fixed mode; the next multiple of :attr:`chunk_size` in dynamic mode.
+
+        Raises:
+            ValueError: ``prompt_len`` < 1, or above the largest bucket / the capacity.
+        """
+        return select_bucket(prompt_len, self.prefill_buckets, self.capacity, self.chunk_size)
 
     @property
     def n_linear(self) -> int:
@@ -181,6 +244,7 @@ class ShapeContract:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["prefill_buckets"] = list(self.prefill_buckets)
         d["derived"] = {
             "grid_thw": list(self.grid_thw),
             "n_patches": self.n_patches,
@@ -220,6 +284,7 @@ class ShapeContract:
         kwargs = {k: data[k] for k in names if k in data}
         kwargs["layer_types"] = tuple(kwargs["layer_types"])
         kwargs["eos_token_ids"] = tuple(kwargs["eos_token_ids"])
+        kwargs["prefill_buckets"] = tuple(kwargs["prefill_buckets"])
         kwargs["graphs"] = dict(kwargs.get("graphs") or {})
         try:
             contract = cls(**kwargs)
@@ -256,6 +321,17 @@ class ShapeContract:
         bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
         if bad:
             raise ContractError(f"unknown layer types {bad}")
+        if self.prefill_logits not in PREFILL_LOGITS:
+            raise ContractError(f"prefill_logits {self.prefill_logits!r} is not one of {PREFILL_LOGITS}")
+        try:
+            check_buckets(self.prefill_buckets, self.capacity)
+        except ValueError as exc:
+            raise ContractError(str(exc)) from exc
+        if self.kv_mode == "fixed" and not self.prefill_buckets:
+            raise ContractError("fixed kv_mode needs at least one prefill bucket")
+        for bucket in (*self.prefill_buckets, self.capacity):
+            if bucket % self.chunk_size:
+                raise ContractError(f"chunk_size {self.chunk_size} does not divide {bucket}")
 
     def same_shapes(self, other: "ShapeContract") -> list[str]:
         """Fields (other than ``graphs``) on which two contracts disagree, as 'name: a != b'."""

@@ -49,7 +49,7 @@ def run_demo(max_new_tokens: int = 48, cache_dir: str | os.PathLike | None = Non
     build_demo_checkpoint(checkpoint)
     if not _export_is_current(exported):
         print(f"[demo] exporting to {exported} (fixed KV cache) ...", file=err)
-        export(checkpoint, exported, ExportOptions(overwrite=True), progress=lambda n: print(f"[export] {n} graph", file=err))
+        export(checkpoint, exported, ExportOptions(overwrite=True), show_progress=True)
     else:
         print(f"[demo] using the export in {exported}", file=err)
 

@@ -26,12 +26,12 @@ import numpy as np
 import onnxruntime as ort
 from PIL import Image
 
-from .contract import ContractError, ShapeContract, read_manifest
+from .contract import ShapeContract, read_manifest
 from .runtime.masks import CapacityExhausted, advance_mask, prepare_decode_mask
 from .runtime.positions import decode_position_ids, mrope_position_ids
 from .runtime.preprocess import Preprocessor, load_image
-from .runtime.sampling import Sampler, SamplingConfig
-from .runtime.sessions import GraphSession, load_sessions
+from .runtime.sampling import Sampler, SamplingConfig, StopStrings
+from .runtime.sessions import GraphSet
 from .runtime.state import BoundDecoder, HostDecoder
 
 log = logging.getLogger(__name__)
@@ -81,24 +81,30 @@ class GenerationResult:
 
 @dataclass
 class PreparedPrompt:
-    """Host-side inputs of one request: ids ``[1, S]``, pixel values ``[n_patches, patch_dim]``,
-    position ids ``[4, 1, S]`` and ``rope_deltas``."""
+    """Host-side inputs of one request, checked against the contract: ids ``[1, S]`` int64,
+    pixel values ``[n_patches, patch_dim]`` fp32 (None for a text-only prompt), position ids
+    ``[4, 1, S]`` int64, ``rope_deltas``, and the prefill ``bucket`` (tokens) it will run in."""
 
     input_ids: np.ndarray
-    pixel_values: np.ndarray
+    pixel_values: np.ndarray | None
     position_ids: np.ndarray
     rope_deltas: int
+    bucket: int
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.input_ids.shape[1])
 
 
 class GenerationStream:
     """Iterate to receive text pieces as tokens are produced; ``result`` is set at the end.
 
-    Nothing is lost: when generation stops early (end of sequence, ``max_new_tokens`` or
-    capacity) ``result`` holds every token produced.
+    Nothing is lost: when generation stops (end of sequence, stop string, ``max_new_tokens``
+    or capacity) ``result`` holds every token produced.
     """
 
-    def __init__(self, pieces: Iterator[str]):
-        self._pieces = pieces
+    def __init__(self):
+        self._pieces: Iterator[str] = iter(())
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -112,17 +118,18 @@ class Pipeline:
         root: the export folder (``manifest.json``, ``vision/``, ``prefill/``, ``decode/`` and
             the tokenizer/processor files).
         contract: the manifest's contract.
-        sessions: loaded and cross-checked graphs.
+        graphs: the loaded, cross-checked graphs.
+        preprocessor: tokenizer, chat template and image processor.
         device: 'cpu' or 'cuda'.
         host_state_roundtrip: copy the states to host between decode steps instead of
             keeping them in bound OrtValues (slower; for comparison).
     """
 
-    def __init__(self, root: Path, contract: ShapeContract, sessions: dict[str, GraphSession],
-                 preprocessor: Preprocessor, device: str = "cpu", host_state_roundtrip: bool = False):
+    def __init__(self, root: Path, contract: ShapeContract, graphs: GraphSet, preprocessor: Preprocessor,
+                 device: str = "cpu", host_state_roundtrip: bool = False):
         self.root = root
         self.contract = contract
-        self.sessions = sessions
+        self.graphs = graphs
         self.preprocessor = preprocessor
         self.device = device
         self.host_state_roundtrip = host_state_roundtrip
@@ -139,146 +146,180 @@ class Pipeline:
         """
         root = Path(path)
         contract = read_manifest(root)
-        sessions = load_sessions(root, contract, device=device, threads=threads)
+        graphs = GraphSet(root, contract, device=device, threads=threads)
         preprocessor = Preprocessor.from_pretrained(root, contract.image_size, contract.image_token_id)
-        return cls(root, contract, sessions, preprocessor, device, host_state_roundtrip)
+        return cls(root, contract, graphs, preprocessor, device, host_state_roundtrip)
 
     # ---- host-side preparation -----------------------------------------------------------
-    def prepare(self, image: str | os.PathLike | Image.Image, prompt: str) -> PreparedPrompt:
-        """Preprocess one request and check it against the contract before any graph runs.
+    def prepare(self, image: str | os.PathLike | Image.Image | None, prompt: str) -> PreparedPrompt:
+        """Chat-template and preprocess one request (``image`` None: text only).
 
         Raises:
             FileNotFoundError / ValueError: missing or unreadable image.
-            ValueError: the prompt is longer than the capacity.
+            ValueError: the prompt does not fit the largest prefill bucket / the capacity.
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        picture = image if isinstance(image, Image.Image) else load_image(image)
-        pixel_values, grid = self.preprocessor.pixel_values(picture.convert("RGB"))
-        input_ids = self.preprocessor.encode(prompt, self.contract.n_image_tokens)
-        prompt_len = input_ids.shape[1]
-        if prompt_len > self.contract.capacity:
-            raise ValueError(
-                f"prompt is {prompt_len} tokens (image tokens included), more than the capacity "
-                f"{self.contract.capacity} (--max-seq-len of the export)"
-            )
-        position_ids, rope_deltas = mrope_position_ids(
-            input_ids, self.contract.image_token_id, grid, self.contract.spatial_merge_size
-        )
-        return PreparedPrompt(input_ids, pixel_values, position_ids, int(rope_deltas))
+        pixel_values = None
+        if image is not None:
+            picture = image if isinstance(image, Image.Image) else load_image(image)
+            pixel_values, _ = self.preprocessor.pixel_values(picture.convert("RGB"))
+        n_image_tokens = self.contract.n_image_tokens if image is not None else 0
+        return self.prepare_ids(self.preprocessor.encode(prompt, n_image_tokens), pixel_values)
+
+    def prepare_ids(self, input_ids: np.ndarray, pixel_values: np.ndarray | None = None) -> PreparedPrompt:
+        """Check already tokenized input against the contract and compute its positions.
+
+        Args:
+            input_ids: int ``[1, S]``; holds ``n_image_tokens`` image tokens iff ``pixel_values``.
+            pixel_values: fp32 ``[n_patches, patch_dim]`` or None.
+
+        Raises:
+            ValueError: bad shape, token ids outside the vocabulary, image tokens without
+                pixels (or the reverse), or a prompt longer than the largest bucket / capacity.
+        """
+        c = self.contract
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be integers of shape [1, S] with S >= 1, got {ids.dtype} {ids.shape}")
+        ids = ids.astype(np.int64)
+        if ids.min() < 0 or ids.max() >= c.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {c.vocab_size}), got min {ids.min()} max {ids.max()}")
+        bucket = c.select_bucket(int(ids.shape[1]))
+        if pixel_values is not None:
+            expected = (c.n_patches, c.patch_dim)
+            if tuple(pixel_values.shape) != expected:
+                raise ValueError(f"pixel_values shape {tuple(pixel_values.shape)} != {expected} of the exported grid")
+            pixel_values = np.ascontiguousarray(pixel_values, dtype=np.float32)
+        grid = c.grid_thw if pixel_values is not None else None
+        positions, rope_deltas = mrope_position_ids(ids, c.image_token_id, grid, c.spatial_merge_size)
+        return PreparedPrompt(ids, pixel_values, positions, int(rope_deltas), bucket)
 
     def padded_prompt(self, prepared: PreparedPrompt) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Right-pad ids, mask and position ids to a whole number of chunks (prefill lengths
-        are multiples of ``chunk_size``; padded positions are masked out exactly)."""
-        length = prepared.input_ids.shape[1]
-        chunk = self.contract.chunk_size
-        padded = -(-length // chunk) * chunk
-        pad = padded - length
+        """Right-pad ids, mask and position ids to the prefill bucket; padded positions are
+        masked out exactly inside the graph."""
+        pad = prepared.bucket - prepared.prompt_len
         pad_id = self.contract.pad_token_id or 0
         ids = np.pad(prepared.input_ids, ((0, 0), (0, pad)), constant_values=pad_id)
-        mask = np.zeros((1, padded), dtype=np.int64)
-        mask[0, :length] = 1
+        mask = np.zeros((1, prepared.bucket), dtype=np.int64)
+        mask[0, : prepared.prompt_len] = 1
         positions = np.pad(prepared.position_ids, ((0, 0), (0, 0), (0, pad)))
         return ids, mask, positions
 
     # ---- graph runs ----------------------------------------------------------------------
-    def run_vision(self, pixel_values: np.ndarray, n_image_tokens: int) -> np.ndarray:
-        """Vision graph; checks that the embeddings match the prompt's image tokens."""
-        (embeds,) = self.sessions["vision"].session.run(None, {"pixel_values": pixel_values})
-        if embeds.shape[0] != n_image_tokens:
+    def run_vision(self, prepared: PreparedPrompt) -> np.ndarray:
+        """Vision graph (zeros for a text-only prompt); checks that the number of image
+        embeddings equals the number of image tokens in the prompt."""
+        c = self.contract
+        n_tokens = int((prepared.input_ids == c.image_token_id).sum())
+        if prepared.pixel_values is None:
+            if n_tokens:
+                raise ValueError(f"the prompt has {n_tokens} image tokens but no image was given")
+            return np.zeros((c.n_image_tokens, c.image_embed_dim), dtype=np.float32)
+        (embeds,) = self.graphs.vision.session.run(None, {"pixel_values": prepared.pixel_values})
+        if embeds.shape[0] != n_tokens:
             raise ValueError(
-                f"vision graph returned {embeds.shape[0]} image embeddings but the prompt has "
-                f"{n_image_tokens} image tokens"
+                f"vision graph returned {embeds.shape[0]} image embeddings but the prompt has {n_tokens} image tokens"
             )
         return embeds
 
-    def run_prefill(self, ids, mask, positions, image_embeds) -> tuple[np.ndarray, dict]:
-        """Prefill graph; returns logits ``[1, S, V]`` (host) and the three states as OrtValues
-        (or numpy arrays in host-roundtrip mode)."""
-        session = self.sessions["prefill"].session
+    def run_prefill(self, prepared: PreparedPrompt, image_embeds: np.ndarray) -> tuple[np.ndarray, dict]:
+        """Prefill graph of the prompt's bucket; returns the last real token's logits ``[V]``
+        (host) and the three states as OrtValues (numpy arrays in host-roundtrip mode)."""
+        session = self.graphs.prefill(prepared.bucket if self.contract.prefill_buckets else None).session
+        ids, mask, positions = self.padded_prompt(prepared)
         feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "image_embeds": image_embeds}
         names = [o.name for o in session.get_outputs()]
         if self.host_state_roundtrip:
             outputs = dict(zip(names, session.run(None, feeds)))
-            return outputs.pop("logits"), outputs
-        binding = session.io_binding()
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, value)
-        for name in names:
-            binding.bind_output(name, self.device)
-        session.run_with_iobinding(binding)
-        outputs = dict(zip(names, binding.get_outputs()))
-        return outputs.pop("logits").numpy(), outputs
+            logits = outputs.pop("logits")
+        else:
+            binding = session.io_binding()
+            for name, value in feeds.items():
+                binding.bind_cpu_input(name, value)
+            for name in names:
+                binding.bind_output(name, self.device)
+            session.run_with_iobinding(binding)
+            outputs = dict(zip(names, binding.get_outputs()))
+            logits = outputs.pop("logits").numpy()
+        row = 0 if logits.shape[1] == 1 else prepared.prompt_len - 1
+        return logits[0, row], outputs
 
     # ---- generation ----------------------------------------------------------------------
-    def stream(self, image, prompt: str, max_new_tokens: int = 128,
-               sampling: SamplingConfig | None = None) -> GenerationStream:
-        """Start a generation; iterate the returned stream for text pieces.
-
-        All input checks (image, prompt length, options) run here, before any graph.
+    def stream(self, image, prompt: str, max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
+               stop: tuple[str, ...] | list[str] = ()) -> GenerationStream:
+        """Start a generation for ``image`` (path, PIL image or None) and ``prompt``; iterate the
+        returned stream for text pieces. All input checks run here, before any graph.
 
         Raises:
-            ValueError: bad ``max_new_tokens`` or sampling options, prompt over capacity,
-                unreadable image.
+            ValueError / FileNotFoundError: bad ``max_new_tokens``, sampling options or stop
+                strings, prompt over the largest bucket or capacity, unreadable image.
         """
+        return self.stream_prepared(self.prepare(image, prompt), max_new_tokens, sampling, stop)
+
+    def generate(self, image, prompt: str, max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
+                 stop: tuple[str, ...] | list[str] = ()) -> GenerationResult:
+        """Run a whole generation and return its result (see :meth:`stream`)."""
+        return _drain(self.stream(image, prompt, max_new_tokens, sampling, stop))
+
+    def generate_prepared(self, prepared: PreparedPrompt, max_new_tokens: int = 128,
+                          sampling: SamplingConfig | None = None, stop=()) -> GenerationResult:
+        """:meth:`generate` for input from :meth:`prepare_ids`."""
+        return _drain(self.stream_prepared(prepared, max_new_tokens, sampling, stop))
+
+    def stream_prepared(self, prepared: PreparedPrompt, max_new_tokens: int = 128,
+                        sampling: SamplingConfig | None = None, stop=()) -> GenerationStream:
+        """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampler = Sampler(sampling or SamplingConfig())
-        prepared = self.prepare(image, prompt)
-        prompt_len = prepared.input_ids.shape[1]
-        room = self.contract.capacity - prompt_len + 1  # the last token needs no KV slot
+        stops = StopStrings(tuple(stop))
+        room = self.contract.capacity - prepared.prompt_len + 1  # the last token needs no KV slot
         if max_new_tokens > room:
             log.warning(
-                "prompt (%d tokens) + max_new_tokens (%d) exceeds capacity %d: at most %d new tokens "
-                "will be generated (finish reason 'length')", prompt_len, max_new_tokens, self.contract.capacity, room,
+                "prompt (%d tokens) + max_new_tokens (%d) exceeds the capacity %d: at most %d new tokens "
+                "will be generated (finish reason 'length')",
+                prepared.prompt_len, max_new_tokens, self.contract.capacity, room,
             )
-        stream = GenerationStream(iter(()))
-        stream._pieces = self._generate(prepared, max_new_tokens, sampler, stream)
+        stream = GenerationStream()
+        stream._pieces = self._generate(prepared, max_new_tokens, sampler, stops, stream)
         return stream
 
-    def generate(self, image, prompt: str, max_new_tokens: int = 128,
-                 sampling: SamplingConfig | None = None) -> GenerationResult:
-        """Run a whole generation and return its result (see :meth:`stream`)."""
-        stream = self.stream(image, prompt, max_new_tokens, sampling)
-        for _ in stream:
-            pass
-        assert stream.result is not None
-        return stream.result
-
-    def _generate(self, prepared: PreparedPrompt, max_new_tokens: int, sampler: Sampler,
+    def _generate(self, prepared: PreparedPrompt, max_new_tokens: int, sampler: Sampler, stops: StopStrings,
                   stream: GenerationStream) -> Iterator[str]:
         contract = self.contract
         timings = Timings()
-        prompt_len = prepared.input_ids.shape[1]
         tokens: list[int] = []
+        emitted: list[str] = []
         finish = FINISH_LENGTH
         streamer = self.preprocessor.text_streamer()
         try:
+            self.graphs.prefill(prepared.bucket if contract.prefill_buckets else None)  # load + check first
             t0 = time.perf_counter()
-            image_embeds = self.run_vision(prepared.pixel_values, int((prepared.input_ids == contract.image_token_id).sum()))
+            image_embeds = self.run_vision(prepared)
             t1 = time.perf_counter()
-            ids, mask, positions = self.padded_prompt(prepared)
-            logits, states = self.run_prefill(ids, mask, positions, image_embeds)
+            logits, states = self.run_prefill(prepared, image_embeds)
             t2 = time.perf_counter()
             timings.vision_ms, timings.prefill_ms = 1000 * (t1 - t0), 1000 * (t2 - t1)
 
+            _, prompt_mask, _ = self.padded_prompt(prepared)
             if contract.kv_mode == "fixed":
-                kv_width = _shape(states["present_kv_cache"])[3]
-                decode_mask = prepare_decode_mask(mask, contract.capacity, kv_width)
+                decode_mask = prepare_decode_mask(prompt_mask, contract.capacity, _shape(states["present_kv_cache"])[3])
             else:
-                decode_mask = prepare_decode_mask(mask, mask.shape[1], mask.shape[1])
+                decode_mask = prepare_decode_mask(prompt_mask, prompt_mask.shape[1], prompt_mask.shape[1])
             decoder = (
-                HostDecoder(self.sessions["decode"], contract, states)
+                HostDecoder(self.graphs.decode, contract, states)
                 if self.host_state_roundtrip
-                else BoundDecoder(self.sessions["decode"], contract, states, self.device)
+                else BoundDecoder(self.graphs.decode, contract, states, self.device)
             )
-            token = sampler(logits[0, prompt_len - 1])
+            token = sampler(logits)
             while True:
                 tokens.append(token)
-                piece = streamer.put(token)
+                piece = stops.feed(streamer.put(token))
                 if piece:
+                    emitted.append(piece)
                     yield piece
-                if token in contract.eos_token_ids:
+                if stops.stopped or token in contract.eos_token_ids:
                     finish = FINISH_STOP
                     break
                 if len(tokens) >= max_new_tokens:
@@ -289,19 +330,18 @@ class Pipeline:
                     break
                 t3 = time.perf_counter()
                 step_logits = decoder.step(
-                    np.array([[token]], dtype=np.int64),
-                    decode_mask,
-                    decode_position_ids(next_pos, prepared.rope_deltas),
+                    np.array([[token]], dtype=np.int64), decode_mask, decode_position_ids(next_pos, prepared.rope_deltas)
                 )
                 timings.decode_ms += 1000 * (time.perf_counter() - t3)
                 timings.decode_steps += 1
                 token = sampler(step_logits[0, -1])
-            rest = streamer.end()
-            if rest:
-                yield rest
+            if not stops.stopped:
+                rest = stops.feed(streamer.end()) + stops.flush()
+                if rest:
+                    emitted.append(rest)
+                    yield rest
         finally:
-            text = self.preprocessor.tokenizer.decode(tokens, skip_special_tokens=True)
-            stream.result = GenerationResult(text, tokens, finish, prompt_len, timings)
+            stream.result = GenerationResult("".join(emitted), tokens, finish, prepared.prompt_len, timings)
 
     def _advance(self, decode_mask: np.ndarray) -> tuple[np.ndarray, int]:
         """Claim the slot of the token being fed; returns the mask and ``next_pos = sum(mask)``
@@ -315,8 +355,15 @@ class Pipeline:
         return np.concatenate([decode_mask, np.ones((1, 1), dtype=np.int64)], axis=1), next_pos
 
 
+def _drain(stream: GenerationStream) -> GenerationResult:
+    for _ in stream:
+        pass
+    assert stream.result is not None
+    return stream.result
+
+
 def _shape(value) -> list[int]:
     return list(value.shape()) if isinstance(value, ort.OrtValue) else list(value.shape)
 
 
-__all__ = ["Pipeline", "GenerationResult", "GenerationStream", "Timings", "SamplingConfig", "ContractError"]
+__all__ = ["Pipeline", "GenerationResult", "GenerationStream", "PreparedPrompt", "Timings", "SamplingConfig"]

@@ -7,14 +7,16 @@ place once complete, so an interrupted export never leaves a folder the runtime 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from tqdm import tqdm
 
 from .. import __version__
 from ..contract import (
@@ -22,10 +24,13 @@ from ..contract import (
     GRAPH_NAMES,
     KV_MODES,
     METADATA_KEY,
+    PREFILL_LOGITS,
     ShapeContract,
+    check_buckets,
     check_capacity,
     check_dummy_seq_len,
     check_image_size,
+    default_buckets,
     read_manifest,
     write_manifest,
 )
@@ -71,6 +76,8 @@ class ExportOptions:
     dummy_seq_len: int = 8
     component: str = "all"
     chunk_size: int = 64
+    prefill_buckets: tuple[int, ...] | None = None
+    prefill_logits: str = "last"
     overwrite: bool = False
 
     def validate(self) -> None:
@@ -88,6 +95,25 @@ class ExportOptions:
             raise ExportError(f"--component {self.component!r} must be one of all, {', '.join(GRAPH_NAMES)}")
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ExportError(f"chunk size {self.chunk_size} must be a power of two")
+        if self.prefill_logits not in PREFILL_LOGITS:
+            raise ExportError(f"--prefill-logits {self.prefill_logits!r} must be one of {', '.join(PREFILL_LOGITS)}")
+        if self.prefill_buckets is not None:
+            if self.kv_mode != "fixed":
+                raise ExportError("--prefill-buckets needs --kv-cache fixed (dynamic mode has one dynamic-length prefill graph)")
+            if not self.prefill_buckets:
+                raise ExportError("--prefill-buckets is empty; give at least one length")
+            try:
+                check_buckets(self.prefill_buckets, self.capacity)
+            except ValueError as exc:
+                raise ExportError(f"--prefill-buckets: {exc}") from exc
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Prefill buckets in tokens: as given, or the standard tiers below capacity plus
+        capacity (fixed mode); none in dynamic mode."""
+        if self.kv_mode != "fixed":
+            return ()
+        return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -125,27 +151,16 @@ def eos_token_ids(generation_config, config) -> tuple[int, ...]:
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
-def chunk_size_for(capacity: int, preferred: int) -> int:
-    """Largest power of two <= ``preferred`` that divides ``capacity`` (tokens).
+def chunk_size_for(lengths: Sequence[int], preferred: int) -> int:
+    """Largest power of two <= ``preferred`` that divides every length (tokens).
 
-    Prefill lengths are multiples of the chunk size (the runtime right-pads prompts exactly),
-    so the chunk size must divide capacity for a prompt near capacity to fit.
+    Prefill lengths (buckets, or multiples of the chunk size up to capacity) are whole chunks,
+    so the graphs never pad internally and all buckets share one graph structure.
     """
     chunk = 1
-    while chunk * 2 <= preferred and capacity % (chunk * 2) == 0:
+    while chunk * 2 <= preferred and all(n % (chunk * 2) == 0 for n in lengths):
         chunk *= 2
     return chunk
-
-
-def trace_seq_len(name: str, contract: ShapeContract, dummy_seq_len: int) -> int:
-    """Trace length of graph ``name``: decode traces a past of ``dummy_seq_len`` tokens;
-    prefill rounds it up to whole chunks, using at least two chunks when capacity allows so
-    that ``torch.export`` keeps the chunk count symbolic (a size of 1 is specialised)."""
-    if name != "prefill":
-        return dummy_seq_len
-    chunk = contract.chunk_size
-    n_chunks = max(2, -(-dummy_seq_len // chunk))
-    return min(n_chunks, contract.capacity // chunk) * chunk
 
 
 def build_contract(config, generation_config, options: ExportOptions) -> ShapeContract:
@@ -183,7 +198,9 @@ def build_contract(config, generation_config, options: ExportOptions) -> ShapeCo
         linear_value_head_dim=text.linear_value_head_dim,
         num_key_value_heads=text.num_key_value_heads,
         head_dim=text.head_dim,
-        chunk_size=chunk_size_for(options.capacity, options.chunk_size),
+        chunk_size=chunk_size_for((options.capacity, *options.buckets), options.chunk_size),
+        prefill_buckets=options.buckets,
+        prefill_logits=options.prefill_logits,
         image_token_id=config.image_token_id,
         vision_start_token_id=config.vision_start_token_id,
         vision_end_token_id=config.vision_end_token_id,
@@ -198,14 +215,54 @@ def build_contract(config, generation_config, options: ExportOptions) -> ShapeCo
 # ----------------------------------------------------------------------------------------
 # Tracing
 # ----------------------------------------------------------------------------------------
-def dummy_inputs(name: str, contract: ShapeContract, seq_len: int):
-    """Example inputs for tracing graph ``name`` (the values only matter for shapes)."""
+@dataclass(frozen=True)
+class GraphJob:
+    """One ONNX file to write: ``key`` in the contract's ``graphs``, the graph kind
+    (vision/prefill/decode), its path relative to the export root, and for a prefill bucket
+    its static length (``None``: vision, decode, or the dynamic-length prefill)."""
+
+    key: str
+    kind: str
+    path: str
+    bucket: int | None = None
+
+
+def graph_jobs(contract: ShapeContract, components: Sequence[str] = GRAPH_NAMES) -> list[GraphJob]:
+    """The graphs of an export: vision, one prefill per bucket (fixed mode) or one
+    dynamic-length prefill (dynamic mode), and decode."""
+    jobs = []
+    for kind in components:
+        if kind == "prefill" and contract.prefill_buckets:
+            jobs += [
+                GraphJob(contract.prefill_graph_key(b), kind, f"prefill/bucket_{b}/model.onnx", b)
+                for b in contract.prefill_buckets
+            ]
+        else:
+            jobs.append(GraphJob(kind, kind, f"{kind}/model.onnx"))
+    return jobs
+
+
+def trace_seq_len(job: GraphJob, contract: ShapeContract, dummy_seq_len: int) -> int:
+    """Trace length in tokens: a bucket's own length; for the dynamic-length prefill,
+    ``dummy_seq_len`` rounded up to whole chunks, at least two chunks when capacity allows
+    (``torch.export`` specialises a size of 1); for decode, a past of ``dummy_seq_len``."""
+    if job.bucket is not None:
+        return job.bucket
+    if job.kind != "prefill":
+        return dummy_seq_len
+    chunk = contract.chunk_size
+    n_chunks = max(2, -(-dummy_seq_len // chunk))
+    return min(n_chunks, contract.capacity // chunk) * chunk
+
+
+def dummy_inputs(kind: str, contract: ShapeContract, seq_len: int):
+    """Example inputs for tracing a graph of ``kind`` (the values only matter for shapes)."""
     import torch
 
     b = contract.batch
-    if name == "vision":
+    if kind == "vision":
         return (torch.randn(contract.n_patches, contract.patch_dim),)
-    if name == "prefill":
+    if kind == "prefill":
         ids = torch.randint(0, contract.vocab_size, (b, seq_len))
         return (
             ids,
@@ -228,14 +285,14 @@ def dummy_inputs(name: str, contract: ShapeContract, seq_len: int):
     )
 
 
-def dynamic_shapes(name: str, contract: ShapeContract):
-    """``torch.export`` dynamic shapes: none for vision and fixed decode; the prompt length
-    for prefill; the past length for dynamic decode."""
+def dynamic_shapes(job: GraphJob, contract: ShapeContract):
+    """``torch.export`` dynamic shapes: none for vision, prefill buckets and fixed decode; the
+    chunk count for the dynamic-length prefill; the past length for dynamic decode."""
     from torch.export import Dim
 
-    if name == "vision":
+    if job.kind == "vision" or job.bucket is not None:
         return None
-    if name == "prefill":
+    if job.kind == "prefill":
         max_chunks = contract.capacity // contract.chunk_size
         if max_chunks == 1:
             return None
@@ -247,47 +304,48 @@ def dynamic_shapes(name: str, contract: ShapeContract):
     return (None, {1: past + 1}, None, None, None, {3: past})
 
 
-def graph_module(name: str, model, contract: ShapeContract):
+def graph_module(kind: str, model, contract: ShapeContract):
     from .graphs import DecodeGraph, PrefillGraph, VisionGraph
 
-    if name == "vision":
+    if kind == "vision":
         return VisionGraph(model.model.visual, contract)
-    return (PrefillGraph if name == "prefill" else DecodeGraph)(model, contract)
+    return (PrefillGraph if kind == "prefill" else DecodeGraph)(model, contract)
 
 
-def io_names(name: str) -> tuple[list[str], list[str]]:
+def io_names(kind: str) -> tuple[list[str], list[str]]:
     from .graphs import DECODE_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
 
-    if name == "vision":
+    if kind == "vision":
         return VISION_INPUTS, VISION_OUTPUTS
-    return (PREFILL_INPUTS if name == "prefill" else DECODE_INPUTS), TEXT_OUTPUTS
+    return (PREFILL_INPUTS if kind == "prefill" else DECODE_INPUTS), TEXT_OUTPUTS
 
 
-def export_graph(name: str, model, contract: ShapeContract, folder: Path, dummy_seq_len: int) -> Path:
-    """Trace graph ``name`` with ``torch.onnx.export`` (dynamo) into ``folder/model.onnx``,
-    with the contract in its ``metadata_props``. Returns the ONNX file path."""
+def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dummy_seq_len: int) -> Path:
+    """Trace one graph with ``torch.onnx.export`` (dynamo) into ``root / job.path``, with the
+    contract in its ``metadata_props``. Returns the ONNX file path."""
     import torch
 
-    module = graph_module(name, model, contract).eval()
-    inputs, outputs = io_names(name)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "model.onnx"
+    module = graph_module(job.kind, model, contract).eval()
+    inputs, outputs = io_names(job.kind)
+    path = root / job.path
+    path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         program = torch.onnx.export(
             module,
-            dummy_inputs(name, contract, trace_seq_len(name, contract, dummy_seq_len)),
+            dummy_inputs(job.kind, contract, trace_seq_len(job, contract, dummy_seq_len)),
             dynamo=True,
             opset_version=OPSET,
             input_names=inputs,
             output_names=outputs,
-            dynamic_shapes=dynamic_shapes(name, contract),
+            dynamic_shapes=dynamic_shapes(job, contract),
             optimize=True,
             verbose=False,
         )
     program.model.metadata_props[METADATA_KEY] = contract.to_json()
-    program.model.metadata_props["qwen35_onnx.graph"] = name
-    weight_bytes = sum(int(v.const_value.nbytes) for v in program.model.graph.initializers.values()
-                       if v.const_value is not None)
+    program.model.metadata_props["qwen35_onnx.graph"] = job.key
+    weight_bytes = sum(
+        int(v.const_value.nbytes) for v in program.model.graph.initializers.values() if v.const_value is not None
+    )
     program.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_THRESHOLD)
     return path
 
@@ -327,7 +385,7 @@ def export(
     model_id: str | Path,
     output_dir: str | Path,
     options: ExportOptions,
-    progress: Callable[[str], None] | None = None,
+    show_progress: bool = False,
 ) -> ShapeContract:
     """Export a checkpoint folder; returns the written contract.
 
@@ -349,8 +407,8 @@ def export(
         )
     config, generation_config, model = load_checkpoint(model_id)
     contract = build_contract(config, generation_config, options)
-    graphs = {name: f"{name}/model.onnx" for name in GRAPH_NAMES}
-    contract = replace(contract, graphs=graphs)
+    contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
+    jobs = graph_jobs(contract, options.components)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -360,10 +418,10 @@ def export(
             for name in GRAPH_NAMES:
                 if name != options.component and (out / name).is_dir():
                     shutil.copytree(out / name, tmp / name)
-        for name in options.components:
-            if progress:
-                progress(name)
-            export_graph(name, model, contract, tmp / name, options.dummy_seq_len)
+        bar = tqdm(jobs, desc="export", unit="graph", disable=not show_progress, file=sys.stderr)
+        for job in bar:
+            bar.set_postfix_str(job.key)
+            export_graph(job, model, contract, tmp, options.dummy_seq_len)
         copy_processor_files(Path(model_id), tmp)
         write_manifest(tmp, contract)
         _swap_into_place(tmp, out)

@@ -9,7 +9,7 @@ Graph I/O (names as in the reference system; B = 1, L = capacity):
 =========  ================================================================================
 vision     pixel_values [n_patches, patch_dim] -> image_embeds [n_image_tokens, hidden]
 prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_embeds [N,hidden]
-           -> logits [B,S,V], present_conv_states [n_linear,B,conv_dim,K-1],
+           -> logits [B,1,V] (last real token; [B,S,V] with prefill_logits='all'), present_conv_states [n_linear,B,conv_dim,K-1],
            present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
 decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_conv_states,
            past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states
@@ -185,8 +185,11 @@ class PrefillGraph(_TextGraph):
         hidden = self.text.embed_tokens(input_ids)
         hidden = layers.inject_image_embeds(hidden, input_ids, image_embeds, contract.image_token_id)
         cos, sin = self.rotary(hidden, position_ids)
-        pos = torch.arange(seq_len, device=input_ids.device)
-        causal = (pos.view(1, -1) <= pos.view(-1, 1)).unsqueeze(0) & valid.unsqueeze(1)  # [B, S, S]
+        # Causal mask from the running count of real tokens rather than from arange(S): the
+        # latter is constant-folded for small static S only, which would make the node count
+        # depend on the bucket. For real queries i and keys j, count_j <= count_i iff j <= i.
+        count = attention_mask.cumsum(dim=-1)
+        causal = (count.unsqueeze(1) <= count.unsqueeze(2)) & valid.unsqueeze(1)  # [B, S(query), S(key)]
         conv_states, rec_states, kv = [], [], []
 
         def linear_mixer(i, layer, h):
@@ -217,6 +220,10 @@ class PrefillGraph(_TextGraph):
             return self.attention_output(attn, out, gate)
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
+        if contract.prefill_logits == "last":
+            # only the last real token's row: [B, 1, hidden] -> logits [B, 1, V]
+            last = (n_valid - 1).view(-1, 1, 1).expand(hidden.shape[0], 1, hidden.shape[2])
+            hidden = torch.gather(hidden, 1, last)
         logits = self.lm_head(hidden)
         return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)
 

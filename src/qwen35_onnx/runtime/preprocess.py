@@ -4,7 +4,7 @@ Turns ``(image file, prompt)`` into the host inputs of the vision and prefill
 graphs, and token ids back into streamed text:
 
 * :func:`load_image` -> :func:`fit_to_grid` -> :meth:`Preprocessor.pixel_values`:
-  any image becomes ``image_size x image_size`` RGB, then ``[n_patches, C*T*P*P]``
+  any image is padded to a centred square and resized to ``image_size x image_size`` RGB, then ``[n_patches, C*T*P*P]``
   float32 patches on the fixed grid ``(1, image_size/P, image_size/P)`` the vision
   graph was exported for;
 * :meth:`Preprocessor.encode`: chat template with one image and one text part,
@@ -36,7 +36,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 __all__ = ["Preprocessor", "TextStreamer", "fit_to_grid", "load_image"]
 
-PAD_COLOUR = (0, 0, 0)  # fit_to_grid letterbox fill: black
+PAD_COLOUR = (0, 0, 0)  # fit_to_grid square padding: black
 WHITE = (255, 255, 255)  # background for transparent pixels in load_image
 
 
@@ -83,16 +83,13 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def fit_to_grid(image: Image.Image, image_size: int) -> Image.Image:
-    """Letterbox ``image`` into an ``image_size x image_size`` square.
-
-    The image is scaled (bicubic) so that its longer side is ``image_size`` (the
-    shorter side rounds to the nearest pixel, at least 1), then pasted centred on a
-    black square. This equals "pad to a centred square, then resize" up to one-pixel
-    rounding, without allocating the padded full-resolution square first. Black is
-    the fill because it is independent of the processor's normalisation constants.
+    """Bring ``image`` to the exported grid as the reference system does: pad it to a centred
+    square (black fill, side ``max(width, height)``), then resize (bicubic) to
+    ``image_size x image_size``. Black is the fill because it does not depend on the
+    processor's normalisation constants.
 
     Args:
-        image: RGB ``PIL.Image`` of any size.
+        image: ``PIL.Image`` of any size and mode (converted to RGB).
         image_size: output side in pixels (> 0).
 
     Returns:
@@ -104,16 +101,16 @@ def fit_to_grid(image: Image.Image, image_size: int) -> Image.Image:
     """
     if image_size <= 0:
         raise ValueError(f"image_size must be positive, got {image_size}")
+    image = image.convert("RGB")
     width, height = image.size
-    scale = image_size / max(width, height)
-    new_w = min(image_size, max(1, round(width * scale)))
-    new_h = min(image_size, max(1, round(height * scale)))
-    resized = image.convert("RGB").resize((new_w, new_h), Image.Resampling.BICUBIC)
-    if (new_w, new_h) == (image_size, image_size):
-        return resized
-    canvas = Image.new("RGB", (image_size, image_size), PAD_COLOUR)
-    canvas.paste(resized, ((image_size - new_w) // 2, (image_size - new_h) // 2))
-    return canvas
+    side = max(width, height)
+    if width != height:
+        square = Image.new("RGB", (side, side), PAD_COLOUR)
+        square.paste(image, ((side - width) // 2, (side - height) // 2))
+        image = square
+    if side == image_size:
+        return image.copy()
+    return image.resize((image_size, image_size), Image.Resampling.BICUBIC)
 
 
 class Preprocessor:
@@ -183,7 +180,7 @@ class Preprocessor:
     def pixel_values(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
         """Image -> vision-graph input on the fixed grid.
 
-        The image is first letterboxed with :func:`fit_to_grid`, then patchified by the
+        The image is first padded to a centred square and resized by :func:`fit_to_grid`, then patchified by the
         image processor with ``size = {shortest_edge: image_size**2, longest_edge:
         image_size**2}``, which pins ``smart_resize`` to ``image_size x image_size``
         whatever min/max pixels the checkpoint's ``preprocessor_config.json`` sets.
@@ -211,36 +208,43 @@ class Preprocessor:
         return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), grid
 
     def encode(self, prompt: str, n_image_tokens: int) -> np.ndarray:
-        """Chat-template a one-image, one-text user turn and tokenize it.
+        """Chat-template a user turn (one image, or none, then the text) and tokenize it.
 
         ``messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
-        "text": prompt}]}]`` is rendered with ``add_generation_prompt=True``; the single
-        image placeholder is replaced by ``n_image_tokens`` copies (as
-        ``Qwen3VLProcessor`` does) and the text is tokenized without adding special
-        tokens again.
+        "text": prompt}]}]`` (no image part when ``n_image_tokens`` is 0) is rendered with
+        ``add_generation_prompt=True``; the image placeholder is replaced by
+        ``n_image_tokens`` copies (as ``Qwen3VLProcessor`` does) and the text is tokenized
+        without adding special tokens again.
 
         Args:
             prompt: the user's text.
-            n_image_tokens: image tokens to insert (> 0), normally :attr:`n_image_tokens`.
+            n_image_tokens: image tokens to insert (>= 0; 0 for a text-only prompt).
 
         Returns:
             int64 ``[1, S]`` input ids.
 
         Raises:
-            ValueError: ``n_image_tokens`` is not positive; the rendered template holds
-                other than exactly one image placeholder (e.g. the prompt itself
-                contains one); or tokenization did not yield ``n_image_tokens`` image ids.
+            ValueError: ``n_image_tokens`` is negative; the rendered template holds
+                other than the expected number of image placeholders (e.g. the prompt
+                itself contains one); or tokenization did not yield ``n_image_tokens``
+                image ids.
         """
-        if n_image_tokens <= 0:
-            raise ValueError(f"n_image_tokens must be positive, got {n_image_tokens}")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        if n_image_tokens < 0:
+            raise ValueError(f"n_image_tokens must be >= 0, got {n_image_tokens}")
+        content = [{"type": "text", "text": prompt}]
+        if n_image_tokens:
+            content.insert(0, {"type": "image"})
+        messages = [{"role": "user", "content": content}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         found = text.count(self.image_token)
-        if found != 1:
+        expected = 1 if n_image_tokens else 0
+        if found != expected:
             raise ValueError(
-                f"the chat-templated prompt holds {found} image placeholders {self.image_token!r}; expected 1"
+                f"the chat-templated prompt holds {found} image placeholders {self.image_token!r}; "
+                f"expected {expected} (does the prompt text contain {self.image_token!r}?)"
             )
-        text = text.replace(self.image_token, self.image_token * n_image_tokens)
+        if n_image_tokens:
+            text = text.replace(self.image_token, self.image_token * n_image_tokens)
         ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
         got = int((ids == self.image_token_id).sum())
         if got != n_image_tokens:

@@ -63,3 +63,48 @@ class Sampler:
             probs = np.where(mask, probs, 0.0)
             probs /= probs.sum()
         return int(self.rng.choice(probs.size, p=probs))
+
+
+class StopStrings:
+    """Stop-string criterion over streamed text.
+
+    Text pieces go in; what comes out is safe to show: text that cannot be the start of a
+    stop string is released, the rest is held back until it either completes a stop string
+    (then generation stops and the stop string and anything after it are dropped) or
+    diverges. Matching follows transformers' ``StopStringCriteria`` semantics on decoded text.
+    """
+
+    def __init__(self, stops: tuple[str, ...] | list[str] = ()):
+        for stop in stops:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """Add ``piece``; returns the text now safe to emit. Sets :attr:`stopped` on a match."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return piece
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        keep = 0  # longest suffix of pending that is a proper prefix of some stop string
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), keep, -1):
+                if self.pending.endswith(stop[:n]):
+                    keep = n
+                    break
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return out
+
+    def flush(self) -> str:
+        """Release whatever is held back (generation ended without a match)."""
+        out, self.pending = self.pending, ""
+        return out

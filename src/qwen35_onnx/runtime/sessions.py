@@ -15,7 +15,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from ..contract import GRAPH_NAMES, METADATA_KEY, ContractError, ShapeContract
+from ..contract import METADATA_KEY, ContractError, ShapeContract
 
 DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -81,18 +81,38 @@ class GraphSession:
         return table[tensor][axis]
 
 
-def load_sessions(root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0) -> dict[str, GraphSession]:
-    """Load the vision, prefill and decode graphs of an export and cross-check them.
+class GraphSet:
+    """The graphs of one export. Vision and decode load (and are cross-checked) at once; each
+    prefill graph (one per bucket in fixed mode) loads on first use and is cross-checked then,
+    before it runs, so unused buckets cost no memory.
 
-    Raises:
-        ContractError: a graph is missing, or disagrees with the manifest (see :func:`check_sessions`).
+    Raises (constructor and :meth:`prefill`):
+        ContractError: a graph is missing, or disagrees with the manifest (see the ``check_*``
+            functions).
     """
-    sessions = {
-        name: GraphSession.load(name, Path(root) / contract.graphs.get(name, f"{name}/model.onnx"), device, threads)
-        for name in GRAPH_NAMES
-    }
-    check_sessions(contract, sessions)
-    return sessions
+
+    def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0):
+        self.root, self.contract, self.device, self.threads = Path(root), contract, device, threads
+        self._prefill: dict[int | None, GraphSession] = {}
+        self.vision = self._load("vision")
+        self.decode = self._load("decode")
+        check_vision(contract, self.vision)
+        check_decode(contract, self.decode)
+
+    def _load(self, key: str) -> GraphSession:
+        if key not in self.contract.graphs:
+            raise ContractError(f"manifest.json lists no {key!r} graph (has {sorted(self.contract.graphs)})")
+        graph = GraphSession.load(key, self.root / self.contract.graphs[key], self.device, self.threads)
+        check_metadata(self.contract, graph)
+        return graph
+
+    def prefill(self, bucket: int | None) -> GraphSession:
+        """The prefill graph for ``bucket`` tokens (``None``: the dynamic-length graph)."""
+        if bucket not in self._prefill:
+            graph = self._load(self.contract.prefill_graph_key(bucket))
+            check_prefill(self.contract, graph, bucket)
+            self._prefill[bucket] = graph
+        return self._prefill[bucket]
 
 
 def _expect(what: str, actual, expected) -> None:
@@ -100,46 +120,69 @@ def _expect(what: str, actual, expected) -> None:
         raise ContractError(f"{what} is {actual!r} but the manifest says {expected!r}")
 
 
-def check_sessions(contract: ShapeContract, sessions: dict[str, GraphSession]) -> None:
-    """Cross-check each graph's metadata contract and static shapes against the manifest.
+def check_metadata(contract: ShapeContract, graph: GraphSession) -> None:
+    """The graph's own contract (from ``metadata_props``) must equal the manifest's.
 
     Raises:
-        ContractError: naming the graph, the tensor and both values. In particular, a prefill
-            graph exported with one ``--max-seq-len`` and a decode graph with another fail here.
+        ContractError: naming the graph and every field that differs, e.g. ``capacity: 64 != 128``.
     """
-    for name, graph in sessions.items():
-        diff = graph.contract.same_shapes(contract)
-        if diff:
+    diff = graph.contract.same_shapes(contract)
+    if diff:
+        raise ContractError(
+            f"{graph.name} graph was exported with a different contract than manifest.json: {'; '.join(diff)} "
+            "(were the graphs exported separately with different options?)"
+        )
+
+
+def _check_states(contract: ShapeContract, graph: GraphSession, kind: str, prefix: str) -> None:
+    table = graph.inputs if kind == "input" else graph.outputs
+    _expect(f"{graph.name} {prefix}_conv_states shape", table.get(f"{prefix}_conv_states"), list(contract.conv_state_shape))
+    _expect(
+        f"{graph.name} {prefix}_recurrent_states shape",
+        table.get(f"{prefix}_recurrent_states"),
+        list(contract.recurrent_state_shape),
+    )
+
+
+def _check_capacity(contract: ShapeContract, widths: dict[str, object]) -> None:
+    for what, width in widths.items():
+        if width != contract.capacity:
+            listing = ", ".join(f"{k} = {v!r}" for k, v in widths.items())
             raise ContractError(
-                f"{name} graph was exported with a different contract than manifest.json: {'; '.join(diff)} "
-                "(were the graphs exported separately with different options?)"
+                f"capacity mismatch: {what} is {width!r} but manifest capacity is {contract.capacity} "
+                f"({listing}); re-export all graphs with the same --max-seq-len"
             )
-    vision, prefill, decode = sessions["vision"], sessions["prefill"], sessions["decode"]
+
+
+def check_vision(contract: ShapeContract, vision: GraphSession) -> None:
+    """pixel_values ``[n_patches, patch_dim]`` and image_embeds ``[n_image_tokens, dim]``."""
     _expect("vision input pixel_values shape", vision.inputs.get("pixel_values"), [contract.n_patches, contract.patch_dim])
     _expect(
         "vision output image_embeds shape",
         vision.outputs.get("image_embeds"),
         [contract.n_image_tokens, contract.image_embed_dim],
     )
-    for graph, kind, prefix in ((prefill, "output", "present"), (decode, "input", "past"), (decode, "output", "present")):
-        table = graph.inputs if kind == "input" else graph.outputs
-        _expect(f"{graph.name} {prefix}_conv_states shape", table.get(f"{prefix}_conv_states"), list(contract.conv_state_shape))
-        _expect(
-            f"{graph.name} {prefix}_recurrent_states shape",
-            table.get(f"{prefix}_recurrent_states"),
-            list(contract.recurrent_state_shape),
-        )
+
+
+def check_decode(contract: ShapeContract, decode: GraphSession) -> None:
+    """State shapes, and in fixed mode: mask width == past KV width == present KV width == capacity."""
+    _check_states(contract, decode, "input", "past")
+    _check_states(contract, decode, "output", "present")
     if contract.kv_mode == "fixed":
-        widths = {
+        _check_capacity(contract, {
             "decode attention_mask width": decode.dim("input", "attention_mask", 1),
             "decode past_kv_cache token axis": decode.dim("input", "past_kv_cache", 3),
             "decode present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
-            "prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3),
-        }
-        for what, width in widths.items():
-            if width != contract.capacity:
-                listing = ", ".join(f"{k} = {v!r}" for k, v in widths.items())
-                raise ContractError(
-                    f"capacity mismatch: {what} is {width!r} but manifest capacity is {contract.capacity} "
-                    f"({listing}); re-export all graphs with the same --max-seq-len"
-                )
+        })
+
+
+def check_prefill(contract: ShapeContract, prefill: GraphSession, bucket: int | None) -> None:
+    """State shapes; in fixed mode the KV output width equals capacity and a bucket graph's
+    inputs have exactly ``bucket`` tokens; logits have 1 row with ``prefill_logits='last'``."""
+    _check_states(contract, prefill, "output", "present")
+    if contract.kv_mode == "fixed":
+        _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})
+    if bucket is not None:
+        _expect(f"{prefill.name} input_ids shape", prefill.inputs.get("input_ids"), [contract.batch, bucket])
+    if contract.prefill_logits == "last":
+        _expect(f"{prefill.name} logits rows", prefill.dim("output", "logits", 1), 1)

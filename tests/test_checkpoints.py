@@ -1,0 +1,212 @@
+"""Tests for the tiny preset and the demo checkpoint (offline, a few seconds on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from PIL import Image  # noqa: E402
+
+from qwen35_onnx import checkpoints  # noqa: E402
+from qwen35_onnx.checkpoints import (  # noqa: E402
+    DEMO_SEED,
+    SPECIAL_TOKENS,
+    TINY_PRESET,
+    build_demo_checkpoint,
+    demo_checkpoint_dir,
+    photo_path,
+    tiny_config,
+)
+
+DEMO_MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
+DEMO_PROMPT = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return build_demo_checkpoint(tmp_path_factory.mktemp("demo") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_dir):
+    return transformers.AutoTokenizer.from_pretrained(demo_dir)
+
+
+def test_module_imports_without_torch():
+    code = "import sys, qwen35_onnx.checkpoints; sys.exit(int('torch' in sys.modules or 'transformers' in sys.modules))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+def test_tiny_preset_is_a_real_qwen35():
+    config = tiny_config()
+    text, vision = config.text_config, config.vision_config
+    assert text.num_hidden_layers >= 8 and len(text.layer_types) == text.num_hidden_layers
+    assert text.layer_types.count("full_attention") == 2
+    assert text.layer_types[3] == text.layer_types[7] == "full_attention"
+    assert text.num_key_value_heads < text.num_attention_heads  # GQA
+    assert text.num_attention_heads % text.num_key_value_heads == 0
+    assert text.linear_num_value_heads > text.linear_num_key_heads
+    rope = text.rope_parameters
+    assert 0 < rope["partial_rotary_factor"] < 1
+    rotary_dim = int(text.head_dim * rope["partial_rotary_factor"])
+    assert sum(rope["mrope_section"]) == rotary_dim // 2 == 8
+    assert rope["mrope_interleaved"] is True
+    assert vision.out_hidden_size == text.hidden_size
+    assert not config.tie_word_embeddings and not text.tie_word_embeddings
+    # tiny_config works on a copy
+    config.text_config.layer_types[0] = "full_attention"
+    assert TINY_PRESET["text_config"]["layer_types"][0] == "linear_attention"
+
+
+def test_checkpoint_folder_is_complete(demo_dir):
+    names = {p.name for p in demo_dir.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "preprocessor_config.json",
+        ".qwen35_onnx_demo",
+    } <= names
+    assert json.loads((demo_dir / ".qwen35_onnx_demo").read_text())["seed"] == DEMO_SEED
+    assert [p.name for p in demo_dir.parent.iterdir()] == [demo_dir.name]  # no staging leftovers
+
+
+def test_model_reloads_with_matching_token_ids(demo_dir, tokenizer):
+    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(demo_dir)
+    config = model.config
+    for part in ("text_config", "vision_config"):
+        saved = getattr(config, part).to_dict()
+        assert {key: saved[key] for key in TINY_PRESET[part]} == TINY_PRESET[part]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert config.text_config.vocab_size == len(tokenizer) == 1024
+    ids = tokenizer.convert_tokens_to_ids
+    assert config.image_token_id == ids("<|image_pad|>")
+    assert config.video_token_id == ids("<|video_pad|>")
+    assert config.vision_start_token_id == ids("<|vision_start|>")
+    assert config.vision_end_token_id == ids("<|vision_end|>")
+    generation = model.generation_config
+    assert generation.eos_token_id == [ids("<|im_end|>"), ids("<|endoftext|>")]
+    assert generation.pad_token_id == ids("<|endoftext|>") and generation.do_sample is False
+
+
+def test_tokenizer_reloads_with_same_ids(demo_dir, tokenizer):
+    from tokenizers import Tokenizer
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    assert type(tokenizer).__name__ == "Qwen3_5Tokenizer"
+    text = DEMO_PROMPT + "<think>\n\n</think>\n\nAn astronaut in an orange suit, 1995. héllo 日本"
+    raw = Tokenizer.from_file(str(demo_dir / "tokenizer.json"))
+    assert tokenizer(text).input_ids == raw.encode(text).ids
+    assert tokenizer.decode(tokenizer(text).input_ids) == text
+    assert [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(1008, 1024))
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    pre = json.loads((demo_dir / "tokenizer.json").read_text())["pre_tokenizer"]["pretokenizers"]
+    assert pre[0]["pattern"]["Regex"] == PRETOKENIZE_REGEX and pre[0]["behavior"] == "Isolated"
+    assert pre[1]["type"] == "ByteLevel" and pre[1]["add_prefix_space"] is False
+
+
+def test_chat_template(tokenizer):
+    assert tokenizer.apply_chat_template(DEMO_MESSAGES, add_generation_prompt=True, tokenize=False) == DEMO_PROMPT
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+    )
+
+
+def test_image_processor_loads_without_torchvision(demo_dir):
+    processor = transformers.AutoImageProcessor.from_pretrained(demo_dir, backend="pil")
+    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
+    out = processor(images=[Image.open(photo_path())], return_tensors="np")
+    assert out["image_grid_thw"].tolist() == [[1, 16, 16]]  # 256x256 px, 16 px patches
+    assert out["pixel_values"].shape == (256, 3 * 2 * 16 * 16)
+
+
+def test_greedy_demo_generation_is_well_separated(demo_dir, tokenizer):
+    """The property the parity tests rely on: no early eos, clear top-1/top-2 gaps."""
+    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(demo_dir).eval()
+    processor = transformers.AutoImageProcessor.from_pretrained(demo_dir, backend="pil")
+    image = processor(images=[Image.open(photo_path())], return_tensors="pt")
+    n_image_tokens = int(image["image_grid_thw"].prod()) // 4
+    prompt = DEMO_PROMPT.replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            pixel_values=image["pixel_values"],
+            image_grid_thw=image["image_grid_thw"],
+            mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
+            max_new_tokens=40,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+    assert len(new_tokens) == 40 and not set(new_tokens) & set(model.generation_config.eos_token_id)
+    gaps = [float(top[0] - top[1]) for top in (step[0].topk(2).values for step in out.logits)]
+    assert min(gaps) > 1e-3
+
+
+def test_cache_same_seed_is_not_rebuilt(demo_dir, monkeypatch):
+    def fail(*args):
+        raise AssertionError("rebuilt")
+
+    monkeypatch.setattr(checkpoints, "_write_checkpoint", fail)
+    assert build_demo_checkpoint(demo_dir) == demo_dir
+    with pytest.raises(AssertionError, match="rebuilt"):
+        build_demo_checkpoint(demo_dir, overwrite=True)
+    assert (demo_dir / "model.safetensors").is_file()  # a failed rebuild leaves the old one
+    assert [p.name for p in demo_dir.parent.iterdir()] == [demo_dir.name]  # and no staging folder
+
+
+def test_weights_deterministic_per_seed(demo_dir, tmp_path):
+    weights = (demo_dir / "model.safetensors").read_bytes()
+    again = build_demo_checkpoint(tmp_path / "again")
+    assert (again / "model.safetensors").read_bytes() == weights
+    assert (again / "tokenizer.json").read_bytes() == (demo_dir / "tokenizer.json").read_bytes()
+    # another seed replaces the cached folder with different weights
+    build_demo_checkpoint(again, seed=DEMO_SEED + 1)
+    assert json.loads((again / ".qwen35_onnx_demo").read_text())["seed"] == DEMO_SEED + 1
+    assert (again / "model.safetensors").read_bytes() != weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+
+
+def test_refuses_foreign_folder(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        build_demo_checkpoint(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_demo_checkpoint_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("QWEN35_ONNX_CACHE", str(tmp_path))
+    assert demo_checkpoint_dir() == tmp_path / "demo-checkpoint"
+    monkeypatch.delenv("QWEN35_ONNX_CACHE")
+    assert demo_checkpoint_dir() == Path.home() / ".cache/qwen35-onnx/demo-checkpoint"
+
+
+def test_photo_is_a_small_jpeg():
+    path = photo_path()
+    assert path.stat().st_size < 40_000
+    with Image.open(path) as image:
+        assert image.format == "JPEG" and image.mode == "RGB" and max(image.size) <= 256

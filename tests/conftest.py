@@ -47,6 +47,16 @@ def dynamic_export(checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_export(checkpoint, tmp_path_factory) -> Path:
+    """Half the capacity of `fixed_export` (to mix graphs of different capacities)."""
+    from qwen35_onnx.export.exporter import ExportOptions, export
+
+    out = tmp_path_factory.mktemp("exp") / "small"
+    export(checkpoint, out, ExportOptions(capacity=CAPACITY // 2))
+    return out
+
+
+@pytest.fixture(scope="session")
 def reference_model(checkpoint):
     from qwen35_onnx.verify import load_reference
 

@@ -130,3 +130,64 @@ def test_image_tokens_without_image(pipe):
     ids = np.full((1, 20), pipe.contract.image_token_id)
     with pytest.raises(ValueError, match="image tokens"):
         pipe.prepare_ids(ids)
+
+
+def test_breaking_out_of_a_stream_keeps_the_tokens(pipe, photo):
+    stream = pipe.stream(photo, PROMPT, max_new_tokens=20)
+    pieces = []
+    for piece in stream:
+        pieces.append(piece)
+        if len(stream.result.token_ids) >= 5:
+            break
+    stream.close()
+    assert len(stream.result.token_ids) == 5
+    assert stream.result.finish_reason is None
+    full = pipe.generate(photo, PROMPT, max_new_tokens=20)
+    assert full.token_ids[:5] == stream.result.token_ids
+    assert stream.result.text == "".join(pieces)
+
+
+def test_pil_image_and_file_give_the_same_tokens(pipe, tmp_path, photo):
+    from PIL import Image
+
+    rgba = Image.open(photo).convert("RGBA")
+    rgba.putalpha(128)
+    path = tmp_path / "rgba.png"
+    rgba.save(path)
+    from_file = pipe.generate(path, PROMPT, max_new_tokens=6)
+    from_pil = pipe.generate(Image.open(path), PROMPT, max_new_tokens=6)
+    assert from_file.token_ids == from_pil.token_ids
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an integer >= 1, got 0"),
+        (dict(sampling={"temperature": 1}), TypeError, "sampling must be a SamplingConfig"),
+        (dict(sampling=SamplingConfig(seed=-1)), ValueError, "seed must be an integer >= 0"),
+    ],
+)
+def test_bad_generation_options(pipe, photo, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        pipe.generate(photo, PROMPT, **kwargs)
+
+
+def test_bad_image_and_prompt_types(pipe):
+    with pytest.raises(TypeError, match="image must be a file path, a PIL image or None, got int"):
+        pipe.generate(5, PROMPT)
+    with pytest.raises(TypeError, match="prompt must be a str, got bytes"):
+        pipe.generate(None, b"hi")
+    with pytest.raises(ValueError, match="prompt is not valid Unicode text"):
+        pipe.generate(None, "bad \ud800 surrogate")
+
+
+def test_numpy_integer_max_new_tokens_and_str_stop(pipe):
+    result = pipe.generate(None, "Hello", max_new_tokens=np.int64(3), stop="zzzz")
+    assert len(result.token_ids) == 3
+
+
+def test_nan_pixels_rejected(pipe):
+    c = pipe.contract
+    ids = pipe.preprocessor.encode("hi", c.n_image_tokens)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        pipe.prepare_ids(ids, np.full((c.n_patches, c.patch_dim), np.nan, dtype=np.float32))

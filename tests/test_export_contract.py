@@ -149,19 +149,54 @@ def test_folder_without_manifest_is_rejected(fixed_export, tmp_path):
         Pipeline.from_exported(partial)
 
 
-def test_capacity_mismatch_between_graphs_is_a_clear_error(checkpoint, fixed_export, tmp_path, photo):
+def test_capacity_mismatch_between_graphs_is_a_clear_error(fixed_export, small_export, tmp_path):
+    """A decode graph exported at another --max-seq-len, copied into an export."""
     mixed = tmp_path / "mixed"
-    shutil.copytree(fixed_export, mixed)  # decode (and vision) at CAPACITY
-    export(checkpoint, mixed, ExportOptions(capacity=CAPACITY // 2, component="prefill"))
-    assert read_manifest(mixed).capacity == CAPACITY // 2
-    with pytest.raises(ContractError, match=rf"capacity: {CAPACITY // 2} != {CAPACITY}|capacity: {CAPACITY} != {CAPACITY // 2}"):
+    shutil.copytree(fixed_export, mixed)  # capacity CAPACITY
+    shutil.rmtree(mixed / "decode")
+    shutil.copytree(small_export / "decode", mixed / "decode")  # capacity CAPACITY // 2
+    with pytest.raises(ContractError, match=rf"decode graph was exported with a different contract.*capacity: {CAPACITY // 2} != {CAPACITY}"):
         Pipeline.from_exported(mixed)
+
+
+def test_component_export_keeps_the_existing_contract(checkpoint, small_export, tmp_path):
+    target = tmp_path / "comp"
+    shutil.copytree(small_export, target)
+    before = read_manifest(target)
+    # only --component given: capacity, buckets and kv mode come from the existing export
+    export(checkpoint, target, ExportOptions(component="decode"), explicit=set())
+    assert read_manifest(target) == before
+    Pipeline.from_exported(target)
+    # an explicit conflicting option is refused before anything is written
+    with pytest.raises(ExportError, match=rf"--max-seq-len 2048 \(the export has {CAPACITY // 2}\)"):
+        export(checkpoint, target, ExportOptions(component="decode", capacity=2048), explicit={"capacity"})
+    assert read_manifest(target) == before
+
+
+def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="--overwrite only replaces a previous qwen35-onnx export"):
+        export(checkpoint, precious, ExportOptions(capacity=CAPACITY, overwrite=True))
+    assert (precious / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ExportError, match="holds the checkpoint --model-id"):
+        export(checkpoint, checkpoint, ExportOptions(capacity=CAPACITY, overwrite=True))
+    with pytest.raises(ExportError, match="holds the checkpoint --model-id"):
+        export(checkpoint, checkpoint.parent, ExportOptions(capacity=CAPACITY, overwrite=True))
+    assert (checkpoint / "model.safetensors").is_file()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ExportError, match="is a file, not a folder"):
+        export(checkpoint, a_file, ExportOptions(capacity=CAPACITY))
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         (dict(capacity=1), r"--max-seq-len \(capacity\) must be an integer >= 2, got 1"),
+        (dict(capacity=100000), r"--max-seq-len 100000 is above the model's max_position_embeddings 4096"),
+        (dict(image_size=512), r"--vision-image-size 512 gives 262144 pixels, more than .* \(max_pixels 65536\)"),
         (dict(capacity=16, dummy_seq_len=16), r"--dummy-seq-len 16 leaves no decode slot.*--max-seq-len 16"),
         (dict(dummy_seq_len=0), r"--dummy-seq-len must be an integer >= 1, got 0"),
         (dict(image_size=100), r"--vision-image-size 100 must be a positive multiple of .* = 32"),
@@ -169,7 +204,7 @@ def test_capacity_mismatch_between_graphs_is_a_clear_error(checkpoint, fixed_exp
         (dict(dtype="int3"), r"--dtype 'int3' is not supported"),
         (dict(component="audio"), r"--component 'audio' must be one of"),
         (dict(prefill_buckets=(64, 32)), r"strictly increasing, got 32 after 64"),
-        (dict(prefill_buckets=(32, 4096)), r"prefill bucket 4096 is above the capacity --max-seq-len 2048"),
+        (dict(prefill_buckets=(32, 4096)), r"--prefill-buckets: prefill bucket 4096 is above the capacity 2048"),
         (dict(prefill_buckets=()), r"--prefill-buckets is empty"),
         (dict(kv_mode="dynamic", prefill_buckets=(32,)), r"--prefill-buckets needs --kv-cache fixed"),
         (dict(prefill_logits="some"), r"--prefill-logits 'some' must be one of last, all"),

@@ -313,3 +313,33 @@ def test_preprocess_runs_where_torch_is_not_installed(folder):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")
+
+
+# ---- high bit depth and extreme shapes ----------------------------------------------------------
+
+def test_16_bit_grayscale_is_scaled_not_clipped(tmp_path):
+    values = np.linspace(40, 65527, 64 * 64).reshape(64, 64).astype(np.uint16)
+    path = tmp_path / "g16.png"
+    Image.fromarray(values).save(path)
+    rgb = np.asarray(load_image(path)).astype(float)
+    assert rgb.shape == (64, 64, 3)
+    assert abs(rgb.mean() - values.mean() / 257) < 1.0
+
+
+def test_float_image_in_unit_range_is_scaled():
+    image = Image.fromarray(np.full((8, 8), 0.5, dtype=np.float32), "F")
+    assert np.asarray(fit_to_grid(image, 32)).mean() == pytest.approx(128, abs=1)
+
+
+def test_very_thin_image_does_not_build_a_huge_square(monkeypatch):
+    from qwen35_onnx.runtime import preprocess
+
+    thin = Image.new("RGB", (100_000, 1), (255, 255, 255))
+    sizes = []
+    real_new = Image.new
+    monkeypatch.setattr(preprocess.Image, "new", lambda mode, size, *a, **k: sizes.append(size) or real_new(mode, size, *a, **k))
+    out = fit_to_grid(thin, 64)
+    assert out.size == (64, 64)
+    assert all(max(size) <= preprocess.MAX_PAD_SIDE for size in sizes), sizes
+    pixels = np.asarray(out)
+    assert pixels.max() > 200 and pixels[0].max() == 0  # a bright line on black

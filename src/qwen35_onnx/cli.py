@@ -7,6 +7,7 @@ Errors the user can fix (bad options, bad input, mismatched exports) are printed
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -16,7 +17,9 @@ import typer
 from .contract import ContractError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
-USER_ERRORS = (ValueError, FileNotFoundError, ContractError, TypeError)
+USER_ERRORS = (ValueError, OSError, ContractError, TypeError)
+"""Errors a user can fix (bad values, files, exports): reported as one line. OSError covers
+missing, unreadable and unwritable files and folders."""
 
 
 def _fail(exc: BaseException) -> None:
@@ -28,7 +31,7 @@ def _parse_buckets(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
+        return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ValueError(f"--prefill-buckets {text!r} must be comma-separated integers, e.g. 32,512,1024,2048") from None
 
@@ -37,41 +40,41 @@ def _parse_buckets(text: str | None) -> tuple[int, ...] | None:
 def export(
     model_id: Path = typer.Option(..., "--model-id", help="Local Hugging Face checkpoint folder."),
     output_dir: Path = typer.Option(..., "--output-dir", help="Folder to write (vision/, prefill/, decode/, manifest.json)."),
-    max_seq_len: int = typer.Option(2048, "--max-seq-len", help="Capacity in tokens: KV cache and mask width."),
-    kv_cache: str = typer.Option("fixed", "--kv-cache", help="fixed (constant-width KV, static decode graph) or dynamic (growing)."),
-    dtype: str = typer.Option("fp32", "--dtype", help="Weights and states dtype (fp32)."),
-    vision_image_size: int = typer.Option(128, "--vision-image-size", help="Image side in pixels (multiple of patch x merge)."),
-    dummy_seq_len: int = typer.Option(8, "--dummy-seq-len", help="Trace length in tokens."),
-    component: str = typer.Option("all", "--component", help="all, vision, prefill or decode (one graph updates an existing export)."),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Capacity in tokens: KV cache and mask width. [default: 2048]"),
+    kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="fixed (constant-width KV, static graphs) or dynamic (growing). [default: fixed]"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Weights and states dtype. [default: fp32]"),
+    vision_image_size: Optional[int] = typer.Option(None, "--vision-image-size", help="Image side in pixels (multiple of patch x merge). [default: 128]"),
+    dummy_seq_len: Optional[int] = typer.Option(None, "--dummy-seq-len", help="Trace length in tokens. [default: 8, at most capacity - 1]"),
+    component: str = typer.Option("all", "--component", help="all, vision, prefill or decode (one graph of an existing export, keeping its settings)."),
     prefill_buckets: Optional[str] = typer.Option(
         None, "--prefill-buckets",
-        help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode; default: those below capacity, plus capacity).",
+        help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode). [default: those below capacity, plus capacity]",
     ),
-    prefill_logits: str = typer.Option("last", "--prefill-logits", help="last (logits of the last real token) or all (every position, for verification)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
+    prefill_logits: Optional[str] = typer.Option(None, "--prefill-logits", help="last (the last real token) or all (every position, for verification). [default: last]"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export in --output-dir."),
 ) -> None:
     """Export a Qwen3.5 checkpoint to fixed-shape ONNX graphs."""
     try:
         from .export.exporter import ExportOptions, export as run_export
     except ImportError as exc:  # torch / onnx missing
         _fail(ValueError(f"export needs the 'export' extra (torch, onnx, onnxscript): {exc}"))
+    given = {
+        "capacity": max_seq_len,
+        "kv_mode": kv_cache,
+        "dtype": dtype,
+        "image_size": vision_image_size,
+        "dummy_seq_len": dummy_seq_len,
+        "prefill_logits": prefill_logits,
+    }
     try:
-        buckets = _parse_buckets(prefill_buckets)
+        given["prefill_buckets"] = _parse_buckets(prefill_buckets)
     except ValueError as exc:
         _fail(exc)
-    options = ExportOptions(
-        prefill_buckets=buckets,
-        prefill_logits=prefill_logits,
-        capacity=max_seq_len,
-        kv_mode=kv_cache,
-        dtype=dtype,
-        image_size=vision_image_size,
-        dummy_seq_len=dummy_seq_len,
-        component=component,
-        overwrite=overwrite,
-    )
+    given = {name: value for name, value in given.items() if value is not None}
+    options = ExportOptions(component=component, overwrite=overwrite, **given)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so an interrupted export cleans up
     try:
-        contract = run_export(model_id, output_dir, options, show_progress=True)
+        contract = run_export(model_id, output_dir, options, show_progress=True, explicit=set(given))
     except USER_ERRORS as exc:
         _fail(exc)
     typer.echo(
@@ -79,6 +82,10 @@ def export(
         f"{contract.n_image_tokens} image tokens)",
         err=True,
     )
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 @app.command()
@@ -105,10 +112,17 @@ def generate(
         stream = pipe.stream(image, prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
     except USER_ERRORS as exc:
         _fail(exc)
-    for piece in stream:
-        sys.stdout.write(piece)
+    try:
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    except BrokenPipeError:  # e.g. `| head`: the reader left; stop quietly
+        sys.stderr.close()
+        raise typer.Exit(code=1)
+    except USER_ERRORS as exc:
+        _fail(exc)
     result = stream.result
     typer.echo(f"[{result.finish_reason}] {len(result.token_ids)} tokens | {result.timings.summary()}", err=True)
 
@@ -117,7 +131,7 @@ def generate(
 def verify(
     model: Path = typer.Option(..., "--model", help="Export folder."),
     model_id: Path = typer.Option(..., "--model-id", help="The checkpoint folder it was exported from."),
-    image: Path = typer.Option(..., "--image"),
+    image: Optional[Path] = typer.Option(None, "--image", help="Image file; omit for a text-only prompt."),
     prompt: str = typer.Option("Describe this image.", "--prompt"),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
 ) -> None:

@@ -94,7 +94,7 @@ def check_buckets(buckets, capacity: int) -> None:
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ValueError(f"prefill bucket {b!r} must be an integer >= 1")
         if b > capacity:
-            raise ValueError(f"prefill bucket {b} is above the capacity --max-seq-len {capacity}")
+            raise ValueError(f"prefill bucket {b} is above the capacity {capacity}")
         if b <= previous:
             raise ValueError(f"prefill buckets must be strictly increasing, got {b} after {previous}")
         previous = b
@@ -282,13 +282,17 @@ class ShapeContract:
         if missing:
             raise ContractError(f"contract is missing fields: {', '.join(missing)}")
         kwargs = {k: data[k] for k in names if k in data}
-        kwargs["layer_types"] = tuple(kwargs["layer_types"])
-        kwargs["eos_token_ids"] = tuple(kwargs["eos_token_ids"])
-        kwargs["prefill_buckets"] = tuple(kwargs["prefill_buckets"])
-        kwargs["graphs"] = dict(kwargs.get("graphs") or {})
         try:
+            for key in ("layer_types", "eos_token_ids", "prefill_buckets"):
+                if not isinstance(kwargs[key], list):
+                    raise TypeError(f"{key} must be a list, got {kwargs[key]!r}")
+                kwargs[key] = tuple(kwargs[key])
+            graphs = kwargs.get("graphs") or {}
+            if not isinstance(graphs, dict):
+                raise TypeError(f"graphs must be an object, got {graphs!r}")
+            kwargs["graphs"] = dict(graphs)
             contract = cls(**kwargs)
-        except TypeError as exc:  # pragma: no cover - guarded by the checks above
+        except TypeError as exc:
             raise ContractError(f"malformed contract: {exc}") from exc
         contract.validate()
         return contract
@@ -307,6 +311,15 @@ class ShapeContract:
         Raises:
             ContractError: naming the field and the rule it broke.
         """
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int):
+                low = 0 if f.name.endswith("_token_id") else 1
+                if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                    raise ContractError(f"{f.name} must be an integer >= {low}, got {value!r}")
+        for name in ("layer_types", "eos_token_ids", "prefill_buckets"):
+            if name != "layer_types" and not all(isinstance(v, int) and not isinstance(v, bool) for v in getattr(self, name)):
+                raise ContractError(f"{name} must hold integers, got {list(getattr(self, name))!r}")
         if self.kv_mode not in KV_MODES:
             raise ContractError(f"kv_mode {self.kv_mode!r} is not one of {KV_MODES}")
         if self.dtype not in DTYPES:
@@ -355,11 +368,16 @@ def read_manifest(root: Path) -> ShapeContract:
         ContractError: the folder is not a complete export (no manifest), or it is malformed.
     """
     path = Path(root) / MANIFEST_NAME
-    if not Path(root).is_dir():
+    if not Path(root).exists():
         raise ContractError(f"exported model folder {str(root)!r} does not exist")
+    if not Path(root).is_dir():
+        raise ContractError(f"exported model folder {str(root)!r} is a file, not a folder")
     if not path.is_file():
         raise ContractError(
             f"{str(path)!r} not found: {str(root)!r} is not a complete qwen35-onnx export "
             "(was the export interrupted?)"
         )
-    return ShapeContract.from_json(path.read_text())
+    try:
+        return ShapeContract.from_json(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ContractError) as exc:
+        raise ContractError(f"{str(path)!r}: {exc}") from exc

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from PIL import Image
 from .contract import ShapeContract, read_manifest
 from .runtime.masks import CapacityExhausted, advance_mask, prepare_decode_mask
 from .runtime.positions import decode_position_ids, mrope_position_ids
-from .runtime.preprocess import Preprocessor, load_image
+from .runtime.preprocess import Preprocessor, load_image, to_rgb
 from .runtime.sampling import Sampler, SamplingConfig, StopStrings
 from .runtime.sessions import GraphSet
 from .runtime.state import BoundDecoder, HostDecoder
@@ -42,9 +43,10 @@ FINISH_LENGTH = "length"
 
 @dataclass
 class Timings:
-    """Wall-clock times in milliseconds; ``decode_steps`` counts decode-graph runs."""
+    """Wall-clock times in milliseconds (``vision_ms`` is None for a text-only prompt);
+    ``decode_steps`` counts decode-graph runs."""
 
-    vision_ms: float = 0.0
+    vision_ms: float | None = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     decode_steps: int = 0
@@ -59,8 +61,9 @@ class Timings:
         return 1000.0 * self.decode_steps / self.decode_ms if self.decode_ms else 0.0
 
     def summary(self) -> str:
+        vision = "no image" if self.vision_ms is None else f"{self.vision_ms:.1f} ms"
         return (
-            f"vision {self.vision_ms:.1f} ms | prefill {self.prefill_ms:.1f} ms | "
+            f"vision {vision} | prefill {self.prefill_ms:.1f} ms | "
             f"decode {self.decode_ms_per_token:.2f} ms/token over {self.decode_steps} steps | "
             f"{self.tokens_per_s:.1f} tokens/s"
         )
@@ -70,11 +73,12 @@ class Timings:
 class GenerationResult:
     """Outcome of one generation: ``token_ids`` are the new tokens (an end-of-sequence id
     that stopped generation included), ``text`` their decoded text (special tokens skipped),
-    ``finish_reason`` 'stop' or 'length', ``prompt_tokens`` the prompt length in tokens."""
+    ``finish_reason`` 'stop' or 'length' (None while unfinished), ``prompt_tokens`` the
+    prompt length in tokens."""
 
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str | None
     prompt_tokens: int
     timings: Timings = field(default_factory=Timings)
 
@@ -97,10 +101,12 @@ class PreparedPrompt:
 
 
 class GenerationStream:
-    """Iterate to receive text pieces as tokens are produced; ``result`` is set at the end.
+    """Iterate to receive text pieces as tokens are produced.
 
-    Nothing is lost: when generation stops (end of sequence, stop string, ``max_new_tokens``
-    or capacity) ``result`` holds every token produced.
+    ``result`` is kept up to date after every token, so nothing is lost: when generation
+    ends (end of sequence, stop string, ``max_new_tokens`` or capacity) it holds every token
+    with its ``finish_reason``; when the caller stops iterating early it holds the tokens
+    produced so far with ``finish_reason`` None (call :meth:`close` to release the states).
     """
 
     def __init__(self):
@@ -109,6 +115,12 @@ class GenerationStream:
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
+
+    def close(self) -> None:
+        """Stop the generation (its states are released); ``result`` keeps what was produced."""
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
 
 
 class Pipeline:
@@ -160,10 +172,19 @@ class Pipeline:
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"prompt is not valid Unicode text: {exc}") from None
         pixel_values = None
         if image is not None:
-            picture = image if isinstance(image, Image.Image) else load_image(image)
-            pixel_values, _ = self.preprocessor.pixel_values(picture.convert("RGB"))
+            if isinstance(image, Image.Image):
+                picture = to_rgb(image)
+            elif isinstance(image, (str, os.PathLike)):
+                picture = load_image(image)
+            else:
+                raise TypeError(f"image must be a file path, a PIL image or None, got {type(image).__name__}")
+            pixel_values, _ = self.preprocessor.pixel_values(picture)
         n_image_tokens = self.contract.n_image_tokens if image is not None else 0
         return self.prepare_ids(self.preprocessor.encode(prompt, n_image_tokens), pixel_values)
 
@@ -182,14 +203,21 @@ class Pipeline:
         ids = np.asarray(input_ids)
         if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be integers of shape [1, S] with S >= 1, got {ids.dtype} {ids.shape}")
+        low, high = int(ids.min()), int(ids.max())  # Python ints: no wrap-around for uint64
+        if low < 0 or high >= c.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {c.vocab_size}), got min {low} max {high}")
         ids = ids.astype(np.int64)
-        if ids.min() < 0 or ids.max() >= c.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {c.vocab_size}), got min {ids.min()} max {ids.max()}")
         bucket = c.select_bucket(int(ids.shape[1]))
         if pixel_values is not None:
+            pixel_values = np.asarray(pixel_values)
             expected = (c.n_patches, c.patch_dim)
-            if tuple(pixel_values.shape) != expected:
-                raise ValueError(f"pixel_values shape {tuple(pixel_values.shape)} != {expected} of the exported grid")
+            if tuple(pixel_values.shape) != expected or pixel_values.dtype.kind not in "fiu":
+                raise ValueError(
+                    f"pixel_values must be numbers of shape {expected} (the exported grid), "
+                    f"got {pixel_values.dtype} {tuple(pixel_values.shape)}"
+                )
+            if not np.isfinite(pixel_values).all():
+                raise ValueError("pixel_values hold NaN or infinite values")
             pixel_values = np.ascontiguousarray(pixel_values, dtype=np.float32)
         grid = c.grid_thw if pixel_values is not None else None
         positions, rope_deltas = mrope_position_ids(ids, c.image_token_id, grid, c.spatial_merge_size)
@@ -270,10 +298,13 @@ class Pipeline:
     def stream_prepared(self, prepared: PreparedPrompt, max_new_tokens: int = 128,
                         sampling: SamplingConfig | None = None, stop=()) -> GenerationStream:
         """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig or None, got {type(sampling).__name__}")
         sampler = Sampler(sampling or SamplingConfig())
-        stops = StopStrings(tuple(stop))
+        stops = StopStrings((stop,) if isinstance(stop, str) else tuple(stop))
         room = self.contract.capacity - prepared.prompt_len + 1  # the last token needs no KV slot
         if max_new_tokens > room:
             log.warning(
@@ -282,6 +313,7 @@ class Pipeline:
                 prepared.prompt_len, max_new_tokens, self.contract.capacity, room,
             )
         stream = GenerationStream()
+        stream.result = GenerationResult("", [], None, prepared.prompt_len)
         stream._pieces = self._generate(prepared, max_new_tokens, sampler, stops, stream)
         return stream
 
@@ -291,8 +323,10 @@ class Pipeline:
         timings = Timings()
         tokens: list[int] = []
         emitted: list[str] = []
-        finish = FINISH_LENGTH
+        finish = None
         streamer = self.preprocessor.text_streamer()
+        stream.result = GenerationResult("", tokens, None, prepared.prompt_len, timings)
+        rest = ""
         try:
             self.graphs.prefill(prepared.bucket if contract.prefill_buckets else None)  # load + check first
             t0 = time.perf_counter()
@@ -300,7 +334,8 @@ class Pipeline:
             t1 = time.perf_counter()
             logits, states = self.run_prefill(prepared, image_embeds)
             t2 = time.perf_counter()
-            timings.vision_ms, timings.prefill_ms = 1000 * (t1 - t0), 1000 * (t2 - t1)
+            timings.vision_ms = 1000 * (t1 - t0) if prepared.pixel_values is not None else None
+            timings.prefill_ms = 1000 * (t2 - t1)
 
             _, prompt_mask, _ = self.padded_prompt(prepared)
             if contract.kv_mode == "fixed":
@@ -318,15 +353,18 @@ class Pipeline:
                 piece = stops.feed(streamer.put(token))
                 if piece:
                     emitted.append(piece)
+                    stream.result.text = "".join(emitted)
                     yield piece
                 if stops.stopped or token in contract.eos_token_ids:
                     finish = FINISH_STOP
                     break
                 if len(tokens) >= max_new_tokens:
+                    finish = FINISH_LENGTH
                     break
                 try:
                     decode_mask, next_pos = self._advance(decode_mask)
                 except CapacityExhausted:
+                    finish = FINISH_LENGTH
                     break
                 t3 = time.perf_counter()
                 step_logits = decoder.step(
@@ -339,9 +377,10 @@ class Pipeline:
                 rest = stops.feed(streamer.end()) + stops.flush()
                 if rest:
                     emitted.append(rest)
-                    yield rest
         finally:
             stream.result = GenerationResult("".join(emitted), tokens, finish, prepared.prompt_len, timings)
+        if rest:  # the held-back tail, yielded once the result is final
+            yield rest
 
     def _advance(self, decode_mask: np.ndarray) -> tuple[np.ndarray, int]:
         """Claim the slot of the token being fed; returns the mask and ``next_pos = sum(mask)``

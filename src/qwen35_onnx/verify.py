@@ -48,7 +48,12 @@ def load_reference(model_id: str | Path):
     is 1.1e-4 away (measured with transformers 5.24, torch 2.13).
     """
     from transformers import Qwen3_5ForConditionalGeneration
+    from transformers.utils import logging as hf_logging
 
+    # The reference runs transformers' own PyTorch kernels on purpose: its notices about
+    # optional fused-kernel packages and its loading progress bar are noise here.
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     return Qwen3_5ForConditionalGeneration.from_pretrained(
         Path(model_id), dtype="float32", attn_implementation="eager"
     ).eval()

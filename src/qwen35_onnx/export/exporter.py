@@ -7,12 +7,15 @@ place once complete, so an interrupted export never leaves a folder the runtime 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from ..contract import (
     DTYPES,
     GRAPH_NAMES,
     KV_MODES,
+    MANIFEST_NAME,
     METADATA_KEY,
     PREFILL_LOGITS,
     ShapeContract,
@@ -73,7 +77,7 @@ class ExportOptions:
     kv_mode: str = "fixed"
     dtype: str = "fp32"
     image_size: int = 128
-    dummy_seq_len: int = 8
+    dummy_seq_len: int | None = None
     component: str = "all"
     chunk_size: int = 64
     prefill_buckets: tuple[int, ...] | None = None
@@ -84,7 +88,7 @@ class ExportOptions:
         """Raises ExportError naming the option and the rule it broke."""
         try:
             check_capacity(self.capacity)
-            check_dummy_seq_len(self.dummy_seq_len, self.capacity)
+            check_dummy_seq_len(self.trace_len, self.capacity)
         except ValueError as exc:
             raise ExportError(str(exc)) from exc
         if self.kv_mode not in KV_MODES:
@@ -114,6 +118,11 @@ class ExportOptions:
         if self.kv_mode != "fixed":
             return ()
         return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
+
+    @property
+    def trace_len(self) -> int:
+        """Trace length in tokens: ``dummy_seq_len``, or by default 8 capped at capacity - 1."""
+        return self.dummy_seq_len if self.dummy_seq_len is not None else min(8, self.capacity - 1)
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -163,11 +172,29 @@ def chunk_size_for(lengths: Sequence[int], preferred: int) -> int:
     return chunk
 
 
-def build_contract(config, generation_config, options: ExportOptions) -> ShapeContract:
+def processor_max_pixels(model_dir: str | Path) -> int | None:
+    """The image processor's largest image in pixels (``size.longest_edge`` or ``max_pixels`` of
+    ``preprocessor_config.json``), or None when the checkpoint does not say."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    size = data.get("size") if isinstance(data.get("size"), dict) else {}
+    value = size.get("longest_edge", data.get("max_pixels"))
+    return int(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def build_contract(config, generation_config, options: ExportOptions, max_pixels: int | None = None) -> ShapeContract:
     """The contract of an export of ``config`` (a ``Qwen3_5Config``) with ``options``.
 
+    Args:
+        max_pixels: the checkpoint image processor's largest image (pixels), if known.
+
     Raises:
-        ExportError: unsupported architecture or image size not a multiple of patch x merge.
+        ExportError: unsupported architecture; image size not a multiple of patch x merge or
+            above the processor's ``max_pixels``; capacity above the model's
+            ``max_position_embeddings``.
     """
     check_architecture(config)
     vision, text = config.vision_config, config.text_config
@@ -175,6 +202,16 @@ def build_contract(config, generation_config, options: ExportOptions) -> ShapeCo
         check_image_size(options.image_size, vision.patch_size, vision.spatial_merge_size)
     except ValueError as exc:
         raise ExportError(str(exc)) from exc
+    if max_pixels is not None and options.image_size**2 > max_pixels:
+        raise ExportError(
+            f"--vision-image-size {options.image_size} gives {options.image_size**2} pixels, more than the "
+            f"checkpoint's image processor allows (max_pixels {max_pixels})"
+        )
+    max_positions = getattr(text, "max_position_embeddings", None)
+    if max_positions and options.capacity > max_positions:
+        raise ExportError(
+            f"--max-seq-len {options.capacity} is above the model's max_position_embeddings {max_positions}"
+        )
     pad = getattr(generation_config, "pad_token_id", None) if generation_config is not None else None
     key_dim = text.linear_num_key_heads * text.linear_key_head_dim
     contract = ShapeContract(
@@ -329,7 +366,7 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
     inputs, outputs = io_names(job.kind)
     path = root / job.path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
+    with torch.no_grad(), quiet_torch_export():
         program = torch.onnx.export(
             module,
             dummy_inputs(job.kind, contract, trace_seq_len(job, contract, dummy_seq_len)),
@@ -340,6 +377,7 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
             dynamic_shapes=dynamic_shapes(job, contract),
             optimize=True,
             verbose=False,
+            report=False,
         )
     program.model.metadata_props[METADATA_KEY] = contract.to_json()
     program.model.metadata_props["qwen35_onnx.graph"] = job.key
@@ -353,25 +391,48 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
 # ----------------------------------------------------------------------------------------
 # Whole export
 # ----------------------------------------------------------------------------------------
-def load_checkpoint(model_id: str | Path):
-    """Load config, generation config and fp32 weights of a local Hugging Face folder.
+def load_config(model_id: str | Path):
+    """Config and generation config of a local Hugging Face folder (no weights yet).
 
     Raises:
-        ExportError: the folder is missing, has no ``config.json``, or is not Qwen3.5.
+        ExportError: the folder is missing, has no readable ``config.json``, or is not Qwen3.5.
     """
-    from transformers import AutoConfig, GenerationConfig, Qwen3_5ForConditionalGeneration
+    from transformers import AutoConfig, GenerationConfig
 
     path = Path(model_id)
     if not (path / "config.json").is_file():
         raise ExportError(f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)")
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ExportError(f"--model-id {str(model_id)!r}: config.json cannot be read: {exc}") from exc
     check_architecture(config)
     try:
         generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
+    except (OSError, ValueError):
         generation_config = None
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype="float32").eval()
-    return config, generation_config, model
+    return config, generation_config
+
+
+def load_weights(model_id: str | Path):
+    """fp32 ``Qwen3_5ForConditionalGeneration`` of a local folder, eval mode.
+
+    Raises:
+        ExportError: missing or unreadable weight files.
+    """
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    try:
+        return Qwen3_5ForConditionalGeneration.from_pretrained(Path(model_id), dtype="float32").eval()
+    except Exception as exc:  # OSError, safetensors' SafetensorError, ...: a bad checkpoint
+        raise ExportError(f"--model-id {str(model_id)!r}: the weights cannot be loaded: {exc}") from exc
+
+
+def load_checkpoint(model_id: str | Path):
+    """``(config, generation_config, model)`` of a local Hugging Face folder (see
+    :func:`load_config` and :func:`load_weights`)."""
+    config, generation_config = load_config(model_id)
+    return config, generation_config, load_weights(model_id)
 
 
 def copy_processor_files(src: Path, dst: Path) -> None:
@@ -381,54 +442,158 @@ def copy_processor_files(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
+CONTRACT_OPTIONS = {
+    "capacity": "--max-seq-len",
+    "kv_mode": "--kv-cache",
+    "dtype": "--dtype",
+    "image_size": "--vision-image-size",
+    "prefill_buckets": "--prefill-buckets",
+    "prefill_logits": "--prefill-logits",
+}
+"""Options that shape the contract: a single-component export takes them from the existing export."""
+
+
+def component_options(existing: ShapeContract, options: ExportOptions, explicit: Collection[str] | None) -> ExportOptions:
+    """Options for re-exporting one graph of an existing export: its contract options come from
+    the existing manifest, so the updated folder stays consistent.
+
+    Raises:
+        ExportError: an option given explicitly (``explicit``; when None, any option that is
+            not its default) differs from the existing export.
+    """
+    current = {
+        "capacity": existing.capacity,
+        "kv_mode": existing.kv_mode,
+        "dtype": existing.dtype,
+        "image_size": existing.image_size,
+        "prefill_buckets": existing.prefill_buckets or None,
+        "prefill_logits": existing.prefill_logits,
+    }
+    defaults = ExportOptions()
+    conflicts = []
+    for name, flag in CONTRACT_OPTIONS.items():
+        given = getattr(options, name)
+        if given is not None and name == "prefill_buckets":
+            given = tuple(given)
+        chosen = name in explicit if explicit is not None else given != getattr(defaults, name)
+        if chosen and given != current[name]:
+            conflicts.append(f"{flag} {given!r} (the export has {current[name]!r})")
+    if conflicts:
+        raise ExportError(
+            "--component updates one graph of an existing export and keeps its contract, but "
+            + "; ".join(conflicts)
+            + ": export everything again with --component all --overwrite to change it"
+        )
+    return replace(options, **current)
+
+
+def _check_output(out: Path, model_dir: Path, options: ExportOptions) -> None:
+    """Refuse output folders that would lose data or cannot hold an export."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--output-dir {str(out)!r} is a file, not a folder")
+    if out == model_dir or out in model_dir.parents:
+        raise ExportError(f"--output-dir {str(out)!r} holds the checkpoint --model-id {str(model_dir)!r}; choose another folder")
+    if options.component != "all":
+        if not out.is_dir():
+            raise ExportError(
+                f"--component {options.component} updates an existing export, but {str(out)!r} does not exist; "
+                "export with --component all first"
+            )
+        return
+    if out.exists() and any(out.iterdir()):
+        if not options.overwrite:
+            raise ExportError(f"--output-dir {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+        if not (out / MANIFEST_NAME).is_file():
+            raise ExportError(
+                f"--overwrite only replaces a previous qwen35-onnx export, and {str(out)!r} has no {MANIFEST_NAME}; "
+                "remove it yourself or choose another folder"
+            )
+
+
 def export(
     model_id: str | Path,
     output_dir: str | Path,
     options: ExportOptions,
     show_progress: bool = False,
+    explicit: Collection[str] | None = None,
 ) -> ShapeContract:
     """Export a checkpoint folder; returns the written contract.
 
-    ``component='all'`` writes a new folder (refusing an existing one unless
-    ``options.overwrite``); a single component replaces that graph in an existing export.
-    Everything is written into a temporary sibling folder and moved into place at the end.
+    ``component='all'`` writes a new folder (replacing a previous export only with
+    ``options.overwrite``); a single component replaces that graph in an existing export and
+    keeps that export's contract options (see :func:`component_options`). All checks run
+    before the weights are loaded; everything is written into a temporary sibling folder and
+    moved into place at the end, so an interrupted export leaves nothing behind.
+
+    Args:
+        explicit: names of the options the user set (the CLI passes them); used to tell a
+            deliberate conflict with an existing export from a default.
 
     Raises:
-        ExportError: bad options, unsupported checkpoint, or an output folder conflict.
+        ExportError: bad options, unsupported or unreadable checkpoint, or an output folder
+            conflict, each naming the value and the rule it broke.
     """
     options.validate()
-    out = Path(output_dir)
-    if options.component == "all" and out.exists() and any(out.iterdir()) and not options.overwrite:
-        raise ExportError(f"--output-dir {str(out)!r} exists and is not empty; pass --overwrite to replace it")
-    if options.component != "all" and not out.is_dir():
-        raise ExportError(
-            f"--component {options.component} updates an existing export, but {str(out)!r} does not exist; "
-            "export with --component all first"
-        )
-    config, generation_config, model = load_checkpoint(model_id)
-    contract = build_contract(config, generation_config, options)
+    out = Path(output_dir).expanduser().resolve()
+    model_dir = Path(model_id).expanduser().resolve()
+    _check_output(out, model_dir, options)
+    if options.component != "all":
+        options = component_options(read_manifest(out), options, explicit)
+        options.validate()
+    config, generation_config = load_config(model_dir)
+    contract = build_contract(config, generation_config, options, processor_max_pixels(model_dir))
     contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
     jobs = graph_jobs(contract, options.components)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise ExportError(f"--output-dir {str(out)!r} cannot be created: {exc}") from exc
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an export is ordinary data
+    try:
+        model = load_weights(model_dir)
         if options.component != "all":
-            read_manifest(out)  # the folder must be a complete export
-            for name in GRAPH_NAMES:
-                if name != options.component and (out / name).is_dir():
+            keep = {job.path.split("/")[0] for job in graph_jobs(contract) if job.kind != options.component}
+            for name in sorted(keep):
+                if (out / name).is_dir():
                     shutil.copytree(out / name, tmp / name)
         bar = tqdm(jobs, desc="export", unit="graph", disable=not show_progress, file=sys.stderr)
         for job in bar:
             bar.set_postfix_str(job.key)
-            export_graph(job, model, contract, tmp, options.dummy_seq_len)
-        copy_processor_files(Path(model_id), tmp)
+            export_graph(job, model, contract, tmp, options.trace_len)
+        copy_processor_files(model_dir, tmp)
         write_manifest(tmp, contract)
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return contract
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def quiet_torch_export():
+    """Silence torch's export-internal chatter (torchvision op registration notices, an
+    'always_classified is unsupported' log line, deprecation warnings) that says nothing
+    about the user's export; real failures still raise."""
+    names = ("torch.onnx", "torch.export", "torch._export", "torch._dynamo", "torch.fx")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

@@ -34,7 +34,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-__all__ = ["Preprocessor", "TextStreamer", "fit_to_grid", "load_image"]
+__all__ = ["Preprocessor", "TextStreamer", "fit_to_grid", "load_image", "to_rgb"]
 
 PAD_COLOUR = (0, 0, 0)  # fit_to_grid square padding: black
 WHITE = (255, 255, 255)  # background for transparent pixels in load_image
@@ -68,18 +68,41 @@ def load_image(path: str | os.PathLike) -> Image.Image:
         with Image.open(path) as image:
             image.load()
             image = ImageOps.exif_transpose(image)
-            return _to_rgb(image)
+            return to_rgb(image)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise ValueError(f"cannot read image {path}: {err}") from err
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    """Convert any PIL mode to RGB; transparent pixels become white."""
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any PIL mode to 8-bit RGB.
+
+    Transparent pixels (RGBA, LA, PA, P with a transparency entry) are composited on white.
+    High-bit-depth modes are scaled to 8 bits rather than clipped: 16-bit integer modes
+    (``I;16*``) by 1/257; 32-bit integer ``I`` by its value range (16-bit data stored as
+    ``I`` is common); float ``F`` from [0, 1] when its values lie there, else clipped to
+    [0, 255]. Other modes go through ``Image.convert("RGB")``.
+    """
+    if image.mode.startswith("I;16") or image.mode in ("I", "F"):
+        values = np.asarray(image, dtype=np.float64)
+        if image.mode == "F":
+            finite = values[np.isfinite(values)]
+            top = float(finite.max()) if finite.size else 0.0
+            values = values * 255.0 if top <= 1.0 else values
+        elif image.mode == "I" and values.size and values.max() > 65535:
+            values = values / 2**24
+        else:
+            values = values / 257.0
+        values = np.nan_to_num(values, nan=0.0, posinf=255.0, neginf=0.0)
+        return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8), "L").convert("RGB")
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, WHITE + (255,))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+MAX_PAD_SIDE = 4096
+"""Largest padded square (pixels per side) built at full resolution in :func:`fit_to_grid`."""
 
 
 def fit_to_grid(image: Image.Image, image_size: int) -> Image.Image:
@@ -88,8 +111,12 @@ def fit_to_grid(image: Image.Image, image_size: int) -> Image.Image:
     ``image_size x image_size``. Black is the fill because it does not depend on the
     processor's normalisation constants.
 
+    A square wider than :data:`MAX_PAD_SIDE` pixels (a very long, thin image) would cost
+    gigabytes, so such images are resized first (the short side keeping at least one pixel)
+    and padded after, which differs only by edge rounding.
+
     Args:
-        image: ``PIL.Image`` of any size and mode (converted to RGB).
+        image: ``PIL.Image`` of any size and mode (converted with :func:`to_rgb`).
         image_size: output side in pixels (> 0).
 
     Returns:
@@ -101,9 +128,17 @@ def fit_to_grid(image: Image.Image, image_size: int) -> Image.Image:
     """
     if image_size <= 0:
         raise ValueError(f"image_size must be positive, got {image_size}")
-    image = image.convert("RGB")
+    image = to_rgb(image)
     width, height = image.size
     side = max(width, height)
+    if side > MAX_PAD_SIDE:
+        # resize first (the short side keeps at least one pixel), then pad
+        scale = image_size / side
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        resized = image.resize(size, Image.Resampling.BICUBIC)
+        canvas = Image.new("RGB", (image_size, image_size), PAD_COLOUR)
+        canvas.paste(resized, ((image_size - size[0]) // 2, (image_size - size[1]) // 2))
+        return canvas
     if width != height:
         square = Image.new("RGB", (side, side), PAD_COLOUR)
         square.paste(image, ((side - width) // 2, (side - height) // 2))

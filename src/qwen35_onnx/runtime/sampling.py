@@ -7,6 +7,7 @@ top-p). Temperature 0 means greedy (``argmax``, first index on ties, as ``torch.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +24,17 @@ class SamplingConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the parameter and its allowed range."""
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0
+        ):
+            raise ValueError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -41,17 +50,19 @@ class Sampler:
     def __init__(self, config: SamplingConfig):
         config.validate()
         self.config = config
-        self.rng = np.random.default_rng(config.seed)
+        self.rng = np.random.default_rng(None if config.seed is None else int(config.seed))
 
     def __call__(self, logits: np.ndarray) -> int:
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         if self.config.greedy:
             return int(np.argmax(logits))
-        scores = logits / self.config.temperature
+        # shift before dividing, so that a tiny temperature cannot overflow to inf - inf
+        with np.errstate(over="ignore"):
+            scores = (logits - logits.max()) / self.config.temperature
         if self.config.top_k and self.config.top_k < scores.size:
             kth = np.partition(scores, -self.config.top_k)[-self.config.top_k]
             scores = np.where(scores < kth, -np.inf, scores)
-        probs = np.exp(scores - scores.max())
+        probs = np.exp(scores)
         probs /= probs.sum()
         if self.config.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")

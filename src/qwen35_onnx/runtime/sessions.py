@@ -61,7 +61,11 @@ class GraphSession:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
-        session = ort.InferenceSession(str(path), sess_options=options, providers=providers_for(device))
+        providers = providers_for(device)
+        try:
+            session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        except Exception as exc:  # ORT raises its own classes (InvalidProtobuf, Fail, ...)
+            raise ContractError(f"{name} graph {str(path)!r} cannot be loaded by ONNX Runtime: {exc}") from exc
         meta = session.get_modelmeta().custom_metadata_map
         if METADATA_KEY not in meta:
             raise ContractError(f"{name} graph {str(path)!r} has no {METADATA_KEY!r} metadata: not a qwen35-onnx export")
@@ -94,6 +98,14 @@ class GraphSet:
     def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0):
         self.root, self.contract, self.device, self.threads = Path(root), contract, device, threads
         self._prefill: dict[int | None, GraphSession] = {}
+        expected = {"vision", "decode"} | {contract.prefill_graph_key(b) for b in contract.prefill_buckets or [None]}
+        missing = sorted(expected - set(contract.graphs))
+        if missing:
+            raise ContractError(f"manifest.json lists no graph for {missing} (has {sorted(contract.graphs)})")
+        for key, rel in contract.graphs.items():
+            path = self.root / rel
+            if not path.is_file() or path.stat().st_size == 0:
+                raise ContractError(f"{key} graph {str(path)!r} is missing or empty: the export is incomplete")
         self.vision = self._load("vision")
         self.decode = self._load("decode")
         check_vision(contract, self.vision)

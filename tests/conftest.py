@@ -29,7 +29,8 @@ def photo() -> Path:
     return photo_path()
 
 
-def _export(checkpoint: Path, out: Path, **options) -> Path:
+def export_to(checkpoint: Path, out: Path, **options) -> Path:
+    """Export with capacity CAPACITY and ``options``; returns ``out``."""
     from qwen35_onnx.export.exporter import ExportOptions, export
 
     export(checkpoint, out, ExportOptions(capacity=CAPACITY, **options))
@@ -38,12 +39,12 @@ def _export(checkpoint: Path, out: Path, **options) -> Path:
 
 @pytest.fixture(scope="session")
 def fixed_export(checkpoint, tmp_path_factory) -> Path:
-    return _export(checkpoint, tmp_path_factory.mktemp("exp") / "fixed", kv_mode="fixed")
+    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "fixed", kv_mode="fixed")
 
 
 @pytest.fixture(scope="session")
 def dynamic_export(checkpoint, tmp_path_factory) -> Path:
-    return _export(checkpoint, tmp_path_factory.mktemp("exp") / "dynamic", kv_mode="dynamic")
+    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "dynamic", kv_mode="dynamic")
 
 
 @pytest.fixture(scope="session")

@@ -51,6 +51,9 @@ def export(
         help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode). [default: those below capacity, plus capacity]",
     ),
     prefill_logits: Optional[str] = typer.Option(None, "--prefill-logits", help="last (the last real token) or all (every position, for verification). [default: last]"),
+    ops: Optional[str] = typer.Option(None, "--ops", help="portable (standard ONNX operators) or ort (ONNX Runtime fused operators). [default: portable]"),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="none, int4 or int8: weight-only MatMulNBits for the text graphs. [default: none]"),
+    quant_block_size: Optional[int] = typer.Option(None, "--quant-block-size", help="Weights per quantization scale (power of two >= 16). [default: 32]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export in --output-dir."),
 ) -> None:
     """Export a Qwen3.5 checkpoint to fixed-shape ONNX graphs."""
@@ -65,6 +68,9 @@ def export(
         "image_size": vision_image_size,
         "dummy_seq_len": dummy_seq_len,
         "prefill_logits": prefill_logits,
+        "ops": ops,
+        "quantize": quantize,
+        "quant_block_size": quant_block_size,
     }
     try:
         given["prefill_buckets"] = _parse_buckets(prefill_buckets)

@@ -25,6 +25,9 @@ MANIFEST_NAME = "manifest.json"
 GRAPH_NAMES = ("vision", "prefill", "decode")
 KV_MODES = ("fixed", "dynamic")
 PREFILL_LOGITS = ("last", "all")
+OPS = ("portable", "ort")
+QUANTIZATIONS = ("none", "int4", "int8")
+"""Operator sets: standard ONNX only, or ONNX Runtime fused contrib operators."""
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
 DTYPES = ("fp32",)
@@ -161,6 +164,9 @@ class ShapeContract:
     chunk_size: int
     prefill_buckets: tuple[int, ...]
     prefill_logits: str
+    ops: str
+    quantize: str
+    quant_block_size: int
     # token ids
     image_token_id: int
     vision_start_token_id: int
@@ -334,6 +340,10 @@ class ShapeContract:
         bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
         if bad:
             raise ContractError(f"unknown layer types {bad}")
+        if self.ops not in OPS:
+            raise ContractError(f"ops {self.ops!r} is not one of {OPS}")
+        if self.quantize not in QUANTIZATIONS:
+            raise ContractError(f"quantize {self.quantize!r} is not one of {QUANTIZATIONS}")
         if self.prefill_logits not in PREFILL_LOGITS:
             raise ContractError(f"prefill_logits {self.prefill_logits!r} is not one of {PREFILL_LOGITS}")
         try:

@@ -52,6 +52,8 @@ def load_reference(model_id: str | Path):
 
     # The reference runs transformers' own PyTorch kernels on purpose: its notices about
     # optional fused-kernel packages and its loading progress bar are noise here.
+    if not (Path(model_id) / "config.json").is_file():
+        raise ValueError(f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     return Qwen3_5ForConditionalGeneration.from_pretrained(

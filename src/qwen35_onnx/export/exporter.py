@@ -28,7 +28,9 @@ from ..contract import (
     KV_MODES,
     MANIFEST_NAME,
     METADATA_KEY,
+    OPS,
     PREFILL_LOGITS,
+    QUANTIZATIONS,
     ShapeContract,
     check_buckets,
     check_capacity,
@@ -82,6 +84,9 @@ class ExportOptions:
     chunk_size: int = 64
     prefill_buckets: tuple[int, ...] | None = None
     prefill_logits: str = "last"
+    ops: str = "portable"
+    quantize: str = "none"
+    quant_block_size: int = 32
     overwrite: bool = False
 
     def validate(self) -> None:
@@ -99,6 +104,13 @@ class ExportOptions:
             raise ExportError(f"--component {self.component!r} must be one of all, {', '.join(GRAPH_NAMES)}")
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ExportError(f"chunk size {self.chunk_size} must be a power of two")
+        if self.ops not in OPS:
+            raise ExportError(f"--ops {self.ops!r} must be one of {', '.join(OPS)}")
+        if self.quantize not in QUANTIZATIONS:
+            raise ExportError(f"--quantize {self.quantize!r} must be one of {', '.join(QUANTIZATIONS)}")
+        bs = self.quant_block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
+            raise ExportError(f"--quant-block-size {bs!r} must be a power of two >= 16")
         if self.prefill_logits not in PREFILL_LOGITS:
             raise ExportError(f"--prefill-logits {self.prefill_logits!r} must be one of {', '.join(PREFILL_LOGITS)}")
         if self.prefill_buckets is not None:
@@ -238,6 +250,9 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
         chunk_size=chunk_size_for((options.capacity, *options.buckets), options.chunk_size),
         prefill_buckets=options.buckets,
         prefill_logits=options.prefill_logits,
+        ops=options.ops,
+        quantize=options.quantize,
+        quant_block_size=options.quant_block_size,
         image_token_id=config.image_token_id,
         vision_start_token_id=config.vision_start_token_id,
         vision_end_token_id=config.vision_end_token_id,
@@ -362,6 +377,8 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
     contract in its ``metadata_props``. Returns the ONNX file path."""
     import torch
 
+    from .fused import TRANSLATIONS
+
     module = graph_module(job.kind, model, contract).eval()
     inputs, outputs = io_names(job.kind)
     path = root / job.path
@@ -375,6 +392,7 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
             input_names=inputs,
             output_names=outputs,
             dynamic_shapes=dynamic_shapes(job, contract),
+            custom_translation_table=TRANSLATIONS,
             optimize=True,
             verbose=False,
             report=False,
@@ -384,7 +402,12 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
     weight_bytes = sum(
         int(v.const_value.nbytes) for v in program.model.graph.initializers.values() if v.const_value is not None
     )
-    program.save(str(path), external_data=weight_bytes > EXTERNAL_DATA_THRESHOLD)
+    external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+    program.save(str(path), external_data=external)
+    if contract.quantize != "none" and job.kind != "vision":
+        from .quantize import quantize_graph
+
+        quantize_graph(path, contract.quantize, contract.quant_block_size, external)
     return path
 
 
@@ -449,6 +472,9 @@ CONTRACT_OPTIONS = {
     "image_size": "--vision-image-size",
     "prefill_buckets": "--prefill-buckets",
     "prefill_logits": "--prefill-logits",
+    "ops": "--ops",
+    "quantize": "--quantize",
+    "quant_block_size": "--quant-block-size",
 }
 """Options that shape the contract: a single-component export takes them from the existing export."""
 
@@ -468,6 +494,9 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
         "image_size": existing.image_size,
         "prefill_buckets": existing.prefill_buckets or None,
         "prefill_logits": existing.prefill_logits,
+        "ops": existing.ops,
+        "quantize": existing.quantize,
+        "quant_block_size": existing.quant_block_size,
     }
     defaults = ExportOptions()
     conflicts = []

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..contract import ShapeContract
-from . import layers
+from . import fused, layers
 
 VISION_INPUTS = ["pixel_values"]
 VISION_OUTPUTS = ["image_embeds"]
@@ -120,6 +120,44 @@ class _TextGraph(nn.Module):
         g = -attn.A_log.float().exp() * F.softplus(attn.in_proj_a(hidden).float() + attn.dt_bias)
         return qkv, z, g, beta
 
+    @property
+    def fused(self) -> bool:
+        """ONNX Runtime fused operators (``--ops ort``) instead of standard ONNX ones."""
+        return self.contract.ops == "ort"
+
+    def conv_prefill(self, attn: nn.Module, qkv: torch.Tensor, n_valid: torch.Tensor):
+        """Causal conv + SiLU over the prompt ``[B, D, S]`` -> (output, state of the last real tokens)."""
+        weight = attn.conv1d.weight  # [D, 1, K]
+        if not self.fused:
+            return layers.causal_conv_prefill(qkv, weight.squeeze(1), n_valid)
+        kernel = weight.shape[-1]
+        zeros = qkv.new_zeros(qkv.shape[0], qkv.shape[1], kernel - 1)
+        mixed, _ = fused.causal_conv(qkv, weight, zeros)  # its state would hold the padding
+        return mixed, layers.conv_state_of_prompt(F.pad(qkv, (kernel - 1, 0)), n_valid, kernel)
+
+    def conv_step(self, attn: nn.Module, qkv: torch.Tensor, past: torch.Tensor):
+        """One decode step of the causal conv: ``[B, D, 1]`` and state ``[B, D, K-1]``."""
+        if self.fused:
+            return fused.causal_conv(qkv, attn.conv1d.weight, past)
+        return layers.causal_conv_step(qkv, past, attn.conv1d.weight.squeeze(1))
+
+    def recurrence(self, q, k, v, g, beta, state, prompt: bool):
+        """Gated delta rule: q, k ``[B, S, Hk, Dk]``, v ``[B, S, Hv, Dv]``, g/beta ``[B, S, Hv]``,
+        state ``[B, Hv, Dk, Dv]`` fp32 -> (core ``[B, S, Hv, Dv]``, new state)."""
+        if not self.fused:
+            if prompt:
+                return layers.gated_delta_rule_chunked(q, k, v, g, beta, state, self.contract.chunk_size)
+            return layers.gated_delta_rule_step(q, k, v, g, beta, state)
+        batch, steps, n_v, d_v = v.shape
+        n_k, d_k = k.shape[-2:]
+        # the fused op takes L2-normalised keys and packed heads (as many q/k heads as v heads)
+        q = layers.repeat_heads(layers.l2norm(q.float()), n_v // n_k, dim=2).reshape(batch, steps, -1)
+        k = layers.repeat_heads(layers.l2norm(k.float()), n_v // n_k, dim=2).reshape(batch, steps, -1)
+        out, state = fused.linear_attention(
+            q, k, v.float().reshape(batch, steps, -1), state.float(), g.float(), beta.float(), n_v, d_k**-0.5
+        )
+        return out.reshape(batch, steps, n_v, d_v).to(v.dtype), state
+
     @staticmethod
     def split_qkv(attn: nn.Module, mixed: torch.Tensor):
         """``[B, D, S]`` conv output -> q, k ``[B, S, Hk, Dk]`` and v ``[B, S, Hv, Dv]``."""
@@ -196,14 +234,15 @@ class PrefillGraph(_TextGraph):
             attn = layer.linear_attn
             h = h * valid_f.to(h.dtype)
             qkv, z, g, beta = self.gdn_projections(attn, h)
-            mixed, conv_state = layers.causal_conv_prefill(qkv, attn.conv1d.weight.squeeze(1), n_valid)
+            mixed, conv_state = self.conv_prefill(attn, qkv, n_valid)
             q, k, v = self.split_qkv(attn, mixed)
+            # padded tokens: no decay (g = 0) and no write (beta = 0)
             g = g * valid_f
             beta = beta * valid_f.to(beta.dtype)
             state0 = torch.zeros(
                 contract.recurrent_state_shape[1:], dtype=torch.float32, device=h.device
             )
-            core, state = layers.gated_delta_rule_chunked(q, k, v, g, beta, state0, contract.chunk_size)
+            core, state = self.recurrence(q, k, v, g, beta, state0, prompt=True)
             conv_states.append(conv_state)
             rec_states.append(state)
             return self.gdn_output(attn, core, z)
@@ -258,9 +297,9 @@ class DecodeGraph(_TextGraph):
             attn = layer.linear_attn
             n = linear_slot[i]
             qkv, z, g, beta = self.gdn_projections(attn, h)
-            mixed, conv_state = layers.causal_conv_step(qkv, past_conv[n], attn.conv1d.weight.squeeze(1))
+            mixed, conv_state = self.conv_step(attn, qkv, past_conv[n])
             q, k, v = self.split_qkv(attn, mixed)
-            core, state = layers.gated_delta_rule_step(q, k, v, g, beta, past_rec[n])
+            core, state = self.recurrence(q, k, v, g, beta, past_rec[n], prompt=False)
             conv_states.append(conv_state)
             rec_states.append(state)
             return self.gdn_output(attn, core, z)

@@ -62,11 +62,22 @@ def causal_conv_prefill(
     seq_len = x.shape[-1]
     padded = F.pad(x, (kernel - 1, 0))  # [B, D, S + K - 1]
     y = F.conv1d(padded, weight.unsqueeze(1), groups=x.shape[1])[..., :seq_len]
-    # The last K-1 real inputs sit at padded positions n_valid .. n_valid + K - 2.
-    idx = n_valid.view(-1, 1) + torch.arange(kernel - 1, device=x.device).view(1, -1)  # [B, K-1]
-    idx = idx.unsqueeze(1).expand(x.shape[0], x.shape[1], kernel - 1)
-    state = torch.gather(padded, 2, idx)
-    return F.silu(y), state
+    return F.silu(y), conv_state_of_prompt(padded, n_valid, kernel)
+
+
+def conv_state_of_prompt(padded: torch.Tensor, n_valid: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Conv state after a right-padded prompt: the inputs of its last K-1 *real* tokens.
+
+    Args:
+        padded: ``[B, D, K-1+S]``, the prompt's conv inputs left-padded with K-1 zeros.
+        n_valid: ``[B]`` int64, real tokens (a contiguous prefix).
+
+    Returns:
+        ``[B, D, K-1]``; they sit at padded positions ``n_valid .. n_valid + K - 2``.
+    """
+    idx = n_valid.view(-1, 1) + torch.arange(kernel - 1, device=padded.device).view(1, -1)  # [B, K-1]
+    idx = idx.unsqueeze(1).expand(padded.shape[0], padded.shape[1], kernel - 1)
+    return torch.gather(padded, 2, idx)
 
 
 def causal_conv_step(

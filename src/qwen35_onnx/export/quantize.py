@@ -1,0 +1,62 @@
+"""Weight-only quantization of exported graphs with ONNX Runtime's own tool
+(``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer``): every MatMul whose
+weight is a constant becomes a ``com.microsoft`` ``MatMulNBits`` node holding int4 or int8
+blocks with one fp32 scale per ``block_size`` weights (symmetric, round to nearest).
+Activations stay fp32 (``accuracy_level`` unset): on the demo checkpoint, level 4 (int8
+activations) lowered the int8 last-logit cosine from 0.996 to 0.988.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnx
+
+QUANTIZE_BITS = {"int4": 4, "int8": 8}
+ACCURACY_LEVEL = None
+
+
+def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool) -> int:
+    """Quantize the graph at ``path`` in place; returns the number of MatMulNBits nodes.
+
+    Metadata (the contract) is kept.
+
+    Raises:
+        ValueError: unknown scheme or a block size that is not a power of two >= 16.
+    """
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    if scheme not in QUANTIZE_BITS:
+        raise ValueError(f"quantization {scheme!r} must be one of {', '.join(QUANTIZE_BITS)}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"quantization block size {block_size} must be a power of two >= 16")
+    model = onnx.load(str(path))
+    quantizer = MatMulNBitsQuantizer(
+        model,
+        bits=QUANTIZE_BITS[scheme],
+        block_size=block_size,
+        is_symmetric=True,
+        accuracy_level=ACCURACY_LEVEL,
+    )
+    # the quantizer and onnx_ir log every step at INFO level
+    loggers = [logging.getLogger(name) for name in ("onnxruntime.quantization", "onnx_ir", "")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        quantizer.process()
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    quantized = quantizer.model.model
+    for old in path.parent.glob(path.name + ".data"):
+        old.unlink()
+    onnx.save_model(
+        quantized,
+        str(path),
+        save_as_external_data=external_data,
+        all_tensors_to_one_file=True,
+        location=path.name + ".data",
+    )
+    return sum(node.op_type == "MatMulNBits" for node in quantized.graph.node)

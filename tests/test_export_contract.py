@@ -15,29 +15,9 @@ from qwen35_onnx.export.exporter import ExportError, ExportOptions, export
 from qwen35_onnx.pipeline import Pipeline
 
 from .conftest import CAPACITY
+from .onnx_graphs import all_nodes, node_counts, symbolic_dims
 
 pytestmark = pytest.mark.slow
-
-
-def _all_nodes(graph):
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(attr.g)
-            for g in attr.graphs:
-                yield from _all_nodes(g)
-
-
-def _symbolic_dims(model) -> list[str]:
-    inferred = onnx.shape_inference.infer_shapes(model)
-    g = inferred.graph
-    found = []
-    for info in [*g.input, *g.output, *g.value_info]:
-        for d in info.type.tensor_type.shape.dim:
-            if not d.HasField("dim_value"):
-                found.append(f"{info.name}:{d.dim_param or '?'}")
-    return found
 
 
 def _fixed_graphs(export_dir):
@@ -50,25 +30,17 @@ def test_every_fixed_mode_graph_is_static(fixed_export):
     assert set(graphs) == {"vision", "decode", *(f"prefill_{b}" for b in contract.prefill_buckets)}
     assert contract.prefill_buckets == (32, CAPACITY)
     for key, model in graphs.items():
-        assert _symbolic_dims(model) == [], key
+        assert symbolic_dims(model) == [], key
 
 
 def test_decode_writes_one_slot_per_k_and_v(fixed_export):
     contract, graphs = _fixed_graphs(fixed_export)
-    scatters = [n for n in _all_nodes(graphs["decode"].graph) if n.op_type in ("ScatterElements", "ScatterND")]
+    scatters = [n for n in all_nodes(graphs["decode"].graph) if n.op_type in ("ScatterElements", "ScatterND")]
     assert len(scatters) == 2 * contract.n_full
     for io in [*graphs["decode"].graph.input, *graphs["decode"].graph.output]:
         if "kv_cache" in io.name or io.name == "attention_mask":
             dims = [d.dim_value for d in io.type.tensor_type.shape.dim]
             assert dims[-1 if io.name == "attention_mask" else 3] == CAPACITY
-
-
-def node_counts(model) -> dict[str, int]:
-    """Nodes per op type, subgraphs (the Scan body) included."""
-    counts: dict[str, int] = {}
-    for node in _all_nodes(model.graph):
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
 
 
 def test_prefill_buckets_have_equal_node_counts_and_kv_width_capacity(fixed_export):

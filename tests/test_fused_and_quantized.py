@@ -10,7 +10,7 @@ from qwen35_onnx.contract import read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
 from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, export_to
-from .test_export_contract import _all_nodes, _symbolic_dims
+from .onnx_graphs import all_nodes, symbolic_dims
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +37,15 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
     assert contract.ops == "ort"
     for key, path in contract.graphs.items():
         model = onnx.load(str(ort_export / path))
-        ops = [n.op_type for n in _all_nodes(model.graph)]
+        ops = [n.op_type for n in all_nodes(model.graph)]
         if key == "vision":
             continue
         assert ops.count("LinearAttention") == contract.n_linear, key
         assert ops.count("CausalConvWithState") == contract.n_linear, key
         assert "Scan" not in ops, key
-        assert _symbolic_dims(model) == [], key
+        assert symbolic_dims(model) == [], key
     decode = onnx.load(str(ort_export / contract.graphs["decode"]))
-    scatters = [n for n in _all_nodes(decode.graph) if n.op_type == "ScatterElements"]
+    scatters = [n for n in all_nodes(decode.graph) if n.op_type == "ScatterElements"]
     assert len(scatters) == 2 * contract.n_full
 
 

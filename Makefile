@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is the CPU build this project is tested with (export and verification only).
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# Speed side by side (not a test): writes benchmarks/out/bench.{md,json,png}.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet onnxruntime-genai matplotlib
+	$(VENV)/bin/qwen35-onnx bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

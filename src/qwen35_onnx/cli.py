@@ -156,6 +156,28 @@ def verify(
 
 
 @app.command()
+def bench(
+    lengths: str = typer.Option("32,512,1024,2048", "--lengths", help="Comma-separated prompt/context lengths in tokens."),
+    work_dir: Path = typer.Option(Path("benchmarks/out"), "--work-dir", help="Exports and reports (bench.md, bench.json, bench.png)."),
+    preset: str = typer.Option("tiny", "--preset", help="Checkpoint: tiny (the demo checkpoint)."),
+) -> None:
+    """Speed side by side: this project's variants, transformers, onnxruntime-genai, the floor."""
+    from .bench import run_bench
+    from .checkpoints import build_demo_checkpoint, demo_checkpoint_dir
+
+    if preset != "tiny":
+        _fail(ValueError(f"--preset {preset!r}: only 'tiny' exists so far"))
+    try:
+        parsed = tuple(int(n) for n in lengths.split(","))
+    except ValueError:
+        _fail(ValueError(f"--lengths {lengths!r} must be comma-separated integers"))
+    if not parsed or min(parsed) < 1:
+        _fail(ValueError(f"--lengths {lengths!r} must be positive"))
+    checkpoint = build_demo_checkpoint(demo_checkpoint_dir())
+    typer.echo(run_bench(checkpoint, work_dir, parsed, log=lambda m: typer.echo(m, err=True)))
+
+
+@app.command()
 def demo(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Where the demo checkpoint and export live."),

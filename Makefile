@@ -28,7 +28,7 @@ test-fast: $(STAMP)
 
 # Speed side by side (not a test): writes benchmarks/out/bench.{md,json,png}.
 bench: $(STAMP)
-	$(PY) -m pip install --quiet onnxruntime-genai matplotlib
+	$(PY) -m pip install --quiet -e ".[export,bench]"
 	$(VENV)/bin/qwen35-onnx bench
 
 clean:

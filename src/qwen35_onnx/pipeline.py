@@ -254,8 +254,11 @@ class Pipeline:
     def run_prefill(self, prepared: PreparedPrompt, image_embeds: np.ndarray) -> tuple[np.ndarray, dict]:
         """Prefill graph of the prompt's bucket; returns the last real token's logits ``[V]``
         (host) and the three states as OrtValues (numpy arrays in host-roundtrip mode)."""
+        return self._prefill(prepared, self.padded_prompt(prepared), image_embeds)
+
+    def _prefill(self, prepared: PreparedPrompt, padded, image_embeds: np.ndarray) -> tuple[np.ndarray, dict]:
         session = self.graphs.prefill(prepared.bucket if self.contract.prefill_buckets else None).session
-        ids, mask, positions = self.padded_prompt(prepared)
+        ids, mask, positions = padded
         feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "image_embeds": image_embeds}
         names = [o.name for o in session.get_outputs()]
         if self.host_state_roundtrip:
@@ -332,12 +335,13 @@ class Pipeline:
             t0 = time.perf_counter()
             image_embeds = self.run_vision(prepared)
             t1 = time.perf_counter()
-            logits, states = self.run_prefill(prepared, image_embeds)
+            padded = self.padded_prompt(prepared)
+            logits, states = self._prefill(prepared, padded, image_embeds)
             t2 = time.perf_counter()
             timings.vision_ms = 1000 * (t1 - t0) if prepared.pixel_values is not None else None
             timings.prefill_ms = 1000 * (t2 - t1)
 
-            _, prompt_mask, _ = self.padded_prompt(prepared)
+            prompt_mask = padded[1]
             if contract.kv_mode == "fixed":
                 decode_mask = prepare_decode_mask(prompt_mask, contract.capacity, _shape(states["present_kv_cache"])[3])
             else:

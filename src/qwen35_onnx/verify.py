@@ -94,7 +94,7 @@ def token_parity(pipeline: Pipeline, model_id: str | Path, image, prompt: str, m
     checkpoint ``model_id``; compare the greedy token ids."""
     prepared = pipeline.prepare(image, prompt)
     if result is None:
-        result = pipeline.generate(image, prompt, max_new_tokens=max_new_tokens)
+        result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens)
     model = model if model is not None else load_reference(model_id)
     contract = pipeline.contract
     reference = reference_generate(model, prepared, contract.grid_thw, max_new_tokens, contract.eos_token_ids)

@@ -451,13 +451,6 @@ def load_weights(model_id: str | Path):
         raise ExportError(f"--model-id {str(model_id)!r}: the weights cannot be loaded: {exc}") from exc
 
 
-def load_checkpoint(model_id: str | Path):
-    """``(config, generation_config, model)`` of a local Hugging Face folder (see
-    :func:`load_config` and :func:`load_weights`)."""
-    config, generation_config = load_config(model_id)
-    return config, generation_config, load_weights(model_id)
-
-
 def copy_processor_files(src: Path, dst: Path) -> None:
     """Copy the tokenizer, chat template, image-processor and config files next to the graphs."""
     for name in PROCESSOR_FILES:

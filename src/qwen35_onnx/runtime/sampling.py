@@ -53,9 +53,9 @@ class Sampler:
         self.rng = np.random.default_rng(None if config.seed is None else int(config.seed))
 
     def __call__(self, logits: np.ndarray) -> int:
-        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
-        if self.config.greedy:
+        if self.config.greedy:  # no copy on the hot path
             return int(np.argmax(logits))
+        logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         # shift before dividing, so that a tiny temperature cannot overflow to inf - inf
         with np.errstate(over="ignore"):
             scores = (logits - logits.max()) / self.config.temperature

@@ -210,3 +210,38 @@ def test_photo_is_a_small_jpeg():
     assert path.stat().st_size < 40_000
     with Image.open(path) as image:
         assert image.format == "JPEG" and image.mode == "RGB" and max(image.size) <= 256
+
+
+def test_published_0_8b_preset_sizes():
+    """The Qwen3.5-0.8B preset has the published sizes (853 M parameters, tied embeddings)."""
+    from qwen35_onnx.checkpoints import PRESETS, preset_config
+
+    config = preset_config("qwen3.5-0.8b")
+    text = config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size) == (1024, 24, 3584, 248320)
+    assert text.layer_types.count("full_attention") == 6 and text.layer_types[3] == "full_attention"
+    assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (8, 2, 256)
+    assert (text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim) == (16, 16, 128)
+    assert config.vision_config.depth == 12 and config.vision_config.out_hidden_size == 1024
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    assert 850e6 < sum(p.numel() for p in model.parameters()) < 856e6
+    assert PRESETS["tiny"] is TINY_PRESET
+    with pytest.raises(ValueError, match="preset 'huge' is not one of tiny, qwen3.5-0.8b"):
+        preset_config("huge")
+    with pytest.raises(ValueError, match="preset 'huge'"):
+        build_demo_checkpoint(Path("/nonexistent/x"), preset="huge")
+
+
+def test_train_checkpoint_rejects_bad_arguments(demo_dir, tmp_path):
+    from qwen35_onnx.checkpoints import train_checkpoint
+
+    with pytest.raises(ValueError, match="steps 0 must be >= 1"):
+        train_checkpoint(demo_dir, tmp_path / "t", steps=0)
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(FileExistsError):
+        train_checkpoint(demo_dir, tmp_path / "exists", steps=1)
+    trained = train_checkpoint(demo_dir, tmp_path / "one", steps=1)
+    assert (trained / "model.safetensors").is_file() and not (trained / ".qwen35_onnx_demo").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left

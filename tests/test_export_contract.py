@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import onnx
 import pytest
@@ -70,7 +71,7 @@ def test_node_count_does_not_grow_from_32_to_2048_tokens(checkpoint, tmp_path):
 
 
 def test_dynamic_decode_grows_kv(dynamic_export):
-    model = onnx.load(str(dynamic_export / "decode" / "model.onnx"))
+    model = onnx.load(str(dynamic_export / read_manifest(dynamic_export).graphs["decode"]))
     (past,) = [i for i in model.graph.input if i.name == "past_kv_cache"]
     (present,) = [o for o in model.graph.output if o.name == "present_kv_cache"]
     assert past.type.tensor_type.shape.dim[3].dim_param
@@ -125,8 +126,9 @@ def test_capacity_mismatch_between_graphs_is_a_clear_error(fixed_export, small_e
     """A decode graph exported at another --max-seq-len, copied into an export."""
     mixed = tmp_path / "mixed"
     shutil.copytree(fixed_export, mixed)  # capacity CAPACITY
-    shutil.rmtree(mixed / "decode")
-    shutil.copytree(small_export / "decode", mixed / "decode")  # capacity CAPACITY // 2
+    decode = read_manifest(fixed_export).graphs["decode"]
+    # capacity CAPACITY // 2, weights inline (the export's shared weights file stays as it is)
+    onnx.save(onnx.load(str(small_export / decode)), str(mixed / decode))
     with pytest.raises(ContractError, match=rf"decode graph was exported with a different contract.*capacity: {CAPACITY // 2} != {CAPACITY}"):
         Pipeline.from_exported(mixed)
 
@@ -202,3 +204,38 @@ def test_unsupported_architecture_is_rejected(checkpoint, tmp_path):
 def test_existing_output_needs_overwrite(checkpoint, fixed_export):
     with pytest.raises(ExportError, match="exists and is not empty; pass --overwrite"):
         export(checkpoint, fixed_export, ExportOptions(capacity=CAPACITY))
+
+
+def test_text_graphs_share_one_weights_file(fixed_export):
+    """Every text graph reads its weights from text/weights.data, each distinct tensor stored
+    once: the file is no larger than one graph's weights."""
+    contract = read_manifest(fixed_export)
+    text = {k: v for k, v in contract.graphs.items() if k != "vision"}
+    assert {str(Path(p).parent) for p in text.values()} == {"text"}
+    files = sorted(p.name for p in (fixed_export / "text").iterdir())
+    assert files == sorted([Path(p).name for p in text.values()] + ["weights.data"])
+    per_graph = {}
+    for key, rel in text.items():
+        model = onnx.load(str(fixed_export / rel), load_external_data=False)
+        refs = {}
+        for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                info = {e.key: e.value for e in tensor.external_data}
+                assert info["location"] == "weights.data"
+                refs[tensor.name] = (int(info.get("offset", 0)), int(info["length"]))
+        per_graph[key] = refs
+    decode, prefill = per_graph["decode"], per_graph[contract.prefill_graph_key(contract.prefill_buckets[0])]
+    shared = set(decode.values()) & set(prefill.values())
+    assert len(shared) >= 0.8 * len(decode)  # the same weights at the same offsets
+    size = (fixed_export / "text" / "weights.data").stat().st_size
+    assert size <= 1.2 * max(sum(n for _, n in refs.values()) for refs in per_graph.values())
+
+
+def test_component_export_of_an_older_layout_is_refused(checkpoint, small_export, tmp_path):
+    target = tmp_path / "old"
+    shutil.copytree(small_export, target)
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["graphs"]["decode"] = "decode/model.onnx"
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match="another graph layout.*re-export all graphs"):
+        export(checkpoint, target, ExportOptions(component="decode"), explicit=set())

@@ -101,12 +101,31 @@ def bench_pipeline(name: str, export_dir: Path, prompts: dict[int, np.ndarray]) 
     start = time.perf_counter()
     out = pipe.generate_prepared(prepared, max_new_tokens=E2E_TOKENS)
     result.e2e_tokens_per_s = len(out.token_ids) / (time.perf_counter() - start)
-    result.decode_bytes = _graph_bytes(export_dir / contract.graphs["decode"])
+    result.decode_bytes = decode_weight_bytes(export_dir / contract.graphs["decode"])
     return result
 
 
-def _graph_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+def decode_weight_bytes(path: Path) -> int:
+    """Bytes of weights one decode step reads from the ONNX graph at ``path``: every initializer
+    (inline or external data) except tables that are only indexed by Gather (the token
+    embedding: one row per token)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    uses: dict[str, set] = {}
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, set()).add((node.op_type, i))
+    total = 0
+    for tensor in model.graph.initializer:
+        if uses.get(tensor.name) == {("Gather", 0)}:
+            continue
+        external = {e.key: e.value for e in tensor.external_data}
+        if "length" in external:
+            total += int(external["length"])
+        else:
+            total += onnx.numpy_helper.to_array(tensor).nbytes
+    return total
 
 
 # ---- transformers -------------------------------------------------------------------------
@@ -142,7 +161,11 @@ def bench_transformers(checkpoint: Path, prompts: dict[int, np.ndarray]) -> Peer
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=E2E_TOKENS,
                              min_new_tokens=E2E_TOKENS, do_sample=False, pad_token_id=0)
         result.e2e_tokens_per_s = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
-    result.decode_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # text weights (the token embedding only when lm_head reads it, i.e. tied) + lm_head
+    embed = text.embed_tokens.weight
+    params = {id(p): p for p in [*text.parameters(), *model.lm_head.parameters()] if p is not embed}
+    params.update({id(p): p for p in model.lm_head.parameters()})
+    result.decode_bytes = sum(p.numel() * p.element_size() for p in params.values())
     return result
 
 
@@ -186,7 +209,7 @@ def bench_genai(name: str, model_dir: Path, prompts: dict[int, np.ndarray]) -> P
         gen.generate_next_token()
         produced += 1
     result.e2e_tokens_per_s = produced / (time.perf_counter() - start)
-    result.decode_bytes = sum(p.stat().st_size for p in model_dir.glob("*.onnx*"))
+    result.decode_bytes = decode_weight_bytes(model_dir / "model.onnx")
     return result
 
 
@@ -195,20 +218,29 @@ def report(results: list[PeerResult], bandwidth_gbps: float, out_dir: Path, stat
     """Write bench.md / bench.json / bench.png; returns the Markdown."""
     lengths = sorted({n for r in results for n in r.decode_ms})
     lines = [f"Read bandwidth: {bandwidth_gbps:.1f} GB/s (measured in this run)", ""]
+    first, last = lengths[0], lengths[-1]
+    lines += [
+        "Times in ms (prefill: whole prompt; decode: per token). `decode {last}/{first}`: flatness in "
+        "context length. floor: bytes of weights and states one decode step reads / read bandwidth; "
+        "`x floor`: decode at {first} over it.".format(first=first, last=last),
+        "",
+    ]
     head = "| peer | " + " | ".join(f"prefill {n}" for n in lengths) + " | " + " | ".join(
-        f"decode {n}" for n in lengths) + " | e2e tok/s | floor ms/tok @32 |"
-    lines += [head, "|" + "---|" * (2 + 2 * len(lengths) + 1)]
+        f"decode {n}" for n in lengths) + f" | decode {last}/{first} | e2e tok/s | floor ms/tok @{first} | x floor |"
+    lines += [head, "|" + "---|" * (1 + 2 * len(lengths) + 4)]
     for r in results:
-        floor = (r.decode_bytes + state_bytes.get(32, 0)) / (bandwidth_gbps * 1e9) * 1000 if r.decode_bytes else None
+        floor = (r.decode_bytes + state_bytes.get(first, 0)) / (bandwidth_gbps * 1e9) * 1000 if r.decode_bytes else None
         row = [r.name] + [f"{r.prefill_ms.get(n, float('nan')):.1f}" for n in lengths]
         row += [f"{r.decode_ms.get(n, float('nan')):.2f}" for n in lengths]
+        row += [f"{r.decode_ms[last] / r.decode_ms[first]:.2f}"]
         row += [f"{r.e2e_tokens_per_s:.1f}" if r.e2e_tokens_per_s else "-", f"{floor:.3f}" if floor else "-"]
+        row += [f"{r.decode_ms[first] / floor:.1f}" if floor else "-"]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Decode ms/token at 32 tokens, ratio row/column (> 1: the column peer is faster):", ""]
+    lines += ["", f"Decode ms/token at {first} tokens, ratio row/column (> 1: the column peer is faster):", ""]
     lines.append("| | " + " | ".join(r.name for r in results) + " |")
     lines.append("|" + "---|" * (len(results) + 1))
     for a in results:
-        cells = [f"{a.decode_ms[lengths[0]] / b.decode_ms[lengths[0]]:.2f}" for b in results]
+        cells = [f"{a.decode_ms[first] / b.decode_ms[first]:.2f}" for b in results]
         lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
     markdown = "\n".join(lines) + "\n"
     (out_dir / "bench.md").write_text(markdown)
@@ -247,7 +279,7 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
         "ort int8": dict(ops="ort", quantize="int8"),
         "ort int4": dict(ops="ort", quantize="int4"),
     }
-    buckets = tuple(sorted(set(lengths) | {capacity}))
+    buckets = tuple(sorted(set(lengths)))  # the capacity itself needs no bucket here
     exports = {}
     for name, opts in variants.items():
         folder = work_dir / name.replace(" ", "-")

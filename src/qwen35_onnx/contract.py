@@ -241,6 +241,23 @@ class ShapeContract:
         return (2 * self.n_full, self.batch, self.num_key_value_heads, length, self.head_dim)
 
     @property
+    def kv_in_place(self) -> bool:
+        """True when the decode graph updates the fixed KV cache in place: ``--ops ort`` with
+        fixed KV. Its decode graph then takes and returns the cache one entry at a time
+        (``past_kv_cache.{j}`` / ``present_kv_cache.{j}``, ``[B, Hkv, L, D]``, entry ``j`` of the
+        stacked cache) so that each present entry can share the past entry's buffer
+        (GroupQueryAttention writes the new token's slot and nothing else)."""
+        return self.ops == "ort" and self.kv_mode == "fixed"
+
+    def decode_kv_names(self, prefix: str) -> list[str]:
+        """Names of the decode graph's KV inputs (``prefix='past'``) or outputs (``'present'``):
+        ``['{prefix}_kv_cache']`` (one stacked tensor), or one name per entry when
+        :attr:`kv_in_place`."""
+        if self.kv_in_place:
+            return [f"{prefix}_kv_cache.{j}" for j in range(2 * self.n_full)]
+        return [f"{prefix}_kv_cache"]
+
+    @property
     def state_dtypes(self) -> dict[str, str]:
         return {"conv": self.dtype, "recurrent": "fp32", "kv": self.dtype}
 

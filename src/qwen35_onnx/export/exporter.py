@@ -40,12 +40,15 @@ from ..contract import (
     read_manifest,
     write_manifest,
 )
+from .weights import SharedWeights
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",)
 SUPPORTED_MODEL_TYPES = ("qwen3_5",)
 OPSET = 18
+TEXT_DIR = "text"
+"""Folder of the prefill and decode graphs and of their shared weights file."""
 EXTERNAL_DATA_THRESHOLD = 256 * 1024 * 1024
 """Graphs whose weights exceed this many bytes keep them in a ``model.onnx.data`` file."""
 PROCESSOR_FILES = (
@@ -280,17 +283,20 @@ class GraphJob:
 
 
 def graph_jobs(contract: ShapeContract, components: Sequence[str] = GRAPH_NAMES) -> list[GraphJob]:
-    """The graphs of an export: vision, one prefill per bucket (fixed mode) or one
-    dynamic-length prefill (dynamic mode), and decode."""
+    """The graphs of an export: ``vision/model.onnx``; in ``text/``, one prefill per bucket
+    (fixed mode) or one dynamic-length prefill (dynamic mode), and decode, which share one
+    weights file (``text/weights.data``, see :mod:`.weights`)."""
     jobs = []
     for kind in components:
         if kind == "prefill" and contract.prefill_buckets:
             jobs += [
-                GraphJob(contract.prefill_graph_key(b), kind, f"prefill/bucket_{b}/model.onnx", b)
+                GraphJob(contract.prefill_graph_key(b), kind, f"{TEXT_DIR}/prefill_{b}.onnx", b)
                 for b in contract.prefill_buckets
             ]
+        elif kind == "vision":
+            jobs.append(GraphJob(kind, kind, "vision/model.onnx"))
         else:
-            jobs.append(GraphJob(kind, kind, f"{kind}/model.onnx"))
+            jobs.append(GraphJob(kind, kind, f"{TEXT_DIR}/{kind}.onnx"))
     return jobs
 
 
@@ -333,7 +339,9 @@ def dummy_inputs(kind: str, contract: ShapeContract, seq_len: int):
         torch.full((4, b, 1), seq_len, dtype=torch.long),
         torch.zeros(contract.conv_state_shape),
         torch.zeros(contract.recurrent_state_shape),
-        torch.zeros(contract.kv_shape(kv_len)),
+        tuple(torch.zeros(contract.kv_shape()[1:]) for _ in range(2 * contract.n_full))
+        if contract.kv_in_place
+        else torch.zeros(contract.kv_shape(kv_len)),
     )
 
 
@@ -364,12 +372,16 @@ def graph_module(kind: str, model, contract: ShapeContract):
     return (PrefillGraph if kind == "prefill" else DecodeGraph)(model, contract)
 
 
-def io_names(kind: str) -> tuple[list[str], list[str]]:
+def io_names(kind: str, contract: ShapeContract) -> tuple[list[str], list[str]]:
+    """Input and output names of a graph of ``kind`` (the decode KV names depend on
+    :attr:`ShapeContract.kv_in_place`)."""
     from .graphs import DECODE_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
 
     if kind == "vision":
         return VISION_INPUTS, VISION_OUTPUTS
-    return (PREFILL_INPUTS if kind == "prefill" else DECODE_INPUTS), TEXT_OUTPUTS
+    if kind == "prefill":
+        return PREFILL_INPUTS, TEXT_OUTPUTS
+    return DECODE_INPUTS[:-1] + contract.decode_kv_names("past"), TEXT_OUTPUTS[:-1] + contract.decode_kv_names("present")
 
 
 def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dummy_seq_len: int) -> Path:
@@ -380,7 +392,7 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
     from .fused import TRANSLATIONS
 
     module = graph_module(job.kind, model, contract).eval()
-    inputs, outputs = io_names(job.kind)
+    inputs, outputs = io_names(job.kind, contract)
     path = root / job.path
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad(), quiet_torch_export():
@@ -560,11 +572,17 @@ def export(
     model_dir = Path(model_id).expanduser().resolve()
     _check_output(out, model_dir, options)
     if options.component != "all":
-        options = component_options(read_manifest(out), options, explicit)
+        existing = read_manifest(out)
+        options = component_options(existing, options, explicit)
         options.validate()
     config, generation_config = load_config(model_dir)
     contract = build_contract(config, generation_config, options, processor_max_pixels(model_dir))
     contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
+    if options.component != "all" and existing.graphs != contract.graphs:
+        raise ExportError(
+            f"{str(out)!r} has another graph layout ({sorted(existing.graphs.values())}) than this version writes "
+            f"({sorted(contract.graphs.values())}): re-export all graphs (--component all --overwrite)"
+        )
     jobs = graph_jobs(contract, options.components)
 
     try:
@@ -580,10 +598,22 @@ def export(
             for name in sorted(keep):
                 if (out / name).is_dir():
                     shutil.copytree(out / name, tmp / name)
+        shared = None
+        if any(job.kind != "vision" for job in jobs):
+            (tmp / TEXT_DIR).mkdir(exist_ok=True)
+            shared = SharedWeights(tmp / TEXT_DIR)
+            exporting = {job.key for job in jobs}
+            for key, path in contract.graphs.items():  # text graphs kept from the existing export
+                if key != "vision" and key not in exporting:
+                    shared.add(tmp / path)
         bar = tqdm(jobs, desc="export", unit="graph", disable=not show_progress, file=sys.stderr)
         for job in bar:
             bar.set_postfix_str(job.key)
-            export_graph(job, model, contract, tmp, options.trace_len)
+            path = export_graph(job, model, contract, tmp, options.trace_len)
+            if job.kind != "vision":
+                shared.add(path)
+        if shared is not None:
+            shared.finish()
         copy_processor_files(model_dir, tmp)
         write_manifest(tmp, contract)
         _swap_into_place(tmp, out)

@@ -10,6 +10,14 @@ one contrib node:
   (T > 1) and decode (T = 1).
 - ``qwen35::causal_conv`` -> ``CausalConvWithState`` (depthwise causal conv1d with carried
   state and fused SiLU).
+- ``qwen35::rms_norm`` -> ``SimplifiedLayerNormalization``; ``qwen35::skip_rms_norm`` ->
+  ``SkipSimplifiedLayerNormalization`` (residual add + RMSNorm); ``qwen35::gated_rms_norm`` ->
+  ``GatedRMSNorm``; ``qwen35::linear_attention_gate`` -> ``LinearAttentionGate`` (the decay
+  and beta of Gated DeltaNet).
+- ``qwen35::mrotary_embedding`` -> ``MRotaryEmbedding`` (interleaved mRoPE, partial rotary).
+- ``qwen35::group_query_attention`` -> ``GroupQueryAttention`` over the fixed-width KV
+  cache: the decode graph's KV write and attention in one node, in place when the runtime
+  binds past and present to one buffer.
 
 The schemas follow the operator documentation shipped with onnxruntime (>= 1.31,
 ``onnxruntime.capi.onnxruntime_pybind11_state.get_all_operator_schema()``). The eager
@@ -51,6 +59,57 @@ def _register_schemas() -> None:
             type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
             attributes=[A("ndim", T.INT, ""), A("activation", T.STRING, "")],
         ),
+        OpSchema(
+            "GroupQueryAttention", MS_DOMAIN, 1,
+            doc="ONNX Runtime contrib GroupQueryAttention",
+            inputs=[P("query", "T"), P("key", "T", param_option=optional), P("value", "T", param_option=optional),
+                    P("past_key", "T", param_option=optional), P("past_value", "T", param_option=optional),
+                    P("seqlens_k", "M"), P("total_sequence_length", "M")],
+            outputs=[P("output", "T"), P("present_key", "T"), P("present_value", "T")],
+            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], "")],
+            attributes=[A("num_heads", T.INT, ""), A("kv_num_heads", T.INT, ""), A("scale", T.FLOAT, "")],
+        ),
+        OpSchema(
+            "SimplifiedLayerNormalization", "", 1,
+            doc="ONNX Runtime SimplifiedLayerNormalization (RMSNorm)",
+            inputs=[P("X", "T"), P("scale", "T")],
+            outputs=[P("Y", "T")],
+            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
+            attributes=[A("axis", T.INT, ""), A("epsilon", T.FLOAT, ""), A("stash_type", T.INT, "")],
+        ),
+        OpSchema(
+            "SkipSimplifiedLayerNormalization", MS_DOMAIN, 1,
+            doc="ONNX Runtime contrib SkipSimplifiedLayerNormalization (residual add + RMSNorm)",
+            inputs=[P("input", "T"), P("skip", "T"), P("gamma", "T"), P("bias", "T", param_option=optional)],
+            outputs=[P("output", "T"), P("mean", "U", param_option=optional),
+                     P("inv_std_var", "U", param_option=optional), P("input_skip_bias_sum", "T", param_option=optional)],
+            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("U", ["tensor(float)"], "")],
+            attributes=[A("epsilon", T.FLOAT, "")],
+        ),
+        OpSchema(
+            "MRotaryEmbedding", MS_DOMAIN, 1,
+            doc="ONNX Runtime contrib MRotaryEmbedding (multimodal rotary position embedding)",
+            inputs=[P("input", "T"), P("position_ids", "M"), P("cos_cache", "T"), P("sin_cache", "T")],
+            outputs=[P("output", "T")],
+            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int64)"], "")],
+            attributes=[A("mrope_section", T.INTS, ""), A("num_heads", T.INT, ""), A("rotary_embedding_dim", T.INT, ""),
+                        A("interleaved", T.INT, ""), A("mrope_layout", T.INT, "")],
+        ),
+        OpSchema(
+            "GatedRMSNorm", MS_DOMAIN, 1,
+            doc="ONNX Runtime contrib GatedRMSNorm",
+            inputs=[P("X", "T"), P("scale", "T"), P("gate", "T")],
+            outputs=[P("Y", "T")],
+            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
+            attributes=[A("activation", T.STRING, ""), A("epsilon", T.FLOAT, "")],
+        ),
+        OpSchema(
+            "LinearAttentionGate", MS_DOMAIN, 1,
+            doc="ONNX Runtime contrib LinearAttentionGate",
+            inputs=[P("a", "T"), P("dt_bias", "TF"), P("decay_scale", "TF"), P("b", "T", param_option=optional)],
+            outputs=[P("decay", "T"), P("beta", "T")],
+            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("TF", ["tensor(float)"], "")],
+        ),
     ]
     for schema in schemas:
         try:
@@ -61,6 +120,83 @@ def _register_schemas() -> None:
 
 _register_schemas()
 _ms = onnxscript.values.Opset(MS_DOMAIN, 1)
+_onnx = onnxscript.values.Opset("", 18)
+
+
+# ---- normalisations -------------------------------------------------------------------
+@torch.library.custom_op("qwen35::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis (Zhang and Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * scale``,
+    computed in fp32. ``x [..., C]``, ``scale [C]`` -> ``[..., C]``."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale.float()).to(x.dtype)
+
+
+@rms_norm.register_fake
+def _(x, scale, eps):
+    return torch.empty_like(x)
+
+
+def _rms_norm_onnx(x, scale, eps: float):
+    return _onnx.SimplifiedLayerNormalization(x, scale, axis=-1, epsilon=eps, stash_type=1)
+
+
+@torch.library.custom_op("qwen35::skip_rms_norm", mutates_args=())
+def skip_rms_norm(x: torch.Tensor, skip: torch.Tensor, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: ``total = x + skip``, returns ``(rms_norm(total) * scale, total)``.
+    ``x, skip [..., C]``, ``scale [C]``."""
+    total = x + skip
+    return rms_norm(total, scale, eps), total
+
+
+@skip_rms_norm.register_fake
+def _(x, skip, scale, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _skip_rms_norm_onnx(x, skip, scale, eps: float):
+    out, _, _, total = _ms.SkipSimplifiedLayerNormalization(x, skip, scale, epsilon=eps, _outputs=4)
+    return out, total
+
+
+@torch.library.custom_op("qwen35::gated_rms_norm", mutates_args=())
+def gated_rms_norm(x: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm of Gated DeltaNet outputs, per group of ``C = len(scale)`` channels:
+    ``rmsnorm(x) * scale * silu(gate)`` in fp32 (transformers' ``Qwen3_5RMSNormGated``).
+    ``x, gate [..., H*C]``, ``scale [C]`` -> ``[..., H*C]``."""
+    shape = x.shape
+    xf = x.float().view(*shape[:-1], -1, scale.shape[0])
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale.float()
+    return (normed.view(shape) * F.silu(gate.float())).to(x.dtype)
+
+
+@gated_rms_norm.register_fake
+def _(x, scale, gate, eps):
+    return torch.empty_like(x)
+
+
+def _gated_rms_norm_onnx(x, scale, gate, eps: float):
+    return _ms.GatedRMSNorm(x, scale, gate, activation="silu", epsilon=eps)
+
+
+@torch.library.custom_op("qwen35::linear_attention_gate", mutates_args=())
+def linear_attention_gate(
+    a: torch.Tensor, dt_bias: torch.Tensor, decay_scale: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet gates: ``decay = decay_scale * softplus(a + dt_bias)`` (log-space decay,
+    ``decay_scale = -exp(A_log)``) and ``beta = sigmoid(b)``. ``a, b [B, T, H]``, ``dt_bias,
+    decay_scale [H]`` fp32 -> ``(decay, beta) [B, T, H]``."""
+    decay = decay_scale.float() * F.softplus(a.float() + dt_bias.float())
+    return decay.to(a.dtype), torch.sigmoid(b.float()).to(b.dtype)
+
+
+@linear_attention_gate.register_fake
+def _(a, dt_bias, decay_scale, b):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _linear_attention_gate_onnx(a, dt_bias, decay_scale, b):
+    return _ms.LinearAttentionGate(a, dt_bias, decay_scale, b, _outputs=2)
 
 
 # ---- linear attention ------------------------------------------------------------------
@@ -130,7 +266,116 @@ def _causal_conv_onnx(x, weight, past_state):
     return _ms.CausalConvWithState(x, weight, None, past_state, ndim=1, activation="silu", _outputs=2)
 
 
+# ---- multimodal rotary position embedding ---------------------------------------------
+@torch.library.custom_op("qwen35::mrotary_embedding", mutates_args=())
+def mrotary_embedding(
+    x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+    mrope_section: list[int], num_heads: int, rotary_dim: int,
+) -> torch.Tensor:
+    """Interleaved mRoPE (Qwen3-VL / Qwen3.5 layout) on the first ``2 * F`` dims of each head,
+    rotate-half convention (transformers' ``apply_rotary_pos_emb``).
+
+    Frequency ``f`` takes its position from row 1 (height) when ``f % 3 == 1`` and
+    ``f < 3 * section[1]``, row 2 (width) when ``f % 3 == 2`` and ``f < 3 * section[2]``, row 0
+    (temporal) otherwise.
+
+    Args:
+        x: ``[B, S, num_heads * D]``; position_ids: ``[3, B, S]`` int64 (t, h, w), each below
+        ``P``; cos_cache, sin_cache: ``[P, F]`` (``cos(p * inv_freq_f)``), ``rotary_dim = 2 F``.
+
+    Returns:
+        ``[B, S, num_heads * D]``.
+    """
+    from .layers import mrope_rows
+
+    batch, steps, _ = x.shape
+    n_freqs = cos_cache.shape[1]
+    rows = torch.tensor(mrope_rows(mrope_section, n_freqs), device=x.device)
+    pos = position_ids.index_select(0, rows).permute(1, 2, 0)  # [B, S, F]
+    freq = torch.arange(n_freqs, device=x.device)
+    cos = cos_cache[pos, freq].repeat(1, 1, 2).unsqueeze(2)  # [B, S, 1, 2F]
+    sin = sin_cache[pos, freq].repeat(1, 1, 2).unsqueeze(2)
+    heads = x.view(batch, steps, num_heads, -1)
+    rot, rest = heads[..., : 2 * n_freqs], heads[..., 2 * n_freqs :]
+    half = torch.cat([-rot[..., n_freqs:], rot[..., :n_freqs]], dim=-1)
+    return torch.cat([rot * cos + half * sin, rest], dim=-1).reshape(x.shape)
+
+
+@mrotary_embedding.register_fake
+def _(x, position_ids, cos_cache, sin_cache, mrope_section, num_heads, rotary_dim):
+    return torch.empty_like(x)
+
+
+def _mrotary_embedding_onnx(x, position_ids, cos_cache, sin_cache, mrope_section: list[int], num_heads: int,
+                            rotary_dim: int):
+    return _ms.MRotaryEmbedding(
+        x, position_ids, cos_cache, sin_cache, mrope_section=list(mrope_section), num_heads=num_heads,
+        rotary_embedding_dim=rotary_dim, interleaved=0, mrope_layout=1,
+    )
+
+
+# ---- grouped-query attention over a fixed-width KV cache --------------------------------
+@torch.library.custom_op("qwen35::group_query_attention", mutates_args=())
+def group_query_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
+    seqlens_k: torch.Tensor, total_sequence_length: torch.Tensor, num_heads: int, kv_num_heads: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of ``T`` new tokens over a KV buffer of fixed width ``L`` (reference).
+
+    The new keys/values go to slots ``seqlens_k - T + 1 .. seqlens_k``; token ``t`` attends to
+    slots ``<= seqlens_k - T + 1 + t``. Query head ``h`` uses KV head
+    ``h // (num_heads / kv_num_heads)`` (grouped-query attention, Ainslie et al. 2023).
+    ONNX Runtime's kernel writes the slots in place when ``present_*`` is bound to the same
+    buffer as ``past_*``.
+
+    Args:
+        query: ``[B, T, num_heads*D]``; key, value: ``[B, T, kv_num_heads*D]``;
+        past_key, past_value: ``[B, kv_num_heads, L, D]``; seqlens_k: ``[B]`` int32, the slot
+        of the last new token; total_sequence_length: ``[]`` int32 (<= L).
+
+    Returns:
+        ``(output [B, T, num_heads*D], present_key, present_value [B, kv_num_heads, L, D])``.
+    """
+    batch, steps, _ = query.shape
+    width, dim = past_key.shape[2], past_key.shape[3]
+    q = query.view(batch, steps, num_heads, dim).transpose(1, 2)
+    k = key.view(batch, steps, kv_num_heads, dim).transpose(1, 2)
+    v = value.view(batch, steps, kv_num_heads, dim).transpose(1, 2)
+    first = seqlens_k.long().view(-1, 1) - steps + 1  # [B, 1]
+    pos = first + torch.arange(steps, device=query.device)  # [B, T] slot of each new token
+    index = pos.view(batch, 1, steps, 1).expand(batch, kv_num_heads, steps, dim)
+    present_key = past_key.scatter(2, index, k)
+    present_value = past_value.scatter(2, index, v)
+    group = num_heads // kv_num_heads
+    keys = present_key.repeat_interleave(group, dim=1)
+    values = present_value.repeat_interleave(group, dim=1)
+    allowed = torch.arange(width, device=query.device).view(1, 1, 1, -1) <= pos.view(batch, 1, steps, 1)
+    scores = (q @ keys.transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
+    out = (probs @ values).transpose(1, 2).reshape(batch, steps, -1)
+    return out, present_key, present_value
+
+
+@group_query_attention.register_fake
+def _(query, key, value, past_key, past_value, seqlens_k, total_sequence_length, num_heads, kv_num_heads, scale):
+    return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
+
+
+def _group_query_attention_onnx(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+                                num_heads: int, kv_num_heads: int, scale: float):
+    return _ms.GroupQueryAttention(
+        query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, _outputs=3,
+    )
+
+
 TRANSLATIONS = {
+    torch.ops.qwen35.rms_norm.default: _rms_norm_onnx,
+    torch.ops.qwen35.skip_rms_norm.default: _skip_rms_norm_onnx,
+    torch.ops.qwen35.gated_rms_norm.default: _gated_rms_norm_onnx,
+    torch.ops.qwen35.mrotary_embedding.default: _mrotary_embedding_onnx,
+    torch.ops.qwen35.linear_attention_gate.default: _linear_attention_gate_onnx,
+    torch.ops.qwen35.group_query_attention.default: _group_query_attention_onnx,
     torch.ops.qwen35.linear_attention.default: _linear_attention_onnx,
     torch.ops.qwen35.causal_conv.default: _causal_conv_onnx,
 }

@@ -12,7 +12,9 @@ prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_em
            -> logits [B,1,V] (last real token; [B,S,V] with prefill_logits='all'), present_conv_states [n_linear,B,conv_dim,K-1],
            present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
 decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_conv_states,
-           past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states
+           past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states;
+           with --ops ort and fixed KV the cache goes one entry at a time: past_kv_cache.{j} ->
+           present_kv_cache.{j} [B,Hkv,L,D], j < 2*n_full (updated in place by the runtime)
 =========  ================================================================================
 """
 
@@ -107,23 +109,51 @@ class _TextGraph(nn.Module):
         self.contract = contract
         self.linear_ids = [i for i, t in enumerate(contract.layer_types) if t == "linear_attention"]
         self.full_ids = [i for i, t in enumerate(contract.layer_types) if t == "full_attention"]
+        if self.fused:  # MRotaryEmbedding tables for every position below capacity: [L, F]
+            rotary = self.text.rotary_emb
+            freqs = torch.arange(contract.capacity, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None]
+            self.register_buffer("rope_cos", freqs.cos() * rotary.attention_scaling, persistent=False)
+            self.register_buffer("rope_sin", freqs.sin() * rotary.attention_scaling, persistent=False)
 
-    def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[B, S, rotary_dim]`` from the three mRoPE rows (rows 1-3) of position_ids."""
+    def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """What :meth:`attention_qkv` needs for mRoPE from ``position_ids [4, B, S]``: cos/sin
+        ``[B, S, rotary_dim]`` (portable), or the three mRoPE rows ``[3, B, S]`` that
+        MRotaryEmbedding looks up in its tables (``--ops ort``)."""
+        if self.fused:
+            return position_ids[1:]
         return layers.mrope_cos_sin(self.text.rotary_emb, hidden, position_ids[1:])
 
     def gdn_projections(self, attn: nn.Module, hidden: torch.Tensor):
         """in_proj_* of a Gated DeltaNet layer: packed qkv ``[B, D, S]``, z, and g/beta ``[B, S, Hv]``."""
         qkv = attn.in_proj_qkv(hidden).transpose(1, 2)
         z = attn.in_proj_z(hidden)
+        decay_scale = -attn.A_log.float().exp()
+        if self.fused:
+            g, beta = fused.linear_attention_gate(attn.in_proj_a(hidden), attn.dt_bias.float(), decay_scale,
+                                                  attn.in_proj_b(hidden))
+            return qkv, z, g.float(), beta
         beta = attn.in_proj_b(hidden).sigmoid()
-        g = -attn.A_log.float().exp() * F.softplus(attn.in_proj_a(hidden).float() + attn.dt_bias)
+        g = decay_scale * F.softplus(attn.in_proj_a(hidden).float() + attn.dt_bias)
         return qkv, z, g, beta
 
     @property
     def fused(self) -> bool:
         """ONNX Runtime fused operators (``--ops ort``) instead of standard ONNX ones."""
         return self.contract.ops == "ort"
+
+    def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A ``Qwen3_5RMSNorm`` (scale ``1 + weight``); one SimplifiedLayerNormalization with ``--ops ort``."""
+        if not self.fused:
+            return module(x)
+        return fused.rms_norm(x, module.weight.float() + 1.0, module.eps)
+
+    def l2norm(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' ``l2norm`` (``x / sqrt(sum x^2 + 1e-6)``) of the last axis ``D``; with
+        ``--ops ort`` the same value as an RMSNorm: scale ``D^-1/2`` and epsilon ``1e-6 / D``."""
+        if not self.fused:
+            return layers.l2norm(x)
+        dim = x.shape[-1]
+        return fused.rms_norm(x, torch.full((dim,), dim**-0.5, dtype=x.dtype, device=x.device), 1e-6 / dim)
 
     def conv_prefill(self, attn: nn.Module, qkv: torch.Tensor, n_valid: torch.Tensor):
         """Causal conv + SiLU over the prompt ``[B, D, S]`` -> (output, state of the last real tokens)."""
@@ -151,8 +181,8 @@ class _TextGraph(nn.Module):
         batch, steps, n_v, d_v = v.shape
         n_k, d_k = k.shape[-2:]
         # the fused op takes L2-normalised keys and packed heads (as many q/k heads as v heads)
-        q = layers.repeat_heads(layers.l2norm(q.float()), n_v // n_k, dim=2).reshape(batch, steps, -1)
-        k = layers.repeat_heads(layers.l2norm(k.float()), n_v // n_k, dim=2).reshape(batch, steps, -1)
+        q = layers.repeat_heads(self.l2norm(q.float()), n_v // n_k, dim=2).reshape(batch, steps, -1)
+        k = layers.repeat_heads(self.l2norm(k.float()), n_v // n_k, dim=2).reshape(batch, steps, -1)
         out, state = fused.linear_attention(
             q, k, v.float().reshape(batch, steps, -1), state.float(), g.float(), beta.float(), n_v, d_k**-0.5
         )
@@ -170,24 +200,37 @@ class _TextGraph(nn.Module):
             v.reshape(batch, seq_len, -1, attn.head_v_dim),
         )
 
-    @staticmethod
-    def gdn_output(attn: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def gdn_output(self, attn: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm + out_proj: core ``[B, S, Hv, Dv]``, z ``[B, S, Hv*Dv]`` -> ``[B, S, hidden]``."""
         batch, seq_len = core.shape[:2]
+        if self.fused:  # one GatedRMSNorm on the packed heads
+            out = fused.gated_rms_norm(core.reshape(batch, seq_len, -1), attn.norm.weight, z, attn.norm.variance_epsilon)
+            return attn.out_proj(out)
         out = attn.norm(core.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
         return attn.out_proj(out.reshape(batch, seq_len, -1))
 
-    def attention_qkv(self, attn: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Gated full attention projections: q ``[B,Hq,S,D]``, k/v ``[B,Hkv,S,D]`` (rotated), gate ``[B,S,Hq*D]``."""
+    def attention_qkv(self, attn: nn.Module, hidden: torch.Tensor, rope):
+        """Gated full attention projections: q ``[B,Hq,S,D]``, k/v ``[B,Hkv,S,D]`` (rotated), gate
+        ``[B,S,Hq*D]``; ``rope`` from :meth:`rotary`."""
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
         batch, seq_len = hidden.shape[:2]
         q, gate = torch.chunk(attn.q_proj(hidden).view(batch, seq_len, -1, attn.head_dim * 2), 2, dim=-1)
         gate = gate.reshape(batch, seq_len, -1)
-        q = attn.q_norm(q).transpose(1, 2)
-        k = attn.k_norm(attn.k_proj(hidden).view(batch, seq_len, -1, attn.head_dim)).transpose(1, 2)
+        q = self.norm(attn.q_norm, q)
+        k = self.norm(attn.k_norm, attn.k_proj(hidden).view(batch, seq_len, -1, attn.head_dim))
         v = attn.v_proj(hidden).view(batch, seq_len, -1, attn.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if self.fused:
+            rotary = self.text.rotary_emb
+            q, k = (
+                fused.mrotary_embedding(
+                    t.reshape(batch, seq_len, -1), rope, self.rope_cos, self.rope_sin, list(rotary.mrope_section),
+                    t.shape[2], 2 * self.rope_cos.shape[1],
+                ).view(batch, seq_len, -1, attn.head_dim).transpose(1, 2)
+                for t in (q, k)
+            )
+            return q, k, v, gate
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rope)
         return q, k, v, gate
 
     @staticmethod
@@ -197,12 +240,28 @@ class _TextGraph(nn.Module):
         return attn.o_proj(out)
 
     def run_layers(self, hidden: torch.Tensor, linear_mixer, full_mixer) -> torch.Tensor:
-        """Decoder stack: pre-norm mixer + residual, pre-norm MLP + residual, final norm."""
+        """Decoder stack: pre-norm mixer + residual, pre-norm MLP + residual, final norm. With
+        ``--ops ort`` every residual add is fused into the norm that follows it."""
+        if self.fused:
+            return self._run_layers_fused(hidden, linear_mixer, full_mixer)
         for i, layer in enumerate(self.text.layers):
             mixer = linear_mixer if layer.block_type == "linear_attention" else full_mixer
-            hidden = hidden + mixer(i, layer, layer.input_layernorm(hidden))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.text.norm(hidden)
+            hidden = hidden + mixer(i, layer, self.norm(layer.input_layernorm, hidden))
+            hidden = hidden + layer.mlp(self.norm(layer.post_attention_layernorm, hidden))
+        return self.norm(self.text.norm, hidden)
+
+    def _run_layers_fused(self, hidden: torch.Tensor, linear_mixer, full_mixer) -> torch.Tensor:
+        def skip_norm(x, residual, module):
+            return fused.skip_rms_norm(x, residual, module.weight.float() + 1.0, module.eps)
+
+        layers_ = list(self.text.layers)
+        residual, h = hidden, self.norm(layers_[0].input_layernorm, hidden)
+        for i, layer in enumerate(layers_):
+            mixer = linear_mixer if layer.block_type == "linear_attention" else full_mixer
+            h, residual = skip_norm(mixer(i, layer, h), residual, layer.post_attention_layernorm)
+            after = layers_[i + 1].input_layernorm if i + 1 < len(layers_) else self.text.norm
+            h, residual = skip_norm(layer.mlp(h), residual, after)
+        return h
 
 
 class PrefillGraph(_TextGraph):
@@ -222,7 +281,7 @@ class PrefillGraph(_TextGraph):
 
         hidden = self.text.embed_tokens(input_ids)
         hidden = layers.inject_image_embeds(hidden, input_ids, image_embeds, contract.image_token_id)
-        cos, sin = self.rotary(hidden, position_ids)
+        rope = self.rotary(hidden, position_ids)
         # Causal mask from the running count of real tokens rather than from arange(S): the
         # latter is constant-folded for small static S only, which would make the node count
         # depend on the bucket. For real queries i and keys j, count_j <= count_i iff j <= i.
@@ -249,7 +308,7 @@ class PrefillGraph(_TextGraph):
 
         def full_mixer(i, layer, h):
             attn = layer.self_attn
-            q, k, v, gate = self.attention_qkv(attn, h, cos, sin)
+            q, k, v, gate = self.attention_qkv(attn, h, rope)
             out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
             keep = valid.view(valid.shape[0], 1, -1, 1).to(k.dtype)
             k, v = k * keep, v * keep
@@ -275,12 +334,16 @@ class DecodeGraph(_TextGraph):
     ScatterElements per k and per v: ``2 * n_full`` slot writes) and attends to
     ``slot <= cache_pos AND mask``. Capacity is the static width L.
     Dynamic mode: the past KV has ``P`` tokens, the mask ``P + 1``; the present KV grows by one.
+    In place (``--ops ort`` with fixed KV, :attr:`ShapeContract.kv_in_place`): ``past_kv`` is a
+    tuple of ``2 * n_full`` entries ``[B, Hkv, L, D]`` and each full-attention layer is one
+    GroupQueryAttention node (slot write + attention over ``slot <= cache_pos``), whose present
+    entries the runtime binds to the past buffers.
     """
 
     def forward(self, input_ids, attention_mask, position_ids, past_conv, past_rec, past_kv):
         contract = self.contract
         hidden = self.text.embed_tokens(input_ids)
-        cos, sin = self.rotary(hidden, position_ids)
+        rope = self.rotary(hidden, position_ids)
         mask = attention_mask.bool()
         if contract.kv_mode == "fixed":
             cache_pos = attention_mask.sum(dim=-1) - 1  # [B]
@@ -292,6 +355,9 @@ class DecodeGraph(_TextGraph):
         conv_states, rec_states, kv = [], [], []
         linear_slot = {layer: n for n, layer in enumerate(self.linear_ids)}
         full_slot = {layer: n for n, layer in enumerate(self.full_ids)}
+        if contract.kv_in_place:
+            seqlens_k = cache_pos.to(torch.int32)
+            total = torch.full((), contract.capacity, dtype=torch.int32, device=input_ids.device)
 
         def linear_mixer(i, layer, h):
             attn = layer.linear_attn
@@ -307,8 +373,17 @@ class DecodeGraph(_TextGraph):
         def full_mixer(i, layer, h):
             attn = layer.self_attn
             n = full_slot[i]
-            q, k, v, gate = self.attention_qkv(attn, h, cos, sin)
+            q, k, v, gate = self.attention_qkv(attn, h, rope)
             past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
+            if contract.kv_in_place:
+                batch = q.shape[0]
+                q, k, v = (t.transpose(1, 2).reshape(batch, 1, -1) for t in (q, k, v))
+                out, k_all, v_all = fused.group_query_attention(
+                    q, k, v, past_k, past_v, seqlens_k, total, q.shape[-1] // attn.head_dim,
+                    k.shape[-1] // attn.head_dim, attn.scaling,
+                )
+                kv.extend([k_all, v_all])
+                return self.attention_output(attn, out, gate)
             if contract.kv_mode == "fixed":
                 k_all = layers.write_kv_slot(past_k, k, cache_pos)
                 v_all = layers.write_kv_slot(past_v, v, cache_pos)
@@ -320,4 +395,6 @@ class DecodeGraph(_TextGraph):
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
         logits = self.lm_head(hidden)
+        if contract.kv_in_place:
+            return logits, torch.stack(conv_states), torch.stack(rec_states), *kv
         return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)

@@ -2,8 +2,10 @@
 (``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer``): every MatMul whose
 weight is a constant becomes a ``com.microsoft`` ``MatMulNBits`` node holding int4 or int8
 blocks with one fp32 scale per ``block_size`` weights (symmetric, round to nearest).
-Activations stay fp32 (``accuracy_level`` unset): on the demo checkpoint, level 4 (int8
-activations) lowered the int8 last-logit cosine from 0.996 to 0.988.
+``accuracy_level`` 4: activations are quantized to int8 per block inside the kernel, ONNX
+Runtime's fast CPU path (without it, int8 weights run on a slow fp32 path). Last-logit cosine
+against fp32 on a briefly trained small checkpoint (``checkpoints.train_checkpoint``, 300
+steps): int8 1.0000, int4 0.9968 (0.9965 with fp32 activations).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import onnx
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
-ACCURACY_LEVEL = None
+ACCURACY_LEVEL = 4
 
 
 def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool) -> int:

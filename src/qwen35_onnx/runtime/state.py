@@ -3,8 +3,9 @@
 :class:`BoundDecoder` keeps the conv, recurrent and KV states in ONNX Runtime ``OrtValue``s
 between steps and binds them with IOBinding. Output buffers (logits, conv, recurrent, and
 KV in fixed mode) are preallocated twice and alternate A/B by step parity, so a step never
-writes the buffer it reads. In dynamic mode the KV output grows by one token per step, so
-ONNX Runtime allocates it each step. :class:`HostDecoder` is the copy-to-host fallback
+writes the buffer it reads. With ``--ops ort`` and fixed KV the KV cache is instead updated
+in place (one slot per layer per step). In dynamic mode the KV output grows by one token per
+step, so ONNX Runtime allocates it each step. :class:`HostDecoder` is the copy-to-host fallback
 (``--host-state-roundtrip``) kept for comparison.
 
 Both expose ``step(input_ids, attention_mask, position_ids) -> logits [1, 1, V] fp32``.
@@ -25,11 +26,19 @@ NP_DTYPES = {"fp32": np.float32}
 class BoundDecoder:
     """IOBinding decode loop state. ``device`` is 'cpu' or 'cuda' (ORT device names).
 
+    Fixed KV: both parities' bindings are built once; a step copies the three small inputs
+    into host buffers that stay bound and runs one binding, so no binding call happens per
+    token. With :attr:`ShapeContract.kv_in_place` (``--ops ort``), the KV cache is the prefill's
+    stacked ``present_kv_cache`` buffer and stays there: entry ``j`` is bound by address as both
+    ``past_kv_cache.{j}`` and ``present_kv_cache.{j}``, so GroupQueryAttention writes one slot
+    per layer and nothing else. Dynamic KV rebinds every step (the cache grows).
+
     Args:
         decode: the decode graph session.
         contract: the export contract (capacity, state shapes, kv mode).
         states: the prefill outputs ``present_conv_states``, ``present_recurrent_states``,
-            ``present_kv_cache`` as OrtValues (already on the device).
+            ``present_kv_cache`` as OrtValues (already on the device); they become the first
+            step's past (and, in fixed mode, one of the two A/B buffer sets).
     """
 
     def __init__(self, decode: GraphSession, contract: ShapeContract, states: dict[str, ort.OrtValue], device: str = "cpu"):
@@ -37,65 +46,104 @@ class BoundDecoder:
         self.contract = contract
         self.device = device
         self.fixed = contract.kv_mode == "fixed"
-        self.binding = self.session.io_binding()
-        self.past = {name: states[f"present_{name}"] for name in STATE_NAMES}
+        self.in_place = contract.kv_in_place
         dtype = NP_DTYPES[contract.dtype]
         shapes = {
             "logits": ((contract.batch, 1, contract.vocab_size), dtype),
             "present_conv_states": (contract.conv_state_shape, dtype),
             "present_recurrent_states": (contract.recurrent_state_shape, np.float32),
         }
-        if self.fixed:
+        if self.fixed and not self.in_place:
             shapes["present_kv_cache"] = (contract.kv_shape(), dtype)
-        # Two complete sets of output buffers: set p is written at steps of parity p.
-        self.buffers = [
-            {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, dt, device, 0) for name, (shape, dt) in shapes.items()}
-            for _ in range(2)
-        ]
+        new = lambda: {  # noqa: E731
+            name: ort.OrtValue.ortvalue_from_shape_and_type(shape, dt, device, 0) for name, (shape, dt) in shapes.items()
+        }
+        # Two complete sets of output buffers: set p is written at steps of parity p; the
+        # prefill's states serve as set 1 (read by step 0).
+        first = {name: states[name] for name in shapes if name != "logits"}
+        first["logits"] = new()["logits"]
+        self.buffers = [new(), first]
+        self.kv = states["present_kv_cache"]
         self.steps = 0
+        batch = contract.batch
+        self.host = {
+            "input_ids": np.zeros((batch, 1), dtype=np.int64),
+            "attention_mask": np.zeros((batch, contract.capacity), dtype=np.int64),
+            "position_ids": np.zeros((4, batch, 1), dtype=np.int64),
+        }
+        self.bindings = [self._bind(p) for p in (0, 1)] if self.fixed else None
+
+    def _bind(self, parity: int, attention_mask: np.ndarray | None = None) -> ort.IOBinding:
+        binding = self.session.io_binding()
+        for name, array in self.host.items():
+            if name == "attention_mask" and attention_mask is not None:
+                array = attention_mask
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        past, out = self.buffers[1 - parity], self.buffers[parity]
+        for name in ("conv_states", "recurrent_states"):
+            binding.bind_ortvalue_input(f"past_{name}", past[f"present_{name}"])
+        for name, value in out.items():
+            binding.bind_ortvalue_output(name, value)
+        if self.in_place:
+            entry = self.contract.kv_shape()[1:]
+            dtype = NP_DTYPES[self.contract.dtype]
+            nbytes = int(np.prod(entry)) * np.dtype(dtype).itemsize
+            base = self.kv.data_ptr()
+            names = zip(self.contract.decode_kv_names("past"), self.contract.decode_kv_names("present"))
+            for j, (past_name, present_name) in enumerate(names):
+                binding.bind_input(past_name, self.device, 0, dtype, entry, base + j * nbytes)
+                binding.bind_output(present_name, self.device, 0, dtype, entry, base + j * nbytes)
+        elif self.fixed:
+            binding.bind_ortvalue_input("past_kv_cache", past["present_kv_cache"])
+        else:
+            binding.bind_ortvalue_input("past_kv_cache", self.kv)
+            binding.bind_output("present_kv_cache", self.device)
+        return binding
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step; returns logits ``[1, 1, V]`` fp32 (a host copy)."""
-        binding = self.binding
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        binding.bind_cpu_input("input_ids", input_ids)
-        binding.bind_cpu_input("attention_mask", attention_mask)
-        binding.bind_cpu_input("position_ids", position_ids)
-        for name in STATE_NAMES:
-            binding.bind_ortvalue_input(f"past_{name}", self.past[name])
-        out = self.buffers[self.steps % 2]
-        for name, value in out.items():
-            binding.bind_ortvalue_output(name, value)
-        if not self.fixed:
-            binding.bind_output("present_kv_cache", self.device)
-        self.session.run_with_iobinding(binding)
+        parity = self.steps % 2
+        host = self.host
+        np.copyto(host["input_ids"], input_ids)
+        np.copyto(host["position_ids"], position_ids)
         if self.fixed:
-            kv = out["present_kv_cache"]
+            np.copyto(host["attention_mask"], attention_mask)
+            binding = self.bindings[parity]
         else:
-            kv = binding.get_outputs()[len(out)]  # outputs come back in binding order
-        self.past = {
-            "conv_states": out["present_conv_states"],
-            "recurrent_states": out["present_recurrent_states"],
-            "kv_cache": kv,
-        }
+            binding = self._bind(parity, np.ascontiguousarray(attention_mask, dtype=np.int64))
+        self.session.run_with_iobinding(binding)
+        if not self.fixed:
+            self.kv = binding.get_outputs()[-1]  # outputs come back in binding order
         self.steps += 1
-        return out["logits"].numpy()
+        # OrtValue.numpy() of a CPU tensor is a view of the buffer, rewritten two steps later
+        return np.array(self.buffers[parity]["logits"].numpy(), copy=True)
 
 
 class HostDecoder:
-    """Copy-to-host fallback: every state goes through numpy between steps."""
+    """Copy-to-host fallback: every state goes through numpy between steps (the stacked KV
+    cache is split into and rebuilt from its entries when the graph takes them one by one)."""
 
     def __init__(self, decode: GraphSession, contract: ShapeContract, states: dict[str, ort.OrtValue | np.ndarray]):
         self.session = decode.session
+        self.contract = contract
         self.past = {name: _to_numpy(states[f"present_{name}"]) for name in STATE_NAMES}
         self.output_names = [o.name for o in self.session.get_outputs()]
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """Run one decode step; returns logits ``[1, 1, V]`` fp32."""
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        feeds.update({f"past_{name}": value for name, value in self.past.items()})
+        feeds.update({f"past_{name}": self.past[name] for name in STATE_NAMES[:2]})
+        kv_names = self.contract.decode_kv_names("past")
+        if self.contract.kv_in_place:
+            feeds.update(zip(kv_names, self.past["kv_cache"]))
+        else:
+            feeds[kv_names[0]] = self.past["kv_cache"]
         outputs = dict(zip(self.output_names, self.session.run(None, feeds)))
-        self.past = {name: outputs[f"present_{name}"] for name in STATE_NAMES}
+        self.past = {name: outputs[f"present_{name}"] for name in STATE_NAMES[:2]}
+        if self.contract.kv_in_place:
+            self.past["kv_cache"] = np.stack([outputs[n] for n in self.contract.decode_kv_names("present")])
+        else:
+            self.past["kv_cache"] = outputs["present_kv_cache"]
         return outputs["logits"]
 
 

@@ -109,6 +109,11 @@ class _TextGraph(nn.Module):
         self.contract = contract
         self.linear_ids = [i for i, t in enumerate(contract.layer_types) if t == "linear_attention"]
         self.full_ids = [i for i, t in enumerate(contract.layer_types) if t == "full_attention"]
+        if contract.quantize != "none":
+            # lm_head as MatMul(hidden, W^T) with W^T a constant [hidden, V], so that weight-only
+            # quantization finds it (the plain export feeds the MatMul from a Transpose node,
+            # which the quantizer skips: the largest matrix of a tied model would stay fp32).
+            self.register_buffer("lm_head_t", self.lm_head.weight.detach().t().contiguous(), persistent=False)
         if self.fused:  # MRotaryEmbedding tables for every position below capacity: [L, F]
             rotary = self.text.rotary_emb
             freqs = torch.arange(contract.capacity, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None]
@@ -140,6 +145,12 @@ class _TextGraph(nn.Module):
     def fused(self) -> bool:
         """ONNX Runtime fused operators (``--ops ort``) instead of standard ONNX ones."""
         return self.contract.ops == "ort"
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head``: ``[B, S, hidden] -> [B, S, V]``."""
+        if self.contract.quantize != "none":
+            return hidden @ self.lm_head_t
+        return self.lm_head(hidden)
 
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A ``Qwen3_5RMSNorm`` (scale ``1 + weight``); one SimplifiedLayerNormalization with ``--ops ort``."""
@@ -322,7 +333,7 @@ class PrefillGraph(_TextGraph):
             # only the last real token's row: [B, 1, hidden] -> logits [B, 1, V]
             last = (n_valid - 1).view(-1, 1, 1).expand(hidden.shape[0], 1, hidden.shape[2])
             hidden = torch.gather(hidden, 1, last)
-        logits = self.lm_head(hidden)
+        logits = self.logits(hidden)
         return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)
 
 
@@ -394,7 +405,7 @@ class DecodeGraph(_TextGraph):
             return self.attention_output(attn, out, gate)
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
-        logits = self.lm_head(hidden)
+        logits = self.logits(hidden)
         if contract.kv_in_place:
             return logits, torch.stack(conv_states), torch.stack(rec_states), *kv
         return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)

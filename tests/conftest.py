@@ -39,12 +39,13 @@ def export_to(checkpoint: Path, out: Path, **options) -> Path:
 
 @pytest.fixture(scope="session")
 def fixed_export(checkpoint, tmp_path_factory) -> Path:
-    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "fixed", kv_mode="fixed")
+    """Portable operators (the default --ops ort has its own fixture in test_fused_and_quantized)."""
+    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "fixed", kv_mode="fixed", ops="portable")
 
 
 @pytest.fixture(scope="session")
 def dynamic_export(checkpoint, tmp_path_factory) -> Path:
-    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "dynamic", kv_mode="dynamic")
+    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "dynamic", kv_mode="dynamic", ops="portable")
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +54,7 @@ def small_export(checkpoint, tmp_path_factory) -> Path:
     from qwen35_onnx.export.exporter import ExportOptions, export
 
     out = tmp_path_factory.mktemp("exp") / "small"
-    export(checkpoint, out, ExportOptions(capacity=CAPACITY // 2))
+    export(checkpoint, out, ExportOptions(capacity=CAPACITY // 2, ops="portable"))
     return out
 
 

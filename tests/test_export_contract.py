@@ -60,10 +60,11 @@ def test_prefill_buckets_have_equal_node_counts_and_kv_width_capacity(fixed_expo
         assert inputs["input_ids"] == [1, b]
 
 
-def test_node_count_does_not_grow_from_32_to_2048_tokens(checkpoint, tmp_path):
+@pytest.mark.parametrize("ops", ["portable", "ort"])
+def test_node_count_does_not_grow_from_32_to_2048_tokens(checkpoint, tmp_path, ops):
     """Issue acceptance: prefill graphs at 32 and 2048 tokens have the same node count."""
     out = tmp_path / "long"
-    export(checkpoint, out, ExportOptions(capacity=2048, prefill_buckets=(32, 2048)))
+    export(checkpoint, out, ExportOptions(capacity=2048, prefill_buckets=(32, 2048), ops=ops))
     contract, graphs = _fixed_graphs(out)
     small, large = node_counts(graphs["prefill_32"]), node_counts(graphs["prefill_2048"])
     print(f"prefill nodes: 32 tokens {sum(small.values())}, 2048 tokens {sum(large.values())}")

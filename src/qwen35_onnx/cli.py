@@ -51,7 +51,7 @@ def export(
         help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode). [default: those below capacity, plus capacity]",
     ),
     prefill_logits: Optional[str] = typer.Option(None, "--prefill-logits", help="last (the last real token) or all (every position, for verification). [default: last]"),
-    ops: Optional[str] = typer.Option(None, "--ops", help="portable (standard ONNX operators) or ort (ONNX Runtime fused operators). [default: portable]"),
+    ops: Optional[str] = typer.Option(None, "--ops", help="ort (ONNX Runtime fused operators, KV cache updated in place) or portable (standard ONNX operators only, for other runtimes and compilers). [default: ort]"),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="none, int4 or int8: weight-only MatMulNBits for the text graphs. [default: none]"),
     quant_block_size: Optional[int] = typer.Option(None, "--quant-block-size", help="Weights per quantization scale (power of two >= 16). [default: 32]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export in --output-dir."),

@@ -87,7 +87,7 @@ class ExportOptions:
     chunk_size: int = 64
     prefill_buckets: tuple[int, ...] | None = None
     prefill_logits: str = "last"
-    ops: str = "portable"
+    ops: str = "ort"
     quantize: str = "none"
     quant_block_size: int = 32
     overwrite: bool = False

@@ -118,6 +118,11 @@ class GraphSet:
         check_metadata(self.contract, graph)
         return graph
 
+    def unload_prefill(self) -> None:
+        """Drop the loaded prefill sessions (each holds its own copy of the text weights in
+        memory); they load again on next use."""
+        self._prefill.clear()
+
     def prefill(self, bucket: int | None) -> GraphSession:
         """The prefill graph for ``bucket`` tokens (``None``: the dynamic-length graph)."""
         if bucket not in self._prefill:

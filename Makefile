@@ -26,7 +26,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# Speed side by side (not a test): writes benchmarks/out/bench.{md,json,png}.
+# Speed side by side (not a test): writes benchmarks/out/PRESET/bench.{md,json,png}.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[export,bench]"
 	$(VENV)/bin/qwen35-onnx bench

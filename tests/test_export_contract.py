@@ -183,6 +183,7 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
         (dict(prefill_buckets=()), r"--prefill-buckets is empty"),
         (dict(kv_mode="dynamic", prefill_buckets=(32,)), r"--prefill-buckets needs --kv-cache fixed"),
         (dict(prefill_logits="some"), r"--prefill-logits 'some' must be one of last, all"),
+        (dict(quantize="int4", quant_block_size=2**40), r"--quant-block-size 1099511627776 must be a power of two from 16 to 256"),
     ],
 )
 def test_export_time_checks(checkpoint, tmp_path, options, message):
@@ -240,3 +241,32 @@ def test_component_export_of_an_older_layout_is_refused(checkpoint, small_export
     (target / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ExportError, match="another graph layout.*re-export all graphs"):
         export(checkpoint, target, ExportOptions(component="decode"), explicit=set())
+
+
+def test_component_export_that_would_change_the_contract_is_refused(checkpoint, small_export, tmp_path):
+    """A checkpoint whose generation config differs would make the kept graphs disagree with the
+    manifest: refused before anything is written."""
+    other = tmp_path / "other-ckpt"
+    shutil.copytree(checkpoint, other)
+    generation = json.loads((other / "generation_config.json").read_text())
+    generation["eos_token_id"] = [1010]
+    (other / "generation_config.json").write_text(json.dumps(generation))
+    target = tmp_path / "comp"
+    shutil.copytree(small_export, target)
+    before = (target / "manifest.json").read_text()
+    with pytest.raises(ExportError, match=r"would not match the graphs kept.*eos_token_ids"):
+        export(other, target, ExportOptions(component="decode"), explicit=set())
+    assert (target / "manifest.json").read_text() == before
+    Pipeline.from_exported(target)
+
+
+def test_corrupt_weights_are_a_clear_error_not_garbage(fixed_export, tmp_path, photo):
+    broken = tmp_path / "broken"
+    shutil.copytree(fixed_export, broken)
+    data = broken / "text" / "weights.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 4 : len(raw) // 2] = b"\xff" * (len(raw) // 2 - len(raw) // 4)  # NaN patterns
+    data.write_bytes(bytes(raw))
+    stream = Pipeline.from_exported(broken).stream(photo, "Describe this image.", max_new_tokens=8)
+    with pytest.raises(ContractError, match="logits are not finite"):
+        list(stream)

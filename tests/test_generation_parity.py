@@ -31,3 +31,15 @@ def test_stream_pieces_concatenate_to_text(fixed_export, photo):
     assert stream.result is not None
     assert "".join(pieces) == stream.result.text
     assert len(stream.result.token_ids) == 12
+
+
+def test_verify_compares_only_the_tokens_that_fit(fixed_export, checkpoint, reference_model, photo):
+    """Asked for more tokens than the capacity holds, the export stops early (finish 'length');
+    verify asks transformers for as many and reports parity, not a false mismatch."""
+    from qwen35_onnx.verify import token_parity
+
+    pipe = Pipeline.from_exported(fixed_export)
+    prompt_len = pipe.prepare(photo, PROMPT).prompt_len
+    parity = token_parity(pipe, checkpoint, photo, PROMPT, 500, model=reference_model)
+    assert parity.total <= pipe.contract.capacity - prompt_len + 1
+    assert parity.ok

@@ -257,7 +257,6 @@ def report(results: list[PeerResult], bandwidth_gbps: float, out_dir: Path, stat
         cells = [f"{a.decode_ms[first] / b.decode_ms[first]:.2f}" for b in results]
         lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
     markdown = "\n".join(lines) + "\n"
-    (out_dir / "bench.md").write_text(markdown)
     (out_dir / "bench.json").write_text(json.dumps(
         {"bandwidth_gbps": bandwidth_gbps, "state_bytes": state_bytes, "peers": [asdict(r) for r in results]}, indent=2))
     try:
@@ -277,7 +276,21 @@ def report(results: list[PeerResult], bandwidth_gbps: float, out_dir: Path, stat
         fig.savefig(out_dir / "bench.png", dpi=120)
     except ImportError:
         markdown += "\n(matplotlib not installed: no bench.png)\n"
+    (out_dir / "bench.md").write_text(markdown)
     return markdown
+
+
+def _is_cached(folder: Path, options) -> bool:
+    """An export of this version with these options is already in ``folder``."""
+    from . import __version__
+    from .contract import ContractError, read_manifest
+
+    try:
+        c = read_manifest(folder)
+    except ContractError:
+        return False
+    return (c.exporter_version, c.capacity, c.prefill_buckets, c.ops, c.quantize) == (
+        __version__, options.capacity, tuple(options.prefill_buckets), options.ops, options.quantize)
 
 
 def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, log=print) -> str:
@@ -297,9 +310,10 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
     exports = {}
     for name, opts in variants.items():
         folder = work_dir / name.replace(" ", "-")
-        if not (folder / "manifest.json").is_file():
+        options = ExportOptions(capacity=capacity, prefill_buckets=buckets, overwrite=True, **opts)
+        if not _is_cached(folder, options):
             log(f"[bench] exporting {name} ...")
-            export(checkpoint, folder, ExportOptions(capacity=capacity, prefill_buckets=buckets, **opts))
+            export(checkpoint, folder, options)
         exports[name] = folder
     contract = read_manifest(exports["portable fp32"])
     rng = np.random.default_rng(seed)

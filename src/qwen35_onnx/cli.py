@@ -1,4 +1,4 @@
-"""The ``qwen35-onnx`` command: ``export``, ``generate``, ``verify`` and ``demo``.
+"""The qwen35-onnx command: export, generate, verify, bench and demo.
 
 Errors the user can fix (bad options, bad input, mismatched exports) are printed as one
 ``error: ...`` line with exit status 2, never as a traceback.
@@ -16,7 +16,8 @@ import typer
 
 from .contract import ContractError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+# rich_markup_mode=None: option help ends in "[default: ...]", which rich would take for a style tag
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0], rich_markup_mode=None)
 USER_ERRORS = (ValueError, OSError, ContractError, TypeError)
 """Errors a user can fix (bad values, files, exports): reported as one line. OSError covers
 missing, unreadable and unwritable files and folders."""
@@ -39,7 +40,7 @@ def _parse_buckets(text: str | None) -> tuple[int, ...] | None:
 @app.command()
 def export(
     model_id: Path = typer.Option(..., "--model-id", help="Local Hugging Face checkpoint folder."),
-    output_dir: Path = typer.Option(..., "--output-dir", help="Folder to write (vision/, prefill/, decode/, manifest.json)."),
+    output_dir: Path = typer.Option(..., "--output-dir", help="Folder to write (vision/, text/ with the prefill and decode graphs and their shared weights, manifest.json)."),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Capacity in tokens: KV cache and mask width. [default: 2048]"),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="fixed (constant-width KV, static graphs) or dynamic (growing). [default: fixed]"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Weights and states dtype. [default: fp32]"),
@@ -53,7 +54,7 @@ def export(
     prefill_logits: Optional[str] = typer.Option(None, "--prefill-logits", help="last (the last real token) or all (every position, for verification). [default: last]"),
     ops: Optional[str] = typer.Option(None, "--ops", help="ort (ONNX Runtime fused operators, KV cache updated in place) or portable (standard ONNX operators only, for other runtimes and compilers). [default: ort]"),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="none, int4 or int8: weight-only MatMulNBits for the text graphs. [default: none]"),
-    quant_block_size: Optional[int] = typer.Option(None, "--quant-block-size", help="Weights per quantization scale (power of two >= 16). [default: 32]"),
+    quant_block_size: Optional[int] = typer.Option(None, "--quant-block-size", help="Weights per quantization scale (power of two from 16 to 256). [default: 32]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export in --output-dir."),
 ) -> None:
     """Export a Qwen3.5 checkpoint to fixed-shape ONNX graphs."""
@@ -182,7 +183,10 @@ def bench(
     else:
         typer.echo(f"[bench] building the {preset} checkpoint (once, cached) ...", err=True)
         checkpoint = build_demo_checkpoint(demo_checkpoint_dir().parent / f"checkpoint-{preset}", preset=preset)
-    typer.echo(run_bench(checkpoint, work_dir / preset, parsed, log=lambda m: typer.echo(m, err=True)))
+    try:
+        typer.echo(run_bench(checkpoint, work_dir / preset, parsed, log=lambda m: typer.echo(m, err=True)))
+    except USER_ERRORS as exc:
+        _fail(exc)
 
 
 @app.command()

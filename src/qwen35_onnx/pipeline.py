@@ -27,7 +27,7 @@ import numpy as np
 import onnxruntime as ort
 from PIL import Image
 
-from .contract import ShapeContract, read_manifest
+from .contract import ContractError, ShapeContract, read_manifest
 from .runtime.masks import CapacityExhausted, advance_mask, prepare_decode_mask
 from .runtime.positions import decode_position_ids, mrope_position_ids
 from .runtime.preprocess import Preprocessor, load_image, to_rgb
@@ -127,7 +127,7 @@ class Pipeline:
     """Exported graphs + preprocessing + decode loop.
 
     Args:
-        root: the export folder (``manifest.json``, ``vision/``, ``prefill/``, ``decode/`` and
+        root: the export folder (``manifest.json``, ``vision/``, ``text/`` and
             the tokenizer/processor files).
         contract: the manifest's contract.
         graphs: the loaded, cross-checked graphs.
@@ -351,7 +351,7 @@ class Pipeline:
                 if self.host_state_roundtrip
                 else BoundDecoder(self.graphs.decode, contract, states, self.device)
             )
-            token = sampler(logits)
+            token = sampler(_finite(logits, "prefill"))
             while True:
                 tokens.append(token)
                 piece = stops.feed(streamer.put(token))
@@ -376,7 +376,7 @@ class Pipeline:
                 )
                 timings.decode_ms += 1000 * (time.perf_counter() - t3)
                 timings.decode_steps += 1
-                token = sampler(step_logits[0, -1])
+                token = sampler(_finite(step_logits[0, -1], f"decode step {timings.decode_steps}"))
             if not stops.stopped:
                 rest = stops.feed(streamer.end()) + stops.flush()
                 if rest:
@@ -403,6 +403,16 @@ def _drain(stream: GenerationStream) -> GenerationResult:
         pass
     assert stream.result is not None
     return stream.result
+
+
+def _finite(logits: np.ndarray, where: str) -> np.ndarray:
+    """``logits`` unchanged; a ContractError if any is NaN or infinite (corrupt weights)."""
+    if not np.isfinite(logits).all():
+        raise ContractError(
+            f"the {where} logits are not finite (NaN or inf): the export's weights are probably corrupt "
+            "(re-export the model); the tokens generated so far are in the result"
+        )
+    return logits
 
 
 def _shape(value) -> list[int]:

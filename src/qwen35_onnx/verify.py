@@ -97,5 +97,8 @@ def token_parity(pipeline: Pipeline, model_id: str | Path, image, prompt: str, m
         result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens)
     model = model if model is not None else load_reference(model_id)
     contract = pipeline.contract
-    reference = reference_generate(model, prepared, contract.grid_thw, max_new_tokens, contract.eos_token_ids)
+    # the export stops when its capacity is full (prompt_len + new tokens - 1 <= capacity);
+    # transformers has no such limit, so it is asked for no more than fit
+    fits = contract.capacity - prepared.prompt_len + 1
+    reference = reference_generate(model, prepared, contract.grid_thw, min(max_new_tokens, fits), contract.eos_token_ids)
     return TokenParity(result.token_ids, reference)

@@ -1,4 +1,4 @@
-"""Export a Qwen3.5 checkpoint folder to ``vision/``, ``prefill/`` and ``decode/`` ONNX graphs
+"""Export a Qwen3.5 checkpoint folder to ``vision/`` and ``text/`` (prefill and decode) ONNX graphs
 plus ``manifest.json`` and the tokenizer/processor files.
 
 The export is atomic: everything is written into a temporary sibling folder and renamed into
@@ -112,8 +112,8 @@ class ExportOptions:
         if self.quantize not in QUANTIZATIONS:
             raise ExportError(f"--quantize {self.quantize!r} must be one of {', '.join(QUANTIZATIONS)}")
         bs = self.quant_block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
-            raise ExportError(f"--quant-block-size {bs!r} must be a power of two >= 16")
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
+            raise ExportError(f"--quant-block-size {bs!r} must be a power of two from 16 to 256")
         if self.prefill_logits not in PREFILL_LOGITS:
             raise ExportError(f"--prefill-logits {self.prefill_logits!r} must be one of {', '.join(PREFILL_LOGITS)}")
         if self.prefill_buckets is not None:
@@ -578,6 +578,11 @@ def export(
     config, generation_config = load_config(model_dir)
     contract = build_contract(config, generation_config, options, processor_max_pixels(model_dir))
     contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
+    if options.component != "all" and existing.same_shapes(contract):
+        raise ExportError(
+            f"--component {options.component}: the new graph would not match the graphs kept in {str(out)!r} "
+            f"({'; '.join(existing.same_shapes(contract))}); re-export all graphs (--component all --overwrite)"
+        )
     if options.component != "all" and existing.graphs != contract.graphs:
         raise ExportError(
             f"{str(out)!r} has another graph layout ({sorted(existing.graphs.values())}) than this version writes "

@@ -25,14 +25,28 @@ def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool
     Metadata (the contract) is kept.
 
     Raises:
-        ValueError: unknown scheme or a block size that is not a power of two >= 16.
+        ValueError: unknown scheme or a block size that is not a power of two from 16 to 256.
     """
+    # the quantizer and onnx_ir log every step at INFO level, and importing the quantizer
+    # sets the root logger to INFO: levels are saved before the import and restored after
+    loggers = [logging.getLogger(name) for name in ("onnxruntime.quantization", "onnx_ir", "")]
+    levels = [lg.level for lg in loggers]
+    try:
+        return _quantize(path, scheme, block_size, external_data, loggers)
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _quantize(path: Path, scheme: str, block_size: int, external_data: bool, loggers) -> int:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"quantization {scheme!r} must be one of {', '.join(QUANTIZE_BITS)}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"quantization block size {block_size} must be a power of two >= 16")
+    if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"quantization block size {block_size} must be a power of two from 16 to 256")
     model = onnx.load(str(path))
     quantizer = MatMulNBitsQuantizer(
         model,
@@ -41,16 +55,7 @@ def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool
         is_symmetric=True,
         accuracy_level=ACCURACY_LEVEL,
     )
-    # the quantizer and onnx_ir log every step at INFO level
-    loggers = [logging.getLogger(name) for name in ("onnxruntime.quantization", "onnx_ir", "")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.WARNING)
-    try:
-        quantizer.process()
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    quantizer.process()
     quantized = quantizer.model.model
     for old in path.parent.glob(path.name + ".data"):
         old.unlink()

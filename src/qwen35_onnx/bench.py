@@ -177,7 +177,7 @@ def bench_transformers(checkpoint: Path, prompts: dict[int, np.ndarray]) -> Peer
         result.e2e_tokens_per_s = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
     # text weights (the token embedding only when lm_head reads it, i.e. tied) + lm_head
     embed = text.embed_tokens.weight
-    params = {id(p): p for p in [*text.parameters(), *model.lm_head.parameters()] if p is not embed}
+    params = {id(p): p for p in text.parameters() if p is not embed}
     params.update({id(p): p for p in model.lm_head.parameters()})
     result.decode_bytes = sum(p.numel() * p.element_size() for p in params.values())
     return result

@@ -42,6 +42,11 @@ STATE_OUTPUTS = ["present_conv_states", "present_recurrent_states", "present_kv_
 TEXT_OUTPUTS = ["logits", *STATE_OUTPUTS]
 
 
+def _rms_scale(norm: nn.Module) -> torch.Tensor:
+    """The effective scale of a ``Qwen3_5RMSNorm``: ``1 + weight`` (zero-centred weight), fp32."""
+    return norm.weight.float() + 1.0
+
+
 class VisionGraph(nn.Module):
     """ViT tower for one image at the exported grid.
 
@@ -156,7 +161,7 @@ class _TextGraph(nn.Module):
         """A ``Qwen3_5RMSNorm`` (scale ``1 + weight``); one SimplifiedLayerNormalization with ``--ops ort``."""
         if not self.fused:
             return module(x)
-        return fused.rms_norm(x, module.weight.float() + 1.0, module.eps)
+        return fused.rms_norm(x, _rms_scale(module), module.eps)
 
     def l2norm(self, x: torch.Tensor) -> torch.Tensor:
         """transformers' ``l2norm`` (``x / sqrt(sum x^2 + 1e-6)``) of the last axis ``D``; with
@@ -263,7 +268,7 @@ class _TextGraph(nn.Module):
 
     def _run_layers_fused(self, hidden: torch.Tensor, linear_mixer, full_mixer) -> torch.Tensor:
         def skip_norm(x, residual, module):
-            return fused.skip_rms_norm(x, residual, module.weight.float() + 1.0, module.eps)
+            return fused.skip_rms_norm(x, residual, _rms_scale(module), module.eps)
 
         layers_ = list(self.text.layers)
         residual, h = hidden, self.norm(layers_[0].input_layernorm, hidden)

@@ -270,3 +270,19 @@ def test_corrupt_weights_are_a_clear_error_not_garbage(fixed_export, tmp_path, p
     stream = Pipeline.from_exported(broken).stream(photo, "Describe this image.", max_new_tokens=8)
     with pytest.raises(ContractError, match="logits are not finite"):
         list(stream)
+
+
+def test_decode_graph_with_stacked_states_is_refused_when_the_manifest_says_per_entry(fixed_export):
+    """A decode graph that takes the stacked states (portable, or an export made before the
+    states went one entry at a time) does not pass for an ``--ops ort`` fixed-KV contract."""
+    from dataclasses import replace
+
+    from qwen35_onnx.runtime.sessions import GraphSession, check_decode
+
+    contract = read_manifest(fixed_export)
+    decode = GraphSession.load("decode", fixed_export / contract.graphs["decode"])
+    check_decode(contract, decode)  # its own contract passes
+    per_entry = replace(contract, ops="ort")
+    assert per_entry.decode_state_names("conv_states", "past") == [f"past_conv_states.{n}" for n in range(contract.n_linear)]
+    with pytest.raises(ContractError, match=r"no input 'past_conv_states\.0'.*one entry at a time.*re-export"):
+        check_decode(per_entry, decode)

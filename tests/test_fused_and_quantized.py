@@ -63,11 +63,19 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
     # the KV write and the attention are one GroupQueryAttention per full-attention layer
     assert ops.count("GroupQueryAttention") == contract.n_full
     assert "ScatterElements" not in ops and "ScatterND" not in ops
-    entry = [contract.batch, contract.num_key_value_heads, CAPACITY, contract.head_dim]
+    # projections of one input merged: per layer mixer-in, mixer-out, gate|up, down; plus lm_head
+    assert ops.count("MatMul") == 4 * len(contract.layer_types) + 1
+    # every state one entry at a time, so that the runtime binds them inside stacked buffers
+    entries = {
+        "kv_cache": (2 * contract.n_full, [contract.batch, contract.num_key_value_heads, CAPACITY, contract.head_dim]),
+        "conv_states": (contract.n_linear, [contract.batch, contract.conv_dim, contract.conv_kernel - 1]),
+        "recurrent_states": (contract.n_linear, list(contract.recurrent_state_shape[1:])),
+    }
     for io, prefix in ((decode.graph.input, "past"), (decode.graph.output, "present")):
         shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in io}
-        assert [n for n in shapes if "kv_cache" in n] == [f"{prefix}_kv_cache.{j}" for j in range(2 * contract.n_full)]
-        assert all(shapes[f"{prefix}_kv_cache.{j}"] == entry for j in range(2 * contract.n_full))
+        for state, (count, entry) in entries.items():
+            assert [n for n in shapes if state in n] == [f"{prefix}_{state}.{j}" for j in range(count)]
+            assert all(shapes[f"{prefix}_{state}.{j}"] == entry for j in range(count))
 
 
 def test_ort_decode_writes_the_kv_cache_in_place(ort_export, photo):
@@ -96,6 +104,15 @@ def test_ort_decode_writes_the_kv_cache_in_place(ort_export, photo):
     np.testing.assert_allclose(after, host.past["kv_cache"], atol=1e-6)
     changed = np.argwhere(np.any(after != before, axis=(0, 1, 2, 4)))
     assert changed.ravel().tolist() == [slot]
+    # conv / recurrent entries were written inside the other stacked buffer (A/B), as the host computes them
+    for name in ("conv_states", "recurrent_states"):
+        np.testing.assert_allclose(bound.buffers[0][f"present_{name}"].numpy(), host.past[name], atol=1e-5)
+    # a second step reads those and writes into the prefill's buffers, still equal to the host
+    slot = advance_mask(mask)
+    feeds = (np.array([[int(np.argmax(got))]]), mask, decode_position_ids(slot, prepared.rope_deltas))
+    np.testing.assert_allclose(bound.step(*feeds), host.step(*feeds), atol=1e-5)
+    for name in ("conv_states", "recurrent_states"):
+        np.testing.assert_allclose(states[f"present_{name}"].numpy(), host.past[name], atol=1e-5)
 
 
 def test_ort_matches_transformers_and_portable(ort_export, fixed_export, reference_model, reference_tokens, photo):

@@ -26,12 +26,17 @@ GRAPH_NAMES = ("vision", "prefill", "decode")
 KV_MODES = ("fixed", "dynamic")
 PREFILL_LOGITS = ("last", "all")
 OPS = ("portable", "ort")
-QUANTIZATIONS = ("none", "int4", "int8")
 """Operator sets: standard ONNX only, or ONNX Runtime fused contrib operators."""
+QUANTIZATIONS = ("none", "int4", "int8")
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
 DTYPES = ("fp32",)
 MIN_CAPACITY = 2
+
+
+#: The decode states, in graph I/O order: conv state and recurrent state of the Gated DeltaNet
+#: layers, KV cache of the full-attention layers.
+STATE_NAMES = ("conv_states", "recurrent_states", "kv_cache")
 
 
 class ContractError(ValueError):
@@ -242,20 +247,31 @@ class ShapeContract:
 
     @property
     def kv_in_place(self) -> bool:
-        """True when the decode graph updates the fixed KV cache in place: ``--ops ort`` with
-        fixed KV. Its decode graph then takes and returns the cache one entry at a time
-        (``past_kv_cache.{j}`` / ``present_kv_cache.{j}``, ``[B, Hkv, L, D]``, entry ``j`` of the
-        stacked cache) so that each present entry can share the past entry's buffer
-        (GroupQueryAttention writes the new token's slot and nothing else)."""
+        """True for ``--ops ort`` with fixed KV: the decode graph takes and returns every state
+        one entry at a time (see :meth:`decode_state_names`), so the runtime binds each entry by
+        address inside the stacked buffers the prefill returned and nothing is split or
+        concatenated per step. The KV entries are updated in place (GroupQueryAttention writes
+        the new token's slot and nothing else); conv and recurrent entries alternate between
+        two stacked buffers (A/B)."""
         return self.ops == "ort" and self.kv_mode == "fixed"
 
-    def decode_kv_names(self, prefix: str) -> list[str]:
-        """Names of the decode graph's KV inputs (``prefix='past'``) or outputs (``'present'``):
-        ``['{prefix}_kv_cache']`` (one stacked tensor), or one name per entry when
-        :attr:`kv_in_place`."""
+    def state_shape(self, state: str) -> tuple[int, ...]:
+        """Stacked shape of ``state`` (one of :data:`STATE_NAMES`); entry ``j`` of a per-entry
+        decode graph has this shape without the first axis."""
+        shapes = {"conv_states": self.conv_state_shape, "recurrent_states": self.recurrent_state_shape,
+                  "kv_cache": self.kv_shape()}
+        if state not in shapes:
+            raise ValueError(f"unknown state {state!r}; expected one of {STATE_NAMES}")
+        return shapes[state]
+
+    def decode_state_names(self, state: str, prefix: str) -> list[str]:
+        """Names of the decode graph's inputs (``prefix='past'``) or outputs (``'present'``) for
+        ``state`` (one of :data:`STATE_NAMES`): ``['{prefix}_{state}']`` (one stacked tensor), or
+        with :attr:`kv_in_place` one name per entry, ``'{prefix}_{state}.{j}'`` for
+        ``j < state_shape(state)[0]``."""
         if self.kv_in_place:
-            return [f"{prefix}_kv_cache.{j}" for j in range(2 * self.n_full)]
-        return [f"{prefix}_kv_cache"]
+            return [f"{prefix}_{state}.{j}" for j in range(self.state_shape(state)[0])]
+        return [f"{prefix}_{state}"]
 
     @property
     def state_dtypes(self) -> dict[str, str]:

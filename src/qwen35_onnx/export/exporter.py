@@ -31,6 +31,7 @@ from ..contract import (
     OPS,
     PREFILL_LOGITS,
     QUANTIZATIONS,
+    STATE_NAMES,
     ShapeContract,
     check_buckets,
     check_capacity,
@@ -333,16 +334,18 @@ def dummy_inputs(kind: str, contract: ShapeContract, seq_len: int):
     mask_len = contract.capacity if contract.kv_mode == "fixed" else seq_len + 1
     mask = torch.zeros(b, mask_len, dtype=torch.long)
     mask[:, : seq_len + 1] = 1
-    return (
-        torch.randint(0, contract.vocab_size, (b, 1)),
-        mask,
-        torch.full((4, b, 1), seq_len, dtype=torch.long),
-        torch.zeros(contract.conv_state_shape),
-        torch.zeros(contract.recurrent_state_shape),
-        tuple(torch.zeros(contract.kv_shape()[1:]) for _ in range(2 * contract.n_full))
-        if contract.kv_in_place
-        else torch.zeros(contract.kv_shape(kv_len)),
-    )
+    if contract.kv_in_place:  # every state one entry at a time
+        states = tuple(
+            tuple(torch.zeros(contract.state_shape(name)[1:]) for _ in range(contract.state_shape(name)[0]))
+            for name in STATE_NAMES
+        )
+    else:
+        states = (
+            torch.zeros(contract.conv_state_shape),
+            torch.zeros(contract.recurrent_state_shape),
+            torch.zeros(contract.kv_shape(kv_len)),
+        )
+    return (torch.randint(0, contract.vocab_size, (b, 1)), mask, torch.full((4, b, 1), seq_len, dtype=torch.long), *states)
 
 
 def dynamic_shapes(job: GraphJob, contract: ShapeContract):
@@ -373,15 +376,17 @@ def graph_module(kind: str, model, contract: ShapeContract):
 
 
 def io_names(kind: str, contract: ShapeContract) -> tuple[list[str], list[str]]:
-    """Input and output names of a graph of ``kind`` (the decode KV names depend on
-    :attr:`ShapeContract.kv_in_place`)."""
+    """Input and output names of a graph of ``kind`` (the decode state names depend on
+    :attr:`ShapeContract.kv_in_place`, see :meth:`ShapeContract.decode_state_names`)."""
     from .graphs import DECODE_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
 
     if kind == "vision":
         return VISION_INPUTS, VISION_OUTPUTS
     if kind == "prefill":
         return PREFILL_INPUTS, TEXT_OUTPUTS
-    return DECODE_INPUTS[:-1] + contract.decode_kv_names("past"), TEXT_OUTPUTS[:-1] + contract.decode_kv_names("present")
+    past = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "past")]
+    present = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "present")]
+    return DECODE_INPUTS[: -len(STATE_NAMES)] + past, TEXT_OUTPUTS[: -len(STATE_NAMES)] + present
 
 
 def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dummy_seq_len: int) -> Path:

@@ -13,8 +13,10 @@ prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_em
            present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
 decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_conv_states,
            past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states;
-           with --ops ort and fixed KV the cache goes one entry at a time: past_kv_cache.{j} ->
-           present_kv_cache.{j} [B,Hkv,L,D], j < 2*n_full (updated in place by the runtime)
+           with --ops ort and fixed KV every state goes one entry at a time: past_conv_states.{n},
+           past_recurrent_states.{n} (n < n_linear), past_kv_cache.{j} [B,Hkv,L,D] (j < 2*n_full)
+           and the matching present_*.{n}; the runtime binds them inside the stacked buffers
+           (KV updated in place, conv/recurrent A/B)
 =========  ================================================================================
 """
 
@@ -40,6 +42,17 @@ DECODE_INPUTS = [
 ]
 STATE_OUTPUTS = ["present_conv_states", "present_recurrent_states", "present_kv_cache"]
 TEXT_OUTPUTS = ["logits", *STATE_OUTPUTS]
+
+
+#: Projections that read the same input, merged into one MatMul with ``--ops ort`` (one
+#: weight-only-quantized MatMulNBits launch instead of several per layer): group name ->
+#: (layer type it exists in, or None for every layer; submodule of the decoder layer; its
+#: nn.Linear projections in output order).
+MERGED_PROJECTIONS = {
+    "gdn_in": ("linear_attention", "linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+    "attn_in": ("full_attention", "self_attn", ("q_proj", "k_proj", "v_proj")),
+    "mlp_in": (None, "mlp", ("gate_proj", "up_proj")),
+}
 
 
 def _rms_scale(norm: nn.Module) -> torch.Tensor:
@@ -119,11 +132,44 @@ class _TextGraph(nn.Module):
             # quantization finds it (the plain export feeds the MatMul from a Transpose node,
             # which the quantizer skips: the largest matrix of a tied model would stay fp32).
             self.register_buffer("lm_head_t", self.lm_head.weight.detach().t().contiguous(), persistent=False)
+        self.merged_sizes: dict[tuple[int, str], list[int]] = {}
+        if self.fused:
+            self._merge_projections()
         if self.fused:  # MRotaryEmbedding tables for every position below capacity: [L, F]
             rotary = self.text.rotary_emb
             freqs = torch.arange(contract.capacity, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None]
             self.register_buffer("rope_cos", freqs.cos() * rotary.attention_scaling, persistent=False)
             self.register_buffer("rope_sin", freqs.sin() * rotary.attention_scaling, persistent=False)
+
+    def _merge_projections(self) -> None:
+        """Register, for every group of :data:`MERGED_PROJECTIONS` in every layer, the
+        concatenated ``W^T`` ``[hidden, sum(out)]`` as a constant (groups with a bias stay
+        separate)."""
+        for i, layer in enumerate(self.text.layers):
+            for group, (kind, owner, names) in MERGED_PROJECTIONS.items():
+                if kind not in (None, self.contract.layer_types[i]):
+                    continue
+                linears = [getattr(getattr(layer, owner), name) for name in names]
+                if any(linear.bias is not None for linear in linears):
+                    continue
+                weight = torch.cat([linear.weight.detach() for linear in linears], dim=0).t().contiguous()
+                self.register_buffer(f"{group}_t_{i}", weight, persistent=False)
+                self.merged_sizes[(i, group)] = [linear.out_features for linear in linears]
+
+    def projections(self, i: int, group: str, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """The projections of ``group`` (:data:`MERGED_PROJECTIONS`) of layer ``i`` applied to
+        ``hidden [B, S, hidden]``, in their listed order: one MatMul with the merged constant
+        and a Split when merged, else each nn.Linear."""
+        if (i, group) in self.merged_sizes:
+            return list(torch.split(hidden @ getattr(self, f"{group}_t_{i}"), self.merged_sizes[(i, group)], dim=-1))
+        _, owner, names = MERGED_PROJECTIONS[group]
+        module = getattr(self.text.layers[i], owner)
+        return [getattr(module, name)(hidden) for name in names]
+
+    def mlp(self, i: int, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP of layer ``i``: ``down(act(gate(x)) * up(x))``."""
+        gate, up = self.projections(i, "mlp_in", hidden)
+        return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         """What :meth:`attention_qkv` needs for mRoPE from ``position_ids [4, B, S]``: cos/sin
@@ -133,17 +179,16 @@ class _TextGraph(nn.Module):
             return position_ids[1:]
         return layers.mrope_cos_sin(self.text.rotary_emb, hidden, position_ids[1:])
 
-    def gdn_projections(self, attn: nn.Module, hidden: torch.Tensor):
-        """in_proj_* of a Gated DeltaNet layer: packed qkv ``[B, D, S]``, z, and g/beta ``[B, S, Hv]``."""
-        qkv = attn.in_proj_qkv(hidden).transpose(1, 2)
-        z = attn.in_proj_z(hidden)
+    def gdn_projections(self, i: int, attn: nn.Module, hidden: torch.Tensor):
+        """in_proj_* of Gated DeltaNet layer ``i``: packed qkv ``[B, D, S]``, z, and g/beta ``[B, S, Hv]``."""
+        qkv, z, b, a = self.projections(i, "gdn_in", hidden)
+        qkv = qkv.transpose(1, 2)
         decay_scale = -attn.A_log.float().exp()
         if self.fused:
-            g, beta = fused.linear_attention_gate(attn.in_proj_a(hidden), attn.dt_bias.float(), decay_scale,
-                                                  attn.in_proj_b(hidden))
+            g, beta = fused.linear_attention_gate(a, attn.dt_bias.float(), decay_scale, b)
             return qkv, z, g.float(), beta
-        beta = attn.in_proj_b(hidden).sigmoid()
-        g = decay_scale * F.softplus(attn.in_proj_a(hidden).float() + attn.dt_bias)
+        beta = b.sigmoid()
+        g = decay_scale * F.softplus(a.float() + attn.dt_bias)
         return qkv, z, g, beta
 
     @property
@@ -225,17 +270,18 @@ class _TextGraph(nn.Module):
         out = attn.norm(core.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
         return attn.out_proj(out.reshape(batch, seq_len, -1))
 
-    def attention_qkv(self, attn: nn.Module, hidden: torch.Tensor, rope):
-        """Gated full attention projections: q ``[B,Hq,S,D]``, k/v ``[B,Hkv,S,D]`` (rotated), gate
-        ``[B,S,Hq*D]``; ``rope`` from :meth:`rotary`."""
+    def attention_qkv(self, i: int, attn: nn.Module, hidden: torch.Tensor, rope):
+        """Gated full attention projections of layer ``i``: q ``[B,Hq,S,D]``, k/v ``[B,Hkv,S,D]``
+        (rotated), gate ``[B,S,Hq*D]``; ``rope`` from :meth:`rotary`."""
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
         batch, seq_len = hidden.shape[:2]
-        q, gate = torch.chunk(attn.q_proj(hidden).view(batch, seq_len, -1, attn.head_dim * 2), 2, dim=-1)
+        q_gate, k, v = self.projections(i, "attn_in", hidden)
+        q, gate = torch.chunk(q_gate.view(batch, seq_len, -1, attn.head_dim * 2), 2, dim=-1)
         gate = gate.reshape(batch, seq_len, -1)
         q = self.norm(attn.q_norm, q)
-        k = self.norm(attn.k_norm, attn.k_proj(hidden).view(batch, seq_len, -1, attn.head_dim))
-        v = attn.v_proj(hidden).view(batch, seq_len, -1, attn.head_dim).transpose(1, 2)
+        k = self.norm(attn.k_norm, k.view(batch, seq_len, -1, attn.head_dim))
+        v = v.view(batch, seq_len, -1, attn.head_dim).transpose(1, 2)
         if self.fused:
             rotary = self.text.rotary_emb
             q, k = (
@@ -263,7 +309,7 @@ class _TextGraph(nn.Module):
         for i, layer in enumerate(self.text.layers):
             mixer = linear_mixer if layer.block_type == "linear_attention" else full_mixer
             hidden = hidden + mixer(i, layer, self.norm(layer.input_layernorm, hidden))
-            hidden = hidden + layer.mlp(self.norm(layer.post_attention_layernorm, hidden))
+            hidden = hidden + self.mlp(i, layer, self.norm(layer.post_attention_layernorm, hidden))
         return self.norm(self.text.norm, hidden)
 
     def _run_layers_fused(self, hidden: torch.Tensor, linear_mixer, full_mixer) -> torch.Tensor:
@@ -276,7 +322,7 @@ class _TextGraph(nn.Module):
             mixer = linear_mixer if layer.block_type == "linear_attention" else full_mixer
             h, residual = skip_norm(mixer(i, layer, h), residual, layer.post_attention_layernorm)
             after = layers_[i + 1].input_layernorm if i + 1 < len(layers_) else self.text.norm
-            h, residual = skip_norm(layer.mlp(h), residual, after)
+            h, residual = skip_norm(self.mlp(i, layer, h), residual, after)
         return h
 
 
@@ -308,7 +354,7 @@ class PrefillGraph(_TextGraph):
         def linear_mixer(i, layer, h):
             attn = layer.linear_attn
             h = h * valid_f.to(h.dtype)
-            qkv, z, g, beta = self.gdn_projections(attn, h)
+            qkv, z, g, beta = self.gdn_projections(i, attn, h)
             mixed, conv_state = self.conv_prefill(attn, qkv, n_valid)
             q, k, v = self.split_qkv(attn, mixed)
             # padded tokens: no decay (g = 0) and no write (beta = 0)
@@ -324,7 +370,7 @@ class PrefillGraph(_TextGraph):
 
         def full_mixer(i, layer, h):
             attn = layer.self_attn
-            q, k, v, gate = self.attention_qkv(attn, h, rope)
+            q, k, v, gate = self.attention_qkv(i, attn, h, rope)
             out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
             keep = valid.view(valid.shape[0], 1, -1, 1).to(k.dtype)
             k, v = k * keep, v * keep
@@ -350,10 +396,11 @@ class DecodeGraph(_TextGraph):
     ScatterElements per k and per v: ``2 * n_full`` slot writes) and attends to
     ``slot <= cache_pos AND mask``. Capacity is the static width L.
     Dynamic mode: the past KV has ``P`` tokens, the mask ``P + 1``; the present KV grows by one.
-    In place (``--ops ort`` with fixed KV, :attr:`ShapeContract.kv_in_place`): ``past_kv`` is a
-    tuple of ``2 * n_full`` entries ``[B, Hkv, L, D]`` and each full-attention layer is one
-    GroupQueryAttention node (slot write + attention over ``slot <= cache_pos``), whose present
-    entries the runtime binds to the past buffers.
+    Per entry (``--ops ort`` with fixed KV, :attr:`ShapeContract.kv_in_place`): ``past_conv``,
+    ``past_rec`` and ``past_kv`` are tuples of per-layer entries (``past_kv``: ``2 * n_full``
+    entries ``[B, Hkv, L, D]``) and the graph returns the present states entry by entry too;
+    each full-attention layer is one GroupQueryAttention node (slot write + attention over
+    ``slot <= cache_pos``), whose present KV entries the runtime binds to the past buffers.
     """
 
     def forward(self, input_ids, attention_mask, position_ids, past_conv, past_rec, past_kv):
@@ -378,7 +425,7 @@ class DecodeGraph(_TextGraph):
         def linear_mixer(i, layer, h):
             attn = layer.linear_attn
             n = linear_slot[i]
-            qkv, z, g, beta = self.gdn_projections(attn, h)
+            qkv, z, g, beta = self.gdn_projections(i, attn, h)
             mixed, conv_state = self.conv_step(attn, qkv, past_conv[n])
             q, k, v = self.split_qkv(attn, mixed)
             core, state = self.recurrence(q, k, v, g, beta, past_rec[n], prompt=False)
@@ -389,7 +436,7 @@ class DecodeGraph(_TextGraph):
         def full_mixer(i, layer, h):
             attn = layer.self_attn
             n = full_slot[i]
-            q, k, v, gate = self.attention_qkv(attn, h, rope)
+            q, k, v, gate = self.attention_qkv(i, attn, h, rope)
             past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
             if contract.kv_in_place:
                 batch = q.shape[0]
@@ -412,5 +459,5 @@ class DecodeGraph(_TextGraph):
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
         logits = self.logits(hidden)
         if contract.kv_in_place:
-            return logits, torch.stack(conv_states), torch.stack(rec_states), *kv
+            return logits, *conv_states, *rec_states, *kv
         return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from ..contract import METADATA_KEY, ContractError, ShapeContract
+from ..contract import METADATA_KEY, STATE_NAMES, ContractError, ShapeContract
 
 DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -183,30 +183,32 @@ def check_vision(contract: ShapeContract, vision: GraphSession) -> None:
 
 def check_decode(contract: ShapeContract, decode: GraphSession) -> None:
     """State shapes, and in fixed mode: mask width == past KV width == present KV width == capacity
-    (for every KV entry when the graph takes the cache one entry at a time)."""
-    _check_states(contract, decode, "input", "past")
-    _check_states(contract, decode, "output", "present")
+    (for every entry when the graph takes the states one entry at a time)."""
     if contract.kv_in_place:
-        entry = list(contract.kv_shape()[1:])
         for kind, prefix in (("input", "past"), ("output", "present")):
             table = decode.inputs if kind == "input" else decode.outputs
-            for name in contract.decode_kv_names(prefix):
-                if name not in table:
-                    raise ContractError(
-                        f"decode graph has no {kind} {name!r}, but the manifest (ops 'ort', fixed KV) "
-                        f"says the KV cache is passed one entry at a time (has {sorted(table)}); an export made "
-                        "by qwen35-onnx 0.1? re-export it with this version"
-                    )
-                _check_capacity(contract, {f"decode {name} token axis": table[name][2]})
-                _expect(f"decode {kind} {name} shape", table[name], entry)
-    elif contract.kv_mode == "fixed":
+            for state in STATE_NAMES:
+                entry = list(contract.state_shape(state)[1:])
+                for name in contract.decode_state_names(state, prefix):
+                    if name not in table:
+                        raise ContractError(
+                            f"decode graph has no {kind} {name!r}, but the manifest (ops 'ort', fixed KV) "
+                            f"says the states are passed one entry at a time (has {sorted(table)}); an export "
+                            "made by an older qwen35-onnx? re-export it with this version"
+                        )
+                    if state == "kv_cache":
+                        _check_capacity(contract, {f"decode {name} token axis": table[name][2]})
+                    _expect(f"decode {kind} {name} shape", table[name], entry)
+        _check_capacity(contract, {"decode attention_mask width": decode.dim("input", "attention_mask", 1)})
+        return
+    _check_states(contract, decode, "input", "past")
+    _check_states(contract, decode, "output", "present")
+    if contract.kv_mode == "fixed":
         _check_capacity(contract, {
             "decode attention_mask width": decode.dim("input", "attention_mask", 1),
             "decode past_kv_cache token axis": decode.dim("input", "past_kv_cache", 3),
             "decode present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
         })
-    if contract.kv_in_place:
-        _check_capacity(contract, {"decode attention_mask width": decode.dim("input", "attention_mask", 1)})
 
 
 def check_prefill(contract: ShapeContract, prefill: GraphSession, bucket: int | None) -> None:

@@ -3,8 +3,10 @@
 :class:`BoundDecoder` keeps the conv, recurrent and KV states in ONNX Runtime ``OrtValue``s
 between steps and binds them with IOBinding. Output buffers (logits, conv, recurrent, and
 KV in fixed mode) are preallocated twice and alternate A/B by step parity, so a step never
-writes the buffer it reads. With ``--ops ort`` and fixed KV the KV cache is instead updated
-in place (one slot per layer per step). In dynamic mode the KV output grows by one token per
+writes the buffer it reads. With ``--ops ort`` and fixed KV the decode graph takes every state
+one entry at a time and the entries are bound by address inside those stacked buffers (no
+split or concatenation per step); the KV cache is then updated in place (one slot per layer
+per step). In dynamic mode the KV output grows by one token per
 step, so ONNX Runtime allocates it each step. :class:`HostDecoder` is the copy-to-host fallback
 (``--host-state-roundtrip``) kept for comparison.
 
@@ -16,10 +18,9 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from ..contract import ShapeContract
+from ..contract import STATE_NAMES, ShapeContract
 from .sessions import GraphSession
 
-STATE_NAMES = ("conv_states", "recurrent_states", "kv_cache")
 NP_DTYPES = {"fp32": np.float32}
 
 
@@ -28,10 +29,13 @@ class BoundDecoder:
 
     Fixed KV: both parities' bindings are built once; a step copies the three small inputs
     into host buffers that stay bound and runs one binding, so no binding call happens per
-    token. With :attr:`ShapeContract.kv_in_place` (``--ops ort``), the KV cache is the prefill's
-    stacked ``present_kv_cache`` buffer and stays there: entry ``j`` is bound by address as both
-    ``past_kv_cache.{j}`` and ``present_kv_cache.{j}``, so GroupQueryAttention writes one slot
-    per layer and nothing else. Dynamic KV rebinds every step (the cache grows).
+    token. With :attr:`ShapeContract.kv_in_place` (``--ops ort``) every state is passed one entry
+    at a time and each entry is bound by address inside a stacked buffer: ``past_conv_states.{n}``
+    inside the A/B set read at this step, ``present_conv_states.{n}`` inside the set written (the
+    same for the recurrent states), and the KV cache stays in the prefill's stacked
+    ``present_kv_cache`` buffer: entry ``j`` is bound as both ``past_kv_cache.{j}`` and
+    ``present_kv_cache.{j}``, so GroupQueryAttention writes one slot per layer and nothing else.
+    Dynamic KV rebinds every step (the cache grows).
 
     Args:
         decode: the decode graph session.
@@ -80,25 +84,37 @@ class BoundDecoder:
                 array = attention_mask
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         past, out = self.buffers[1 - parity], self.buffers[parity]
+        if self.in_place:
+            binding.bind_ortvalue_output("logits", out["logits"])
+            for name in ("conv_states", "recurrent_states"):
+                self._bind_entries(binding, name, "past", past[f"present_{name}"])
+                self._bind_entries(binding, name, "present", out[f"present_{name}"])
+            self._bind_entries(binding, "kv_cache", "past", self.kv)
+            self._bind_entries(binding, "kv_cache", "present", self.kv)  # in place
+            return binding
         for name in ("conv_states", "recurrent_states"):
             binding.bind_ortvalue_input(f"past_{name}", past[f"present_{name}"])
         for name, value in out.items():
             binding.bind_ortvalue_output(name, value)
-        if self.in_place:
-            entry = self.contract.kv_shape()[1:]
-            dtype = NP_DTYPES[self.contract.dtype]
-            nbytes = int(np.prod(entry)) * np.dtype(dtype).itemsize
-            base = self.kv.data_ptr()
-            names = zip(self.contract.decode_kv_names("past"), self.contract.decode_kv_names("present"))
-            for j, (past_name, present_name) in enumerate(names):
-                binding.bind_input(past_name, self.device, 0, dtype, entry, base + j * nbytes)
-                binding.bind_output(present_name, self.device, 0, dtype, entry, base + j * nbytes)
-        elif self.fixed:
+        if self.fixed:
             binding.bind_ortvalue_input("past_kv_cache", past["present_kv_cache"])
         else:
             binding.bind_ortvalue_input("past_kv_cache", self.kv)
             binding.bind_output("present_kv_cache", self.device)
         return binding
+
+    def _bind_entries(self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue) -> None:
+        """Bind ``{prefix}_{state}.{j}`` to entry ``j`` of ``stacked`` (a contiguous
+        ``state_shape(state)`` buffer) by address."""
+        shape = self.contract.state_shape(state)
+        dtype = np.float32 if state == "recurrent_states" else NP_DTYPES[self.contract.dtype]
+        if list(stacked.shape()) != list(shape):
+            raise ValueError(f"{state} buffer has shape {stacked.shape()}, expected {list(shape)}")
+        nbytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+        base = stacked.data_ptr()
+        bind = binding.bind_input if prefix == "past" else binding.bind_output
+        for j, name in enumerate(self.contract.decode_state_names(state, prefix)):
+            bind(name, self.device, 0, dtype, list(shape[1:]), base + j * nbytes)
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step; returns logits ``[1, 1, V]`` fp32 (a host copy)."""
@@ -132,18 +148,14 @@ class HostDecoder:
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step; returns logits ``[1, 1, V]`` fp32."""
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        feeds.update({f"past_{name}": self.past[name] for name in STATE_NAMES[:2]})
-        kv_names = self.contract.decode_kv_names("past")
-        if self.contract.kv_in_place:
-            feeds.update(zip(kv_names, self.past["kv_cache"]))
-        else:
-            feeds[kv_names[0]] = self.past["kv_cache"]
+        per_entry = self.contract.kv_in_place
+        for name in STATE_NAMES:
+            names = self.contract.decode_state_names(name, "past")
+            feeds.update(zip(names, self.past[name]) if per_entry else {names[0]: self.past[name]})
         outputs = dict(zip(self.output_names, self.session.run(None, feeds)))
-        self.past = {name: outputs[f"present_{name}"] for name in STATE_NAMES[:2]}
-        if self.contract.kv_in_place:
-            self.past["kv_cache"] = np.stack([outputs[n] for n in self.contract.decode_kv_names("present")])
-        else:
-            self.past["kv_cache"] = outputs["present_kv_cache"]
+        for name in STATE_NAMES:
+            names = self.contract.decode_state_names(name, "present")
+            self.past[name] = np.stack([outputs[n] for n in names]) if per_entry else outputs[names[0]]
         return outputs["logits"]
 
 

@@ -284,5 +284,33 @@ def test_decode_graph_with_stacked_states_is_refused_when_the_manifest_says_per_
     check_decode(contract, decode)  # its own contract passes
     per_entry = replace(contract, ops="ort")
     assert per_entry.decode_state_names("conv_states", "past") == [f"past_conv_states.{n}" for n in range(contract.n_linear)]
-    with pytest.raises(ContractError, match=r"no input 'past_conv_states\.0'.*one entry at a time.*re-export"):
+    with pytest.raises(ContractError, match=r"decode graph inputs do not match the manifest: unexpected \['past_conv_states', .*missing \['past_conv_states\.0'.*re-export"):
         check_decode(per_entry, decode)
+
+
+def test_decode_graph_with_an_extra_input_or_another_element_type_is_refused(fixed_export):
+    from dataclasses import replace
+
+    from qwen35_onnx.runtime.sessions import GraphSession, check_decode
+
+    contract = read_manifest(fixed_export)
+    decode = GraphSession.load("decode", fixed_export / contract.graphs["decode"])
+    extra = replace(decode, inputs={**decode.inputs, "past_conv_states.6": [1, 2, 3]})
+    with pytest.raises(ContractError, match=r"decode graph inputs do not match the manifest: unexpected \['past_conv_states\.6'\]"):
+        check_decode(contract, extra)
+    half = replace(decode, types={**decode.types, "past_recurrent_states": "tensor(float16)"})
+    with pytest.raises(ContractError, match=r"decode input past_recurrent_states element type is 'tensor\(float16\)' but the manifest says 'tensor\(float\)'"):
+        check_decode(contract, half)
+
+
+@pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
+def test_checkpoint_with_one_layer_type_is_refused(checkpoint, tmp_path, kind):
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    config["text_config"]["layer_types"] = [kind] * len(config["text_config"]["layer_types"])
+    (other / "config.json").write_text(json.dumps(config))
+    missing = "full_attention" if kind == "linear_attention" else "linear_attention"
+    with pytest.raises(ExportError, match=f"has no '{missing}' layer"):
+        export(other, tmp_path / "out", ExportOptions(capacity=CAPACITY))
+    assert not (tmp_path / "out").exists()

@@ -159,6 +159,12 @@ def check_architecture(config) -> None:
     bad = sorted(set(text.layer_types) - {"linear_attention", "full_attention"})
     if bad:
         raise ExportError(f"unsupported layer types {bad} in text_config.layer_types")
+    absent = [t for t in ("linear_attention", "full_attention") if t not in text.layer_types]
+    if absent:
+        raise ExportError(
+            f"text_config.layer_types {list(text.layer_types)} has no {absent[0]!r} layer; qwen35-onnx exports the "
+            "hybrid Qwen3.5 stack, which has both linear_attention and full_attention layers"
+        )
     if text.linear_num_value_heads % text.linear_num_key_heads:
         raise ExportError(
             f"linear_num_value_heads {text.linear_num_value_heads} is not a multiple of "

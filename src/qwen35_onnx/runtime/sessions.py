@@ -10,7 +10,7 @@ the first decode step; there is no silent fallback to another flow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnxruntime as ort
@@ -37,9 +37,11 @@ def providers_for(device: str) -> list[str]:
 
 @dataclass
 class GraphSession:
-    """One loaded graph: its session, its contract (from ``metadata_props``) and its I/O shapes.
+    """One loaded graph: its session, its contract (from ``metadata_props``) and its I/O shapes
+    and element types.
 
-    Shapes are lists whose entries are ints (static) or strings (symbolic).
+    Shapes are lists whose entries are ints (static) or strings (symbolic); types are ONNX
+    Runtime's strings, e.g. ``'tensor(float)'``.
     """
 
     name: str
@@ -47,6 +49,7 @@ class GraphSession:
     contract: ShapeContract
     inputs: dict[str, list]
     outputs: dict[str, list]
+    types: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, name: str, path: Path, device: str = "cpu", threads: int = 0) -> "GraphSession":
@@ -75,6 +78,7 @@ class GraphSession:
             contract=ShapeContract.from_json(meta[METADATA_KEY]),
             inputs={i.name: list(i.shape) for i in session.get_inputs()},
             outputs={o.name: list(o.shape) for o in session.get_outputs()},
+            types={t.name: t.type for t in [*session.get_inputs(), *session.get_outputs()]},
         )
 
     def dim(self, kind: str, tensor: str, axis: int):
@@ -151,14 +155,35 @@ def check_metadata(contract: ShapeContract, graph: GraphSession) -> None:
         )
 
 
-def _check_states(contract: ShapeContract, graph: GraphSession, kind: str, prefix: str) -> None:
+#: ONNX Runtime's element type of each state dtype of the contract.
+ORT_TYPES = {"fp32": "tensor(float)"}
+
+
+def _check_tensor(graph: GraphSession, kind: str, name: str, shape: list, dtype: str) -> None:
+    """``name`` is an ``kind`` ('input'/'output') of ``graph`` with ``shape`` and element type ``dtype``."""
     table = graph.inputs if kind == "input" else graph.outputs
-    _expect(f"{graph.name} {prefix}_conv_states shape", table.get(f"{prefix}_conv_states"), list(contract.conv_state_shape))
-    _expect(
-        f"{graph.name} {prefix}_recurrent_states shape",
-        table.get(f"{prefix}_recurrent_states"),
-        list(contract.recurrent_state_shape),
-    )
+    if name not in table:
+        raise ContractError(f"{graph.name} graph has no {kind} {name!r}; the manifest expects one of shape {shape} (has {sorted(table)})")
+    _expect(f"{graph.name} {kind} {name} shape", table[name], shape)
+    _expect(f"{graph.name} {kind} {name} element type", graph.types.get(name), ORT_TYPES[dtype])
+
+
+def _check_states(contract: ShapeContract, graph: GraphSession, kind: str, prefix: str) -> None:
+    dtypes = contract.state_dtypes
+    _check_tensor(graph, kind, f"{prefix}_conv_states", list(contract.conv_state_shape), dtypes["conv"])
+    _check_tensor(graph, kind, f"{prefix}_recurrent_states", list(contract.recurrent_state_shape), dtypes["recurrent"])
+
+
+def _check_names(graph: GraphSession, kind: str, expected: list[str]) -> None:
+    """The graph's ``kind`` names are exactly ``expected`` (an extra input would be left unfed by
+    one decoder and demanded by another)."""
+    table = graph.inputs if kind == "input" else graph.outputs
+    extra, missing = sorted(set(table) - set(expected)), [n for n in expected if n not in table]
+    if extra or missing:
+        raise ContractError(
+            f"{graph.name} graph {kind}s do not match the manifest: unexpected {extra}, missing {missing} "
+            "(a graph of another kind or layout in this export? re-export the folder with this version)"
+        )
 
 
 def _check_capacity(contract: ShapeContract, widths: dict[str, object]) -> None:
@@ -182,23 +207,21 @@ def check_vision(contract: ShapeContract, vision: GraphSession) -> None:
 
 
 def check_decode(contract: ShapeContract, decode: GraphSession) -> None:
-    """State shapes, and in fixed mode: mask width == past KV width == present KV width == capacity
-    (for every entry when the graph takes the states one entry at a time)."""
+    """Input and output names exactly as the contract says; state shapes and element types; and
+    in fixed mode: mask width == past KV width == present KV width == capacity (for every entry
+    when the graph takes the states one entry at a time)."""
+    for kind, prefix, fixed in (("input", "past", ["input_ids", "attention_mask", "position_ids"]), ("output", "present", ["logits"])):
+        _check_names(decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)])
     if contract.kv_in_place:
+        dtypes = dict(zip(STATE_NAMES, (contract.state_dtypes[k] for k in ("conv", "recurrent", "kv"))))
         for kind, prefix in (("input", "past"), ("output", "present")):
             table = decode.inputs if kind == "input" else decode.outputs
             for state in STATE_NAMES:
                 entry = list(contract.state_shape(state)[1:])
                 for name in contract.decode_state_names(state, prefix):
-                    if name not in table:
-                        raise ContractError(
-                            f"decode graph has no {kind} {name!r}, but the manifest (ops 'ort', fixed KV) "
-                            f"says the states are passed one entry at a time (has {sorted(table)}); an export "
-                            "made by an older qwen35-onnx? re-export it with this version"
-                        )
                     if state == "kv_cache":
                         _check_capacity(contract, {f"decode {name} token axis": table[name][2]})
-                    _expect(f"decode {kind} {name} shape", table[name], entry)
+                    _check_tensor(decode, kind, name, entry, dtypes[state])
         _check_capacity(contract, {"decode attention_mask width": decode.dim("input", "attention_mask", 1)})
         return
     _check_states(contract, decode, "input", "past")

@@ -160,7 +160,7 @@ ORT_TYPES = {"fp32": "tensor(float)"}
 
 
 def _check_tensor(graph: GraphSession, kind: str, name: str, shape: list, dtype: str) -> None:
-    """``name`` is an ``kind`` ('input'/'output') of ``graph`` with ``shape`` and element type ``dtype``."""
+    """``name`` is a ``kind`` ('input'/'output') of ``graph`` with ``shape`` and element type ``dtype``."""
     table = graph.inputs if kind == "input" else graph.outputs
     if name not in table:
         raise ContractError(f"{graph.name} graph has no {kind} {name!r}; the manifest expects one of shape {shape} (has {sorted(table)})")

@@ -37,6 +37,7 @@ MIN_CAPACITY = 2
 #: The decode states, in graph I/O order: conv state and recurrent state of the Gated DeltaNet
 #: layers, KV cache of the full-attention layers.
 STATE_NAMES = ("conv_states", "recurrent_states", "kv_cache")
+_STATE_DTYPE_KEYS = dict(zip(STATE_NAMES, ("conv", "recurrent", "kv")))  # keys of ShapeContract.state_dtypes
 
 
 class ContractError(ValueError):
@@ -276,6 +277,11 @@ class ShapeContract:
     @property
     def state_dtypes(self) -> dict[str, str]:
         return {"conv": self.dtype, "recurrent": "fp32", "kv": self.dtype}
+
+    def state_dtype(self, state: str) -> str:
+        """Element dtype (e.g. ``'fp32'``) of ``state`` (one of :data:`STATE_NAMES`); the
+        recurrent state is always fp32."""
+        return self.state_dtypes[_STATE_DTYPE_KEYS[state]]
 
     # ---- serialisation --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

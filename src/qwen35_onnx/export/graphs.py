@@ -135,7 +135,7 @@ class _TextGraph(nn.Module):
         self.merged_sizes: dict[tuple[int, str], list[int]] = {}
         if self.fused:
             self._merge_projections()
-        if self.fused:  # MRotaryEmbedding tables for every position below capacity: [L, F]
+            # MRotaryEmbedding tables for every position below capacity: [L, F]
             rotary = self.text.rotary_emb
             freqs = torch.arange(contract.capacity, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None]
             self.register_buffer("rope_cos", freqs.cos() * rotary.attention_scaling, persistent=False)

@@ -169,9 +169,8 @@ def _check_tensor(graph: GraphSession, kind: str, name: str, shape: list, dtype:
 
 
 def _check_states(contract: ShapeContract, graph: GraphSession, kind: str, prefix: str) -> None:
-    dtypes = contract.state_dtypes
-    _check_tensor(graph, kind, f"{prefix}_conv_states", list(contract.conv_state_shape), dtypes["conv"])
-    _check_tensor(graph, kind, f"{prefix}_recurrent_states", list(contract.recurrent_state_shape), dtypes["recurrent"])
+    for state in STATE_NAMES[:2]:  # the KV cache is checked with the capacity
+        _check_tensor(graph, kind, f"{prefix}_{state}", list(contract.state_shape(state)), contract.state_dtype(state))
 
 
 def _check_names(graph: GraphSession, kind: str, expected: list[str]) -> None:
@@ -213,7 +212,6 @@ def check_decode(contract: ShapeContract, decode: GraphSession) -> None:
     for kind, prefix, fixed in (("input", "past", ["input_ids", "attention_mask", "position_ids"]), ("output", "present", ["logits"])):
         _check_names(decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)])
     if contract.kv_in_place:
-        dtypes = dict(zip(STATE_NAMES, (contract.state_dtypes[k] for k in ("conv", "recurrent", "kv"))))
         for kind, prefix in (("input", "past"), ("output", "present")):
             table = decode.inputs if kind == "input" else decode.outputs
             for state in STATE_NAMES:
@@ -221,7 +219,7 @@ def check_decode(contract: ShapeContract, decode: GraphSession) -> None:
                 for name in contract.decode_state_names(state, prefix):
                     if state == "kv_cache":
                         _check_capacity(contract, {f"decode {name} token axis": table[name][2]})
-                    _check_tensor(decode, kind, name, entry, dtypes[state])
+                    _check_tensor(decode, kind, name, entry, contract.state_dtype(state))
         _check_capacity(contract, {"decode attention_mask width": decode.dim("input", "attention_mask", 1)})
         return
     _check_states(contract, decode, "input", "past")

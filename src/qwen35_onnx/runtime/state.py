@@ -52,13 +52,12 @@ class BoundDecoder:
         self.fixed = contract.kv_mode == "fixed"
         self.in_place = contract.kv_in_place
         dtype = NP_DTYPES[contract.dtype]
-        shapes = {
-            "logits": ((contract.batch, 1, contract.vocab_size), dtype),
-            "present_conv_states": (contract.conv_state_shape, dtype),
-            "present_recurrent_states": (contract.recurrent_state_shape, np.float32),
-        }
-        if self.fixed and not self.in_place:
-            shapes["present_kv_cache"] = (contract.kv_shape(), dtype)
+        # KV: in place (not double-buffered) with kv_in_place; allocated by ORT in dynamic mode
+        buffered = STATE_NAMES if self.fixed and not self.in_place else STATE_NAMES[:2]
+        shapes = {"logits": ((contract.batch, 1, contract.vocab_size), dtype)}
+        shapes.update({
+            f"present_{name}": (contract.state_shape(name), NP_DTYPES[contract.state_dtype(name)]) for name in buffered
+        })
         new = lambda: {  # noqa: E731
             name: ort.OrtValue.ortvalue_from_shape_and_type(shape, dt, device, 0) for name, (shape, dt) in shapes.items()
         }
@@ -107,7 +106,7 @@ class BoundDecoder:
         """Bind ``{prefix}_{state}.{j}`` to entry ``j`` of ``stacked`` (a contiguous
         ``state_shape(state)`` buffer) by address."""
         shape = self.contract.state_shape(state)
-        dtype = np.float32 if state == "recurrent_states" else NP_DTYPES[self.contract.dtype]
+        dtype = NP_DTYPES[self.contract.state_dtype(state)]
         if list(stacked.shape()) != list(shape):
             raise ValueError(f"{state} buffer has shape {stacked.shape()}, expected {list(shape)}")
         nbytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize

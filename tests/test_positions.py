@@ -84,6 +84,54 @@ def test_matches_get_rope_index(prefix, grid, suffix):
     assert deltas == ref_deltas and isinstance(deltas, int)
 
 
+def multi_image_prompt(texts, grids, seed: int = 0) -> np.ndarray:
+    """[1, S] ids: texts[0] text tokens, image run of grids[0], texts[1] text tokens, ...,
+    then texts[-1] (len(texts) == len(grids) + 1); runs are separated by >= 1 text token."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for i, n_text in enumerate(texts):
+        parts.append(rng.integers(0, 240, size=n_text))
+        if i < len(grids):
+            t, h, w = grids[i]
+            parts.append(np.full(t * h * w // MERGE**2, IMAGE_ID))
+    return np.concatenate(parts)[None].astype(np.int64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(GRIDS, min_size=2, max_size=4), st.data())
+def test_several_images_match_get_rope_index(grids, data):
+    texts = [data.draw(st.integers(0, 6))] + [data.draw(st.integers(1, 6)) for _ in grids[1:]] + [data.draw(st.integers(0, 6))]
+    ids = multi_image_prompt(texts, grids)
+    ours, deltas = mrope_position_ids(ids, IMAGE_ID, grids, MERGE)
+    input_ids = torch.from_numpy(ids)
+    with torch.no_grad():
+        ref, ref_deltas = tiny_model().model.get_rope_index(
+            input_ids, mm_token_type_ids=(input_ids == IMAGE_ID).int(), image_grid_thw=torch.tensor(grids)
+        )
+    np.testing.assert_array_equal(ours[0, 0], np.arange(ids.shape[1]))
+    np.testing.assert_array_equal(ours[1:], ref.numpy())
+    assert deltas == int(ref_deltas.item())
+
+
+def test_second_image_continues_after_the_first():
+    # two 128 px images (4 x 4 merged tokens each) with 2 text tokens between: the second image
+    # starts where the first left the running position (start + 4), plus the 2 text tokens
+    ids = multi_image_prompt([1, 2, 1], [(1, 8, 8), (1, 8, 8)])
+    pos, deltas = mrope_position_ids(ids, IMAGE_ID, [(1, 8, 8), (1, 8, 8)], MERGE)
+    assert pos[1:, 0, 1].tolist() == [1, 1, 1]  # first image token
+    assert pos[1:, 0, 17].tolist() == [5, 5, 5]  # first text token after image 1: 1 + 4
+    assert pos[1:, 0, 19].tolist() == [7, 7, 7]  # second image's first token
+    assert pos[1:, 0, 34].tolist() == [7, 10, 10]  # its last token
+    assert pos[1:, 0, 35].tolist() == [11, 11, 11]  # trailing text
+    assert deltas == 12 - ids.shape[1]
+
+
+def test_more_runs_than_grids_is_rejected():
+    ids = multi_image_prompt([1, 2, 1], [(1, 8, 8), (1, 8, 8)])
+    with pytest.raises(ValueError, match=r"32 image tokens .* in 2 contiguous runs but 1 image grids"):
+        mrope_position_ids(ids, IMAGE_ID, [(1, 8, 8)], MERGE)
+
+
 @pytest.mark.parametrize(
     "prefix, grid, suffix",
     [(4, (1, 8, 8), 6), (0, (1, 8, 8), 3), (5, (1, 4, 12), 0), (3, (1, 12, 4), 2), (1, (2, 4, 6), 1), (7, None, 0)],
@@ -194,7 +242,7 @@ def test_decode_rows_equal_compute_3d_position_ids():
 
 def test_wrong_image_token_count_is_rejected():
     ids = prompt(3, (1, 8, 8), 2)
-    with pytest.raises(ValueError, match=r"hold 16 image tokens .* needs 24"):
+    with pytest.raises(ValueError, match=r"has 16 tokens but image grid \(1, 8, 12\) .* needs 24"):
         mrope_position_ids(ids, IMAGE_ID, (1, 8, 12), MERGE)
 
 
@@ -212,7 +260,7 @@ def test_bad_grid_is_rejected(grid):
 
 
 def test_image_tokens_without_grid_are_rejected():
-    with pytest.raises(ValueError, match="no image_grid_thw"):
+    with pytest.raises(ValueError, match=r"16 image tokens .* in 1 contiguous runs but 0 image grids"):
         mrope_position_ids(prompt(3, (1, 8, 8), 2), IMAGE_ID, None, MERGE)
 
 

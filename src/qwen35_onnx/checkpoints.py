@@ -30,6 +30,8 @@ from typing import Any
 
 __all__ = [
     "DEMO_SEED",
+    "THINKING_CHAT_TEMPLATE",
+    "set_chat_template",
     "PRESETS",
     "QWEN35_0_8B_PRESET",
     "SPECIAL_TOKENS",
@@ -197,6 +199,55 @@ _CHAT_TEMPLATE = """\
 <|im_start|>assistant
 {% endif -%}
 """
+
+
+# A Qwen3.5-style template with the thinking switch (written for this project; it behaves
+# as the published Qwen3.5 template does): images as above; earlier assistant turns lose their
+# reasoning (text up to ``</think>``); the generation prompt opens ``<think>\n`` unless
+# ``enable_thinking`` is false, in which case it writes an empty, closed block.
+THINKING_CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+<|im_start|>{{ message['role'] }}
+{% if message['content'] is string -%}
+{%- set text = message['content'] -%}
+{%- if message['role'] == 'assistant' and '</think>' in text -%}
+{%- set text = text.split('</think>')[-1].lstrip('\\n') -%}
+{%- endif -%}
+{{ text }}
+{%- else -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'image' -%}
+<|vision_start|><|image_pad|><|vision_end|>
+{%- elif part['type'] == 'video' -%}
+<|vision_start|><|video_pad|><|vision_end|>
+{%- elif part['type'] == 'text' -%}
+{{ part['text'] }}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+<|im_end|>
+{% endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false -%}
+<think>
+
+</think>
+
+{% else -%}
+<think>
+{% endif -%}
+{%- endif -%}
+"""
+
+
+def set_chat_template(folder: str | os.PathLike, template: str) -> Path:
+    """Write ``template`` as the chat template (``chat_template.jinja``) of a checkpoint or export
+    folder, e.g. :data:`THINKING_CHAT_TEMPLATE` to try the thinking switch on the demo model.
+    Returns the file's path."""
+    path = Path(folder) / "chat_template.jinja"
+    path.write_text(template, encoding="utf-8")
+    return path
 
 
 def _published_0_8b() -> dict[str, Any]:

@@ -55,6 +55,7 @@ def export(
     ops: Optional[str] = typer.Option(None, "--ops", help="ort (ONNX Runtime fused operators, KV cache updated in place) or portable (standard ONNX operators only, for other runtimes and compilers). [default: ort]"),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="none, int4 or int8: weight-only MatMulNBits for the text graphs. [default: none]"),
     quant_block_size: Optional[int] = typer.Option(None, "--quant-block-size", help="Weights per quantization scale (power of two from 16 to 256). [default: 32]"),
+    max_images: Optional[int] = typer.Option(None, "--max-images", help="Images per prompt the prefill graphs take (each adds its image tokens to the prompt). [default: 1]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export in --output-dir."),
 ) -> None:
     """Export a Qwen3.5 checkpoint to fixed-shape ONNX graphs."""
@@ -72,6 +73,7 @@ def export(
         "ops": ops,
         "quantize": quantize,
         "quant_block_size": quant_block_size,
+        "max_images": max_images,
     }
     try:
         given["prefill_buckets"] = _parse_buckets(prefill_buckets)

@@ -87,6 +87,22 @@ def check_image_size(image_size: int, patch_size: int, merge_size: int) -> None:
         )
 
 
+def check_max_images(max_images: int, n_image_tokens: int, capacity: int) -> None:
+    """Check ``--max-images`` (images per prompt) against the capacity (tokens).
+
+    Raises:
+        ValueError: ``max_images`` is not an integer >= 1, or its image tokens alone
+            (``max_images * n_image_tokens``) do not fit the capacity.
+    """
+    if isinstance(max_images, bool) or not isinstance(max_images, int) or max_images < 1:
+        raise ValueError(f"--max-images must be an integer >= 1, got {max_images!r}")
+    if max_images * n_image_tokens > capacity:
+        raise ValueError(
+            f"--max-images {max_images} needs {max_images} x {n_image_tokens} = {max_images * n_image_tokens} "
+            f"image tokens, more than the capacity {capacity} (--max-seq-len)"
+        )
+
+
 def default_buckets(capacity: int) -> tuple[int, ...]:
     """The standard tiers below capacity, plus capacity itself (tokens)."""
     return tuple(b for b in STANDARD_BUCKETS if b < capacity) + (capacity,)
@@ -180,6 +196,7 @@ class ShapeContract:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     exporter_version: str
+    max_images: int = 1
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
@@ -203,8 +220,15 @@ class ShapeContract:
 
     @property
     def n_image_tokens(self) -> int:
-        """Image tokens (rows of ``image_embeds``) after the spatial merge."""
+        """Image tokens of one image (rows of the vision graph's ``image_embeds``) after the
+        spatial merge."""
         return self.n_patches // self.spatial_merge_size**2
+
+    @property
+    def n_image_rows(self) -> int:
+        """Rows of the prefill graph's ``image_embeds`` input: room for :attr:`max_images` images
+        of :attr:`n_image_tokens` each (unused rows are ignored by the graph)."""
+        return self.max_images * self.n_image_tokens
 
     def prefill_graph_key(self, bucket: int | None) -> str:
         """Key in :attr:`graphs` of the prefill graph for ``bucket`` (None: the dynamic-length graph)."""
@@ -295,6 +319,7 @@ class ShapeContract:
             "n_patches": self.n_patches,
             "patch_dim": self.patch_dim,
             "n_image_tokens": self.n_image_tokens,
+            "n_image_rows": self.n_image_rows,
             "n_linear": self.n_linear,
             "n_full": self.n_full,
             "conv_state_shape": list(self.conv_state_shape),
@@ -323,7 +348,8 @@ class ShapeContract:
                 "re-export the model with this version of qwen35-onnx"
             )
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(n for n in names if n not in data and n not in ("graphs", "format_version"))
+        optional = ("graphs", "format_version", "max_images")  # max_images: 1 in exports before 0.4.0
+        missing = sorted(n for n in names if n not in data and n not in optional)
         if missing:
             raise ContractError(f"contract is missing fields: {', '.join(missing)}")
         kwargs = {k: data[k] for k in names if k in data}
@@ -387,6 +413,7 @@ class ShapeContract:
             raise ContractError(f"prefill_logits {self.prefill_logits!r} is not one of {PREFILL_LOGITS}")
         try:
             check_buckets(self.prefill_buckets, self.capacity)
+            check_max_images(self.max_images, self.n_image_tokens, self.capacity)
         except ValueError as exc:
             raise ContractError(str(exc)) from exc
         if self.kv_mode == "fixed" and not self.prefill_buckets:

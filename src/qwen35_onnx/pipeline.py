@@ -1,6 +1,6 @@
 """``Pipeline.from_exported(dir)``: the one object users hold (no torch).
 
-image + prompt -> preprocess -> vision -> prefill -> decode loop -> streamed text.
+chat messages (or image + prompt) -> preprocess -> vision -> prefill -> decode loop -> streamed text.
 
 Example::
 
@@ -11,6 +11,11 @@ Example::
     for piece in stream:
         print(piece, end="", flush=True)
     print(stream.result.finish_reason, stream.result.timings.decode_ms_per_token)
+
+    reply = pipe.chat([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "photo.jpg"}},
+        {"type": "text", "text": "Describe this image."}]}], max_new_tokens=64)
+    print(reply.reasoning_content, reply.content)
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from PIL import Image
 
 from .contract import ContractError, ShapeContract, read_manifest
 from .runtime.masks import CapacityExhausted, advance_mask, prepare_decode_mask
+from .runtime.chat import ChatInputError, ImagePolicy, normalize_messages
 from .runtime.positions import decode_position_ids, mrope_position_ids
 from .runtime.preprocess import Preprocessor, load_image, to_rgb
+from .runtime.reasoning import THINK_END, ChatDelta, ReasoningParser, prompt_opens_reasoning
 from .runtime.sampling import Sampler, SamplingConfig, StopStrings
 from .runtime.sessions import GraphSet
 from .runtime.state import BoundDecoder, HostDecoder
@@ -86,14 +93,18 @@ class GenerationResult:
 @dataclass
 class PreparedPrompt:
     """Host-side inputs of one request, checked against the contract: ids ``[1, S]`` int64,
-    pixel values ``[n_patches, patch_dim]`` fp32 (None for a text-only prompt), position ids
-    ``[4, 1, S]`` int64, ``rope_deltas``, and the prefill ``bucket`` (tokens) it will run in."""
+    pixel values ``[n_images * n_patches, patch_dim]`` fp32 (the images' patches one after the
+    other; None for a text-only prompt), position ids ``[4, 1, S]`` int64, ``rope_deltas``, the
+    prefill ``bucket`` (tokens) it will run in, and whether the rendered prompt ends inside an
+    open ``<think>`` block (``opens_reasoning``: the reply starts as reasoning)."""
 
     input_ids: np.ndarray
     pixel_values: np.ndarray | None
     position_ids: np.ndarray
     rope_deltas: int
     bucket: int
+    n_images: int = 0
+    opens_reasoning: bool = False
 
     @property
     def prompt_len(self) -> int:
@@ -121,6 +132,64 @@ class GenerationStream:
         close = getattr(self._pieces, "close", None)
         if close is not None:
             close()
+
+
+@dataclass
+class ChatResult:
+    """Outcome of one chat turn: the reply split at the ``<think>`` markers into ``content`` and
+    ``reasoning_content`` (None when the reply had no reasoning block), and the underlying
+    :class:`GenerationResult` (``generation.text`` is the raw reply, markers included)."""
+
+    content: str
+    reasoning_content: str | None
+    generation: GenerationResult
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.generation.finish_reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.generation.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        """New tokens (an end-of-sequence id that stopped generation included)."""
+        return len(self.generation.token_ids)
+
+
+class ChatStream:
+    """Iterate to receive :class:`~qwen35_onnx.runtime.reasoning.ChatDelta` s (``content`` and
+    ``reasoning_content`` text) as tokens are produced. ``result`` is kept up to date as in
+    :class:`GenerationStream`; :meth:`close` stops the generation and releases its states."""
+
+    def __init__(self, stream: GenerationStream, parser: ReasoningParser):
+        self.generation_stream = stream
+        self._parser = parser
+        self._deltas = self._iterate()
+
+    def _iterate(self) -> Iterator[ChatDelta]:
+        for piece in self.generation_stream:
+            delta = self._parser.feed(piece)
+            if delta:
+                yield delta
+        tail = self._parser.flush()
+        if tail:
+            yield tail
+
+    def __iter__(self) -> Iterator[ChatDelta]:
+        return self._deltas
+
+    @property
+    def result(self) -> ChatResult:
+        parser = self._parser
+        reasoning = parser.reasoning_content if (parser.reasoning_content or parser.entered_reasoning) else None
+        return ChatResult(parser.content, reasoning, self.generation_stream.result)
+
+    def close(self) -> None:
+        """Stop the generation (its states are released); ``result`` keeps what was produced."""
+        self._deltas.close()
+        self.generation_stream.close()
 
 
 class Pipeline:
@@ -164,7 +233,8 @@ class Pipeline:
 
     # ---- host-side preparation -----------------------------------------------------------
     def prepare(self, image: str | os.PathLike | Image.Image | None, prompt: str) -> PreparedPrompt:
-        """Chat-template and preprocess one request (``image`` None: text only).
+        """Chat-template and preprocess one user turn (``image`` None: text only); the one-turn
+        case of :meth:`prepare_chat`.
 
         Raises:
             FileNotFoundError / ValueError: missing or unreadable image.
@@ -172,11 +242,7 @@ class Pipeline:
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"prompt is not valid Unicode text: {exc}") from None
-        pixel_values = None
+        content: list[dict] = [{"type": "text", "text": prompt}]
         if image is not None:
             if isinstance(image, Image.Image):
                 picture = to_rgb(image)
@@ -184,20 +250,62 @@ class Pipeline:
                 picture = load_image(image)
             else:
                 raise TypeError(f"image must be a file path, a PIL image or None, got {type(image).__name__}")
-            pixel_values, _ = self.preprocessor.pixel_values(picture)
-        n_image_tokens = self.contract.n_image_tokens if image is not None else 0
-        return self.prepare_ids(self.preprocessor.encode(prompt, n_image_tokens), pixel_values)
+            content.insert(0, {"type": "image", "image": picture})
+        return self.prepare_chat([{"role": "user", "content": content}])
+
+    def prepare_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None,
+                     image_policy: ImagePolicy | None = None) -> PreparedPrompt:
+        """Render OpenAI-style chat ``messages`` (roles system / user / assistant; content a string
+        or text and image parts, see :mod:`qwen35_onnx.runtime.chat`) with the checkpoint's chat
+        template, preprocess their images (prompt order) and check the result against the contract.
+
+        Args:
+            messages: the conversation, ending with the turn to answer.
+            chat_template_kwargs: template variables, e.g. ``{"enable_thinking": False}``.
+            image_policy: where images may come from (default: data URLs and any local file).
+
+        Raises:
+            ChatInputError: a malformed message or image (``param`` names the field), or more
+                images than the export's ``max_images``.
+            ValueError: text that is not valid Unicode, a template that cannot render, or a
+                prompt longer than the largest prefill bucket / the capacity.
+        """
+        template_messages, images = normalize_messages(messages, image_policy)
+        c = self.contract
+        if len(images) > c.max_images:
+            raise ChatInputError(
+                f"the messages hold {len(images)} images, more than the {c.max_images} this export takes "
+                f"(export with --max-images {len(images)} or more)", "messages"
+            )
+        for m in template_messages:
+            texts = [m["content"]] if isinstance(m["content"], str) else [p.get("text", "") for p in m["content"]]
+            for text in texts:
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"message text is not valid Unicode: {exc}") from None
+        pixel_values = None
+        if images:
+            pixel_values = np.concatenate([self.preprocessor.pixel_values(picture)[0] for picture in images])
+        ids, text = self.preprocessor.encode_chat(template_messages, c.n_image_tokens if images else 0,
+                                                  chat_template_kwargs)
+        prepared = self.prepare_ids(ids, pixel_values)
+        prepared.opens_reasoning = prompt_opens_reasoning(text)
+        return prepared
 
     def prepare_ids(self, input_ids: np.ndarray, pixel_values: np.ndarray | None = None) -> PreparedPrompt:
         """Check already tokenized input against the contract and compute its positions.
 
         Args:
-            input_ids: int ``[1, S]``; holds ``n_image_tokens`` image tokens iff ``pixel_values``.
-            pixel_values: fp32 ``[n_patches, patch_dim]`` or None.
+            input_ids: int ``[1, S]``; holds ``n_image_tokens`` image tokens per image, each
+                image's tokens one contiguous run.
+            pixel_values: fp32 ``[n_images * n_patches, patch_dim]`` (1 <= n_images <=
+                ``max_images``) or None.
 
         Raises:
-            ValueError: bad shape, token ids outside the vocabulary, image tokens without
-                pixels (or the reverse), or a prompt longer than the largest bucket / capacity.
+            ValueError: bad shape, token ids outside the vocabulary, image tokens that do not
+                match the images, more images than ``max_images``, or a prompt longer than the
+                largest bucket / capacity.
         """
         c = self.contract
         ids = np.asarray(input_ids)
@@ -208,20 +316,25 @@ class Pipeline:
             raise ValueError(f"token ids must lie in [0, {c.vocab_size}), got min {low} max {high}")
         ids = ids.astype(np.int64)
         bucket = c.select_bucket(int(ids.shape[1]))
+        n_images = 0
         if pixel_values is not None:
             pixel_values = np.asarray(pixel_values)
-            expected = (c.n_patches, c.patch_dim)
-            if tuple(pixel_values.shape) != expected or pixel_values.dtype.kind not in "fiu":
+            rows = pixel_values.shape[0] if pixel_values.ndim == 2 else 0
+            if (pixel_values.ndim != 2 or pixel_values.shape[1] != c.patch_dim or rows == 0 or rows % c.n_patches
+                    or pixel_values.dtype.kind not in "fiu"):
                 raise ValueError(
-                    f"pixel_values must be numbers of shape {expected} (the exported grid), "
-                    f"got {pixel_values.dtype} {tuple(pixel_values.shape)}"
+                    f"pixel_values must be numbers of shape [n_images * {c.n_patches}, {c.patch_dim}] (the exported "
+                    f"grid, images one after the other), got {pixel_values.dtype} {tuple(pixel_values.shape)}"
                 )
+            n_images = rows // c.n_patches
+            if n_images > c.max_images:
+                raise ValueError(f"pixel_values hold {n_images} images, more than the export's max_images {c.max_images}")
             if not np.isfinite(pixel_values).all():
                 raise ValueError("pixel_values hold NaN or infinite values")
             pixel_values = np.ascontiguousarray(pixel_values, dtype=np.float32)
-        grid = c.grid_thw if pixel_values is not None else None
-        positions, rope_deltas = mrope_position_ids(ids, c.image_token_id, grid, c.spatial_merge_size)
-        return PreparedPrompt(ids, pixel_values, positions, int(rope_deltas), bucket)
+        grids = [c.grid_thw] * n_images
+        positions, rope_deltas = mrope_position_ids(ids, c.image_token_id, grids, c.spatial_merge_size)
+        return PreparedPrompt(ids, pixel_values, positions, int(rope_deltas), bucket, n_images)
 
     def padded_prompt(self, prepared: PreparedPrompt) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Right-pad ids, mask and position ids to the prefill bucket; padded positions are
@@ -236,20 +349,25 @@ class Pipeline:
 
     # ---- graph runs ----------------------------------------------------------------------
     def run_vision(self, prepared: PreparedPrompt) -> np.ndarray:
-        """Vision graph (zeros for a text-only prompt); checks that the number of image
-        embeddings equals the number of image tokens in the prompt."""
+        """Vision graph once per image, the embeddings stacked in prompt order and zero-padded to
+        the prefill's ``[n_image_rows, hidden]`` (all zeros for a text-only prompt); checks that
+        the number of image embeddings equals the number of image tokens in the prompt."""
         c = self.contract
         n_tokens = int((prepared.input_ids == c.image_token_id).sum())
+        rows = np.zeros((c.n_image_rows, c.image_embed_dim), dtype=np.float32)
         if prepared.pixel_values is None:
             if n_tokens:
                 raise ValueError(f"the prompt has {n_tokens} image tokens but no image was given")
-            return np.zeros((c.n_image_tokens, c.image_embed_dim), dtype=np.float32)
-        (embeds,) = self.graphs.vision.session.run(None, {"pixel_values": prepared.pixel_values})
-        if embeds.shape[0] != n_tokens:
-            raise ValueError(
-                f"vision graph returned {embeds.shape[0]} image embeddings but the prompt has {n_tokens} image tokens"
-            )
-        return embeds
+            return rows
+        session = self.graphs.vision.session
+        filled = 0
+        for start in range(0, prepared.pixel_values.shape[0], c.n_patches):
+            (embeds,) = session.run(None, {"pixel_values": prepared.pixel_values[start:start + c.n_patches]})
+            rows[filled:filled + embeds.shape[0]] = embeds
+            filled += embeds.shape[0]
+        if filled != n_tokens:
+            raise ValueError(f"vision graph returned {filled} image embeddings but the prompt has {n_tokens} image tokens")
+        return rows
 
     def run_prefill(self, prepared: PreparedPrompt, image_embeds: np.ndarray) -> tuple[np.ndarray, dict]:
         """Prefill graph of the prompt's bucket; returns the last real token's logits ``[V]``
@@ -298,9 +416,49 @@ class Pipeline:
         """:meth:`generate` for input from :meth:`prepare_ids`."""
         return _drain(self.stream_prepared(prepared, max_new_tokens, sampling, stop))
 
-    def stream_prepared(self, prepared: PreparedPrompt, max_new_tokens: int = 128,
+    def stream_chat(self, messages: list[dict], max_new_tokens: int | None = None,
+                    sampling: SamplingConfig | None = None, stop: tuple[str, ...] | list[str] = (),
+                    chat_template_kwargs: dict | None = None, image_policy: ImagePolicy | None = None) -> ChatStream:
+        """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`), answered by
+        streaming :class:`ChatDelta` s; ``max_new_tokens`` None: until end of sequence or capacity.
+        All input checks run here, before any graph.
+
+        Raises:
+            ChatInputError / ValueError: see :meth:`prepare_chat` and :meth:`stream`.
+        """
+        prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy)
+        return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop)
+
+    def chat(self, messages: list[dict], max_new_tokens: int | None = None, sampling: SamplingConfig | None = None,
+             stop: tuple[str, ...] | list[str] = (), chat_template_kwargs: dict | None = None,
+             image_policy: ImagePolicy | None = None) -> ChatResult:
+        """Answer a conversation at once (see :meth:`stream_chat`)."""
+        stream = self.stream_chat(messages, max_new_tokens, sampling, stop, chat_template_kwargs, image_policy)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream_chat_prepared(self, prepared: PreparedPrompt, max_new_tokens: int | None = None,
+                             sampling: SamplingConfig | None = None, stop=()) -> ChatStream:
+        """:meth:`stream_chat` for input from :meth:`prepare_chat`."""
+        stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop)
+        return ChatStream(stream, ReasoningParser(prepared.opens_reasoning, enabled=self.has_think_markers))
+
+    @property
+    def has_think_markers(self) -> bool:
+        """The tokenizer has a ``</think>`` token, so replies are split into reasoning and content."""
+        if not hasattr(self, "_has_think_markers"):
+            tokenizer = self.preprocessor.tokenizer
+            self._has_think_markers = THINK_END in tokenizer.get_added_vocab() or THINK_END in tokenizer.get_vocab()
+        return self._has_think_markers
+
+    def stream_prepared(self, prepared: PreparedPrompt, max_new_tokens: int | None = 128,
                         sampling: SamplingConfig | None = None, stop=()) -> GenerationStream:
-        """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`."""
+        """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`; ``max_new_tokens``
+        None: until end of sequence or capacity."""
+        room = self.contract.capacity - prepared.prompt_len + 1  # the last token needs no KV slot
+        if max_new_tokens is None:
+            max_new_tokens = room
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         max_new_tokens = int(max_new_tokens)
@@ -308,7 +466,6 @@ class Pipeline:
             raise TypeError(f"sampling must be a SamplingConfig or None, got {type(sampling).__name__}")
         sampler = Sampler(sampling or SamplingConfig())
         stops = StopStrings((stop,) if isinstance(stop, str) else tuple(stop))
-        room = self.contract.capacity - prepared.prompt_len + 1  # the last token needs no KV slot
         if max_new_tokens > room:
             log.warning(
                 "prompt (%d tokens) + max_new_tokens (%d) exceeds the capacity %d: at most %d new tokens "
@@ -419,4 +576,7 @@ def _shape(value) -> list[int]:
     return list(value.shape()) if isinstance(value, ort.OrtValue) else list(value.shape)
 
 
-__all__ = ["Pipeline", "GenerationResult", "GenerationStream", "PreparedPrompt", "Timings", "SamplingConfig"]
+__all__ = [
+    "ChatDelta", "ChatInputError", "ChatResult", "ChatStream", "GenerationResult", "GenerationStream", "ImagePolicy",
+    "Pipeline", "PreparedPrompt", "SamplingConfig", "Timings",
+]

@@ -62,9 +62,9 @@ def load_reference(model_id: str | Path):
 
 
 def reference_generate(model, prepared: PreparedPrompt, grid_thw, max_new_tokens: int, eos_token_ids) -> list[int]:
-    """Greedy ``model.generate`` on the same ids (and pixels, with image grid ``grid_thw``, when
-    the prompt has an image); returns the new token ids, stopping at any of ``eos_token_ids``
-    (kept, as ours)."""
+    """Greedy ``model.generate`` on the same ids (and pixels, each of the ``prepared.n_images``
+    images with patch grid ``grid_thw``, when the prompt has images); returns the new token ids,
+    stopping at any of ``eos_token_ids`` (kept, as ours)."""
     import torch
 
     ids = torch.from_numpy(prepared.input_ids)
@@ -72,7 +72,7 @@ def reference_generate(model, prepared: PreparedPrompt, grid_thw, max_new_tokens
     if prepared.pixel_values is not None:
         images = dict(
             pixel_values=torch.from_numpy(prepared.pixel_values),
-            image_grid_thw=torch.tensor([list(grid_thw)], dtype=torch.long),
+            image_grid_thw=torch.tensor([list(grid_thw)] * prepared.n_images, dtype=torch.long),
             mm_token_type_ids=(ids == model.config.image_token_id).int(),
         )
     with torch.no_grad():

@@ -37,6 +37,7 @@ from ..contract import (
     check_capacity,
     check_dummy_seq_len,
     check_image_size,
+    check_max_images,
     default_buckets,
     read_manifest,
     write_manifest,
@@ -91,6 +92,7 @@ class ExportOptions:
     ops: str = "ort"
     quantize: str = "none"
     quant_block_size: int = 32
+    max_images: int = 1
     overwrite: bool = False
 
     def validate(self) -> None:
@@ -115,6 +117,8 @@ class ExportOptions:
         bs = self.quant_block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
             raise ExportError(f"--quant-block-size {bs!r} must be a power of two from 16 to 256")
+        if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 1:
+            raise ExportError(f"--max-images must be an integer >= 1, got {self.max_images!r}")
         if self.prefill_logits not in PREFILL_LOGITS:
             raise ExportError(f"--prefill-logits {self.prefill_logits!r} must be one of {', '.join(PREFILL_LOGITS)}")
         if self.prefill_buckets is not None:
@@ -229,6 +233,11 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
             f"--vision-image-size {options.image_size} gives {options.image_size**2} pixels, more than the "
             f"checkpoint's image processor allows (max_pixels {max_pixels})"
         )
+    n_image_tokens = (options.image_size // vision.patch_size) ** 2 // vision.spatial_merge_size**2
+    try:
+        check_max_images(options.max_images, n_image_tokens, options.capacity)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from exc
     max_positions = getattr(text, "max_position_embeddings", None)
     if max_positions and options.capacity > max_positions:
         raise ExportError(
@@ -269,6 +278,7 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
         eos_token_ids=eos_token_ids(generation_config, config),
         pad_token_id=None if pad is None else int(pad),
         exporter_version=__version__,
+        max_images=options.max_images,
     )
     contract.validate()
     return contract
@@ -333,7 +343,7 @@ def dummy_inputs(kind: str, contract: ShapeContract, seq_len: int):
             ids,
             torch.ones(b, seq_len, dtype=torch.long),
             torch.arange(seq_len).view(1, 1, -1).expand(4, b, seq_len).contiguous(),
-            torch.randn(contract.n_image_tokens, contract.image_embed_dim),
+            torch.randn(contract.n_image_rows, contract.image_embed_dim),
         )
     # decode: a past of seq_len tokens plus the new one
     kv_len = contract.capacity if contract.kv_mode == "fixed" else seq_len
@@ -491,6 +501,7 @@ CONTRACT_OPTIONS = {
     "ops": "--ops",
     "quantize": "--quantize",
     "quant_block_size": "--quant-block-size",
+    "max_images": "--max-images",
 }
 """Options that shape the contract: a single-component export takes them from the existing export."""
 
@@ -513,6 +524,7 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
         "ops": existing.ops,
         "quantize": existing.quantize,
         "quant_block_size": existing.quant_block_size,
+        "max_images": existing.max_images,
     }
     defaults = ExportOptions()
     conflicts = []

@@ -30,32 +30,35 @@ __all__ = ["decode_position_ids", "mrope_position_ids"]
 def mrope_position_ids(
     input_ids: np.ndarray,
     image_token_id: int,
-    image_grid_thw: tuple[int, int, int] | None,
+    image_grid_thw,
     spatial_merge_size: int,
 ) -> tuple[np.ndarray, int]:
-    """Prefill position ids and ``rope_deltas`` for a prompt holding at most one image.
+    """Prefill position ids and ``rope_deltas`` for a prompt holding any number of images.
 
-    Mirrors ``Qwen3_5Model.get_rope_index`` for batch 1 and one image, with the
-    image tokens found as ``input_ids == image_token_id`` (transformers reads the
-    same thing from the processor's ``mm_token_type_ids``):
+    Mirrors ``Qwen3_5Model.get_rope_index`` for batch 1, with the image tokens found as
+    ``input_ids == image_token_id`` (transformers reads the same thing from the processor's
+    ``mm_token_type_ids`` and, like here, takes each contiguous run of image tokens as one
+    image, consuming the image grids in order):
 
     * text spans count up from the running position ``p``: ``p, p+1, ...``;
-    * the image span (``t * h * w / merge**2`` tokens, row-major over the merged
+    * an image span (``t * h * w / merge**2`` tokens, row-major over the merged
       ``(t, h/merge, w/merge)`` grid) gets ``(p + ti, p + hi, p + wi)``;
-    * after the image the running position advances by ``max(h, w) // merge``
-      (not by the number of image tokens, and ignoring ``t``, as in Qwen3.5);
+    * after each image the running position advances by ``max(h, w) // merge``
+      (not by the number of image tokens, and ignoring ``t``, as in Qwen3.5), so the text
+      after an image, and the next image, continue from there;
     * ``rope_deltas = max(position) + 1 - S``, so that a token at text position
       ``n >= S`` has mRoPE position ``n + rope_deltas`` on all three rows.
 
-    Without an image (``image_grid_thw is None``) rows 1-3 equal row 0 and
-    ``rope_deltas == 0``, as transformers does for text-only prompts.
+    Without images rows 1-3 equal row 0 and ``rope_deltas == 0``, as transformers does
+    for text-only prompts.
 
     Args:
         input_ids: int ``[1, S]`` token ids, S >= 1, no padding (positions of bucket
             padding appended after the prompt do not matter to the graphs).
         image_token_id: id of the image placeholder token (``config.image_token_id``).
-        image_grid_thw: ``(t, h, w)`` patch grid of the image from the image
-            processor (before merging), or ``None`` for a text-only prompt.
+        image_grid_thw: the ``(t, h, w)`` patch grid (before merging) of each image in
+            prompt order: a sequence of grids, one grid for a single image, or ``None``
+            (or an empty sequence) for a text-only prompt.
         spatial_merge_size: ``config.vision_config.spatial_merge_size``.
 
     Returns:
@@ -63,52 +66,66 @@ def mrope_position_ids(
         rows 1-3 temporal/height/width), and a Python int (usually negative).
 
     Raises:
-        ValueError: ``input_ids`` is not ``[1, S]`` with S >= 1; the grid is not three
-            positive ints with h and w divisible by the merge size; the number of
-            image tokens differs from ``t * h * w / merge**2``; or the image tokens do
-            not form one contiguous run.
+        ValueError: ``input_ids`` is not ``[1, S]`` with S >= 1; a grid is not three
+            positive ints with h and w divisible by the merge size; the number of runs of
+            image tokens differs from the number of grids; or a run's length differs from
+            its grid's ``t * h * w / merge**2``.
     """
     ids = np.asarray(input_ids)
     if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
         raise ValueError(f"input_ids must have shape [1, S] with S >= 1, got {ids.shape}")
     length = ids.shape[1]
     text = np.arange(length, dtype=np.int64)
-    image_at = np.flatnonzero(ids[0] == image_token_id)
-
-    if image_grid_thw is None:
-        if image_at.size:
-            raise ValueError(
-                f"input_ids hold {image_at.size} image tokens (id {image_token_id}) but no "
-                f"image_grid_thw was given"
-            )
-        mrope = np.broadcast_to(text, (3, length))
-    else:
-        t, h, w = _check_grid(image_grid_thw, spatial_merge_size)
+    grids = _grid_list(image_grid_thw, spatial_merge_size)
+    runs = _runs(ids[0] == image_token_id)
+    if len(runs) != len(grids):
+        n_tokens = sum(end - start for start, end in runs)
+        raise ValueError(
+            f"input_ids hold {n_tokens} image tokens (id {image_token_id}) in {len(runs)} contiguous runs "
+            f"but {len(grids)} image grids were given (one run of image tokens per image)"
+        )
+    mrope = np.empty((3, length), dtype=np.int64)
+    position, cursor = 0, 0  # running mRoPE position, next unassigned token
+    for (start, end), (t, h, w) in zip(runs, grids):
         grid_t, grid_h, grid_w = t, h // spatial_merge_size, w // spatial_merge_size
         expected = grid_t * grid_h * grid_w
-        if image_at.size != expected:
-            raise ValueError(
-                f"input_ids hold {image_at.size} image tokens (id {image_token_id}) but image grid "
-                f"{(t, h, w)} with merge {spatial_merge_size} needs {expected}"
-            )
-        start, end = int(image_at[0]), int(image_at[-1]) + 1
         if end - start != expected:
             raise ValueError(
-                f"the {expected} image tokens must form one contiguous run, but they span "
-                f"positions {start}..{end - 1}"
+                f"the image-token run at positions {start}..{end - 1} has {end - start} tokens but image grid "
+                f"{(t, h, w)} with merge {spatial_merge_size} needs {expected}"
             )
-        tt, hh, ww = np.meshgrid(
-            np.arange(grid_t), np.arange(grid_h), np.arange(grid_w), indexing="ij"
-        )
-        after = start + max(h, w) // spatial_merge_size  # running position after the image
-        mrope = np.empty((3, length), dtype=np.int64)
-        mrope[:, :start] = text[:start]
-        mrope[:, start:end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + start
-        mrope[:, end:] = np.arange(length - end) + after
+        mrope[:, cursor:start] = np.arange(start - cursor) + position
+        position += start - cursor
+        tt, hh, ww = np.meshgrid(np.arange(grid_t), np.arange(grid_h), np.arange(grid_w), indexing="ij")
+        mrope[:, start:end] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + position
+        position += max(h, w) // spatial_merge_size
+        cursor = end
+    mrope[:, cursor:] = np.arange(length - cursor) + position
 
     position_ids = np.concatenate([text[None], mrope]).astype(np.int64)[:, None, :]
     rope_deltas = int(mrope.max()) + 1 - length
     return position_ids, rope_deltas
+
+
+def _runs(flags: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of True in a 1-D boolean array."""
+    padded = np.concatenate([[False], flags, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(padded))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def _grid_list(image_grid_thw, merge: int) -> list[tuple[int, int, int]]:
+    """The grids as a list of checked ``(t, h, w)`` tuples (one grid or a sequence of them)."""
+    if image_grid_thw is None:
+        return []
+    array = np.asarray(image_grid_thw)
+    if array.size == 0:
+        return []
+    if array.ndim == 1:
+        return [_check_grid(array, merge)]
+    if array.ndim != 2 or array.shape[1] != 3:
+        raise ValueError(f"image_grid_thw must be (t, h, w) or a sequence of them, got shape {array.shape}")
+    return [_check_grid(row, merge) for row in array]
 
 
 def decode_position_ids(next_pos: int, rope_deltas: int) -> np.ndarray:
@@ -122,8 +139,8 @@ def decode_position_ids(next_pos: int, rope_deltas: int) -> np.ndarray:
     * ``generate()`` passes 4-row ids and extends them with ``position_ids[..., -1:]
       + 1`` each step, giving row 0 = ``next_pos`` and rows 1-3 = ``(S - 1 +
       rope_deltas) + 1 + k == next_pos + rope_deltas`` -- provided the prompt's last
-      token is text (all three mRoPE rows then agree). Our chat template always
-      ends with the text generation prompt, so this holds.
+      token is text (all three mRoPE rows then agree). A chat template ends with the
+      text generation prompt, so this holds.
     * A plain forward without ``position_ids`` and without ``attention_mask`` goes
       through ``compute_3d_position_ids`` (``cache_length > 0`` branch), which
       returns only the 3 mRoPE rows ``cache_length + rope_deltas``; the text model

@@ -7,8 +7,9 @@ graphs, and token ids back into streamed text:
   any image is padded to a centred square and resized to ``image_size x image_size`` RGB, then ``[n_patches, C*T*P*P]``
   float32 patches on the fixed grid ``(1, image_size/P, image_size/P)`` the vision
   graph was exported for;
-* :meth:`Preprocessor.encode`: chat template with one image and one text part,
-  image placeholder expanded to the number of image tokens, tokenized;
+* :meth:`Preprocessor.encode_chat`: a conversation through the checkpoint's chat template,
+  each image placeholder expanded to the number of image tokens, tokenized
+  (:meth:`Preprocessor.encode`: one user turn with at most one image);
 * :class:`TextStreamer`: incremental detokenization for streaming output.
 
 Sources (transformers 5.24): ``Qwen3VLProcessor.__call__`` /
@@ -246,10 +247,8 @@ class Preprocessor:
         """Chat-template a user turn (one image, or none, then the text) and tokenize it.
 
         ``messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
-        "text": prompt}]}]`` (no image part when ``n_image_tokens`` is 0) is rendered with
-        ``add_generation_prompt=True``; the image placeholder is replaced by
-        ``n_image_tokens`` copies (as ``Qwen3VLProcessor`` does) and the text is tokenized
-        without adding special tokens again.
+        "text": prompt}]}]`` (no image part when ``n_image_tokens`` is 0), rendered by
+        :meth:`encode_chat`.
 
         Args:
             prompt: the user's text.
@@ -259,32 +258,68 @@ class Preprocessor:
             int64 ``[1, S]`` input ids.
 
         Raises:
-            ValueError: ``n_image_tokens`` is negative; the rendered template holds
-                other than the expected number of image placeholders (e.g. the prompt
-                itself contains one); or tokenization did not yield ``n_image_tokens``
-                image ids.
+            ValueError: see :meth:`encode_chat`.
         """
         if n_image_tokens < 0:
             raise ValueError(f"n_image_tokens must be >= 0, got {n_image_tokens}")
         content = [{"type": "text", "text": prompt}]
         if n_image_tokens:
             content.insert(0, {"type": "image"})
-        messages = [{"role": "user", "content": content}]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode_chat([{"role": "user", "content": content}], n_image_tokens)[0]
+
+    def encode_chat(self, messages: list[dict], n_image_tokens: int,
+                    chat_template_kwargs: dict | None = None) -> tuple[np.ndarray, str]:
+        """Render a conversation with the checkpoint's chat template and tokenize it.
+
+        ``messages`` are chat-template messages (``runtime.chat.normalize_messages``): each
+        ``{"type": "image"}`` part becomes one image placeholder, which is replaced by
+        ``n_image_tokens`` copies (as ``Qwen3VLProcessor`` does); the text is rendered with
+        ``add_generation_prompt=True`` plus ``chat_template_kwargs`` (e.g. Qwen3.5's
+        ``enable_thinking``) and tokenized without adding special tokens again.
+
+        Args:
+            messages: ``[{"role", "content": str | [{"type": "text", "text"} | {"type": "image"}]}]``.
+            n_image_tokens: image tokens per image (>= 0).
+            chat_template_kwargs: extra template variables.
+
+        Returns:
+            ``(input_ids, prompt_text)``: int64 ``[1, S]`` and the rendered prompt (before the
+            placeholder expansion).
+
+        Raises:
+            ValueError: the rendered template holds other than one image placeholder per image
+                part (e.g. a message text contains the placeholder itself), the template
+                fails to render, or tokenization did not yield the expected image tokens.
+        """
+        if n_image_tokens < 0:
+            raise ValueError(f"n_image_tokens must be >= 0, got {n_image_tokens}")
+        n_images = sum(
+            1 for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if part.get("type") == "image"
+        )
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = {"messages", "conversation", "add_generation_prompt", "tokenize"} & set(kwargs)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        except Exception as exc:  # jinja2 errors, raise_exception() in templates
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
         found = text.count(self.image_token)
-        expected = 1 if n_image_tokens else 0
-        if found != expected:
+        if found != n_images:
             raise ValueError(
                 f"the chat-templated prompt holds {found} image placeholders {self.image_token!r}; "
-                f"expected {expected} (does the prompt text contain {self.image_token!r}?)"
+                f"expected {n_images} (does the text contain {self.image_token!r}?)"
             )
-        if n_image_tokens:
-            text = text.replace(self.image_token, self.image_token * n_image_tokens)
-        ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
-        got = int((ids == self.image_token_id).sum())
-        if got != n_image_tokens:
-            raise ValueError(f"tokenized prompt holds {got} image tokens, expected {n_image_tokens}")
-        return ids[None, :]
+        if n_image_tokens and n_images:
+            text_expanded = text.replace(self.image_token, self.image_token * n_image_tokens)
+        else:
+            text_expanded = text
+        ids = np.asarray(self.tokenizer(text_expanded, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        got, expected = int((ids == self.image_token_id).sum()), n_images * n_image_tokens
+        if got != expected:
+            raise ValueError(f"tokenized prompt holds {got} image tokens, expected {expected}")
+        return ids[None, :], text
 
     def text_streamer(self) -> TextStreamer:
         """A fresh :class:`TextStreamer` over this tokenizer."""

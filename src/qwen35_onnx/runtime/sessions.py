@@ -238,6 +238,8 @@ def check_prefill(contract: ShapeContract, prefill: GraphSession, bucket: int | 
     _check_states(contract, prefill, "output", "present")
     if contract.kv_mode == "fixed":
         _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})
+    _expect(f"{prefill.name} input image_embeds shape", prefill.inputs.get("image_embeds"),
+            [contract.n_image_rows, contract.image_embed_dim])
     if bucket is not None:
         _expect(f"{prefill.name} input_ids shape", prefill.inputs.get("input_ids"), [contract.batch, bucket])
     if contract.prefill_logits == "last":

@@ -1,0 +1,229 @@
+"""OpenAI-style chat messages -> chat-template messages + images (no torch).
+
+Accepted messages (the OpenAI Chat Completions format, as vLLM and llama.cpp's server accept it)::
+
+    {"role": "system" | "developer" | "user" | "assistant",
+     "content": "text" | [part, ...] | None (assistant only)}
+
+with parts ``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url": ...}}``
+(or ``"image_url": "..."``) and, from Python, ``{"type": "image", "image": PIL image or path}``.
+Images are allowed in user messages only (as in the OpenAI API). An image URL is a
+``data:image/{png,jpeg,webp,gif};base64,...`` URL, or a local file (a path or a ``file://`` URL)
+when the :class:`ImagePolicy` allows it; ``http(s)`` URLs are refused (the runtime fetches
+nothing from the network). ``developer`` is OpenAI's newer name for ``system`` and is rendered
+as ``system``. An assistant message's ``reasoning_content`` is dropped (Qwen templates drop
+earlier turns' reasoning too).
+
+What the chat template receives: ``{"role", "content"}`` with content a string, or a list of
+``{"type": "text", "text"}`` and ``{"type": "image"}`` parts (one image placeholder each), the
+form transformers' processors pass to ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .preprocess import load_image, to_rgb
+
+__all__ = ["ChatInputError", "ImagePolicy", "ROLES", "normalize_messages", "decode_image_url"]
+
+ROLES = ("system", "developer", "user", "assistant")
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+_DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
+
+
+class ChatInputError(ValueError):
+    """A chat request that cannot be rendered: ``param`` names the offending field in the
+    OpenAI request (e.g. ``messages[2].content[1].image_url.url``), None for the whole request."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """Where images may come from.
+
+    Attributes:
+        local_dir: local image files are read only from inside this folder (after resolving
+            symbolic links and ``..``); None with ``allow_any_local`` False: no local files.
+        allow_any_local: read local image files from anywhere (the Python API's default, where
+            the caller is the operator; the server never sets it).
+        max_image_bytes: largest encoded image (bytes of a file or of a decoded data URL).
+    """
+
+    local_dir: Path | None = None
+    allow_any_local: bool = False
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+
+    @classmethod
+    def trusted(cls) -> "ImagePolicy":
+        """Local files from anywhere: for a caller that is the operator (the Python API)."""
+        return cls(allow_any_local=True)
+
+
+def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[list[dict], list[Image.Image]]:
+    """Check OpenAI-style ``messages`` and split them into template messages and images.
+
+    Args:
+        messages: a non-empty list of message dicts (see the module docstring).
+        policy: where images may come from (default :meth:`ImagePolicy.trusted`).
+
+    Returns:
+        ``(template_messages, images)``: messages for ``apply_chat_template`` (one
+        ``{"type": "image"}`` part per image) and the images as RGB ``PIL.Image`` in prompt order.
+
+    Raises:
+        ChatInputError: naming the field: not a list, empty, unknown role, bad content or part
+            type, an image outside a user message, an image URL that is remote, not allowed,
+            too large or not a decodable image.
+    """
+    policy = policy or ImagePolicy.trusted()
+    if not isinstance(messages, (list, tuple)):
+        raise ChatInputError(f"messages must be a list of message objects, got {type(messages).__name__}", "messages")
+    if not messages:
+        raise ChatInputError("messages must hold at least one message", "messages")
+    rendered: list[dict] = []
+    images: list[Image.Image] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ChatInputError(f"{where} must be an object, got {type(message).__name__}", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise ChatInputError(f"{where}.role {role!r} is not one of {', '.join(ROLES)}", f"{where}.role")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            rendered.append({"role": _template_role(role), "content": content})
+            continue
+        if not isinstance(content, (list, tuple)):
+            raise ChatInputError(
+                f"{where}.content must be a string or a list of content parts, got {type(content).__name__}",
+                f"{where}.content",
+            )
+        parts = []
+        for j, part in enumerate(content):
+            here = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise ChatInputError(f"{here}.text must be a string, got {type(text).__name__}", f"{here}.text")
+                parts.append({"type": "text", "text": text})
+            elif kind in ("image_url", "image"):
+                if role != "user":
+                    raise ChatInputError(f"{here}: images are allowed in user messages only, not in {role!r}", here)
+                images.append(_part_image(part, here, policy))
+                parts.append({"type": "image"})
+            else:
+                shown = kind if isinstance(part, dict) else type(part).__name__
+                raise ChatInputError(f"{here}.type {shown!r} must be 'text' or 'image_url'", f"{here}.type")
+        rendered.append({"role": _template_role(role), "content": parts})
+    return rendered, images
+
+
+def _template_role(role: str) -> str:
+    return "system" if role == "developer" else role
+
+
+def _part_image(part: dict, here: str, policy: ImagePolicy) -> Image.Image:
+    if part["type"] == "image":
+        value = part.get("image")
+        if isinstance(value, Image.Image):
+            return to_rgb(value)
+        if isinstance(value, (str, os.PathLike)):
+            return _local_image(os.fspath(value), f"{here}.image", policy)
+        raise ChatInputError(f"{here}.image must be a PIL image or a path, got {type(value).__name__}", f"{here}.image")
+    value = part.get("image_url")
+    field_name = f"{here}.image_url"
+    if isinstance(value, dict):
+        value, field_name = value.get("url"), f"{here}.image_url.url"
+    if not isinstance(value, str) or not value:
+        raise ChatInputError(f"{field_name} must be a non-empty string URL, got {value!r:.80}", field_name)
+    return decode_image_url(value, field_name, policy)
+
+
+def decode_image_url(url: str, param: str, policy: ImagePolicy) -> Image.Image:
+    """Image of a ``data:`` URL, a ``file://`` URL or a local path (as the policy allows).
+
+    Raises:
+        ChatInputError: naming ``param``: remote URL, unsupported media type, bad base64, too many
+            bytes, local files not allowed or outside the allowed folder, missing or
+            undecodable image.
+    """
+    if url[:5].lower() == "data:":
+        match = _DATA_URL.match(url)
+        if not match or not match.group("b64"):
+            raise ChatInputError(f"{param}: a data URL must look like data:image/png;base64,<data>", param)
+        media = (match.group("type") or "").lower()
+        if media not in IMAGE_MEDIA_TYPES:
+            raise ChatInputError(
+                f"{param}: media type {media or 'none'!r} is not one of {', '.join(IMAGE_MEDIA_TYPES)}", param
+            )
+        payload = url[match.end():]
+        if len(payload) * 3 // 4 > policy.max_image_bytes:
+            raise ChatInputError(
+                f"{param}: the image is about {len(payload) * 3 // 4} bytes, more than the limit of "
+                f"{policy.max_image_bytes} bytes", param
+            )
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ChatInputError(f"{param}: the data URL is not valid base64 ({exc})", param) from None
+        return _open_image_bytes(data, param)
+    scheme = urlparse(url).scheme.lower()
+    if scheme == "file":
+        return _local_image(unquote(urlparse(url).path), param, policy)
+    if len(scheme) > 1:  # a one-letter "scheme" is a Windows drive
+        raise ChatInputError(
+            f"{param}: {scheme}:// image URLs are not fetched; send the image as a data: URL (base64)", param
+        )
+    return _local_image(url, param, policy)
+
+
+def _local_image(path: str, param: str, policy: ImagePolicy) -> Image.Image:
+    if not policy.allow_any_local and policy.local_dir is None:
+        raise ChatInputError(
+            f"{param}: local image paths are not allowed here (the server reads local images only from a folder "
+            "given with --allowed-image-dir); send the image as a data: URL", param
+        )
+    resolved = Path(path).expanduser().resolve()
+    if not policy.allow_any_local:
+        root = Path(policy.local_dir).resolve()
+        if not resolved.is_relative_to(root):
+            raise ChatInputError(f"{param}: {path!r} is outside the allowed image folder", param)
+    if resolved.is_file() and resolved.stat().st_size > policy.max_image_bytes:
+        raise ChatInputError(
+            f"{param}: {path!r} is {resolved.stat().st_size} bytes, more than the limit of "
+            f"{policy.max_image_bytes} bytes", param
+        )
+    try:
+        return load_image(resolved)
+    except (OSError, ValueError) as exc:
+        raise ChatInputError(f"{param}: {exc}", param) from None
+
+
+def _open_image_bytes(data: bytes, param: str) -> Image.Image:
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format not in ("PNG", "JPEG", "WEBP", "GIF"):
+                raise ChatInputError(f"{param}: image format {image.format} is not PNG, JPEG, WebP or GIF", param)
+            image.load()  # the first frame of an animated GIF / WebP
+            return to_rgb(ImageOps.exif_transpose(image))
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        if isinstance(exc, ChatInputError):
+            raise
+        raise ChatInputError(f"{param}: the data is not a readable image ({exc})", param) from None

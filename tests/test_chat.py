@@ -1,0 +1,242 @@
+"""Issue acceptance (chat API): several images per prompt and multi-turn conversations give the
+token ids and mRoPE positions of transformers; message and image errors are clear and come before
+any graph runs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from qwen35_onnx.pipeline import ChatInputError, Pipeline
+
+from .conftest import CAPACITY, export_to
+
+N_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def chat_export(checkpoint, tmp_path_factory):
+    """Default operators (ort), fixed KV, room for two images per prompt."""
+    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "chat", max_images=2)
+
+
+@pytest.fixture(scope="module")
+def pipe(chat_export):
+    return Pipeline.from_exported(chat_export)
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    media = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}[fmt]
+    return f"data:{media};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def images(photo):
+    first = Image.open(photo).convert("RGB")
+    second = ImageOps.mirror(first).rotate(90).crop((0, 0, 200, 120))  # another picture, not square
+    return first, second
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def reference_positions(model, prepared, grid):
+    """transformers' get_rope_index on the same ids: [3, 1, S] and rope_deltas."""
+    import torch
+
+    ids = torch.from_numpy(prepared.input_ids)
+    with torch.no_grad():
+        pos, deltas = model.model.get_rope_index(
+            ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            image_grid_thw=torch.tensor([list(grid)] * prepared.n_images),
+        )
+    return pos.numpy(), int(deltas.item())
+
+
+def check_parity(pipe, reference_model, messages, n_images):
+    from qwen35_onnx.verify import reference_generate
+
+    c = pipe.contract
+    prepared = pipe.prepare_chat(messages)
+    assert prepared.n_images == n_images
+    assert int((prepared.input_ids == c.image_token_id).sum()) == n_images * c.n_image_tokens
+    positions, deltas = reference_positions(reference_model, prepared, c.grid_thw)
+    np.testing.assert_array_equal(prepared.position_ids[1:], positions)
+    assert prepared.rope_deltas == deltas
+    result = pipe.chat(messages, max_new_tokens=N_TOKENS)
+    reference = reference_generate(reference_model, prepared, c.grid_thw, N_TOKENS, c.eos_token_ids)
+    assert len(reference) >= N_TOKENS, "the demo checkpoint must not stop before 32 tokens here"
+    assert result.generation.token_ids == reference
+    assert result.finish_reason == "length"
+    return result
+
+
+@pytest.mark.slow
+def test_two_images_in_one_prompt_match_transformers(pipe, reference_model, images):
+    messages = [{"role": "user", "content": [
+        image_part(data_url(images[0])), {"type": "text", "text": "Compare this picture"},
+        image_part(data_url(images[1], "JPEG")), {"type": "text", "text": "with this one."},
+    ]}]
+    check_parity(pipe, reference_model, messages, 2)
+
+
+@pytest.mark.slow
+def test_image_in_turn_one_and_turn_three_match_transformers(pipe, reference_model, images, photo):
+    messages = [
+        {"role": "system", "content": "You describe pictures."},
+        {"role": "user", "content": [image_part(str(photo)), {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A person in a white suit."},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image_part(data_url(images[1]))]},
+    ]
+    result = check_parity(pipe, reference_model, messages, 2)
+    # the first image stays in turn one: its tokens come before the assistant reply's
+    prepared = pipe.prepare_chat(messages)
+    ids = prepared.input_ids[0]
+    reply = pipe.preprocessor.tokenizer("A person in a white suit.", add_special_tokens=False)["input_ids"]
+    reply_at = next(i for i in range(len(ids)) if ids[i:i + len(reply)].tolist() == reply)
+    image_at = np.flatnonzero(ids == pipe.contract.image_token_id)
+    assert (image_at < reply_at).sum() == pipe.contract.n_image_tokens
+    assert (image_at > reply_at).sum() == pipe.contract.n_image_tokens
+    assert result.content == result.generation.text and result.reasoning_content is None
+
+
+def test_single_prompt_api_is_the_one_turn_chat(pipe, photo):
+    """generate(image, prompt) renders exactly the one-turn chat with the image first."""
+    chat = pipe.prepare_chat([{"role": "user", "content": [image_part(str(photo)), {"type": "text", "text": "Hi"}]}])
+    single = pipe.prepare(photo, "Hi")
+    np.testing.assert_array_equal(chat.input_ids, single.input_ids)
+    np.testing.assert_array_equal(chat.pixel_values, single.pixel_values)
+    text_only = pipe.prepare_chat([{"role": "user", "content": "Hi"}])
+    np.testing.assert_array_equal(text_only.input_ids, pipe.prepare(None, "Hi").input_ids)
+    assert pipe.chat([{"role": "user", "content": "Hi"}], max_new_tokens=6).generation.token_ids == \
+        pipe.generate(None, "Hi", max_new_tokens=6).token_ids
+
+
+def test_more_images_than_exported_fails_before_any_graph(pipe, images, monkeypatch):
+    def no_graphs(*args, **kwargs):
+        raise AssertionError("a graph ran")
+
+    monkeypatch.setattr(pipe, "run_vision", no_graphs)
+    monkeypatch.setattr(pipe, "_prefill", no_graphs)
+    url = data_url(images[0])
+    messages = [{"role": "user", "content": [image_part(url)] * 3 + [{"type": "text", "text": "Three?"}]}]
+    with pytest.raises(ChatInputError, match=r"3 images, more than the 2 this export takes") as err:
+        pipe.stream_chat(messages)
+    assert err.value.param == "messages"
+
+
+def test_one_image_export_refuses_a_second_image(fixed_export, images):
+    pipe = Pipeline.from_exported(fixed_export)
+    assert pipe.contract.max_images == 1
+    url = data_url(images[0])
+    with pytest.raises(ChatInputError, match=r"2 images, more than the 1 this export takes"):
+        pipe.prepare_chat([{"role": "user", "content": [image_part(url), image_part(url)]}])
+
+
+def test_prefill_graph_takes_rows_for_every_image(pipe, chat_export):
+    c = pipe.contract
+    assert c.max_images == 2 and c.n_image_rows == 2 * c.n_image_tokens
+    graph = pipe.graphs.prefill(c.prefill_buckets[0])
+    assert graph.inputs["image_embeds"] == [c.n_image_rows, c.image_embed_dim]
+
+
+def test_manifest_without_max_images_reads_as_one(fixed_export, tmp_path):
+    import json
+
+    from qwen35_onnx.contract import read_manifest
+
+    copy = shutil.copytree(fixed_export, tmp_path / "old")
+    data = json.loads((copy / "manifest.json").read_text())
+    del data["max_images"]
+    (copy / "manifest.json").write_text(json.dumps(data))
+    assert read_manifest(copy).max_images == 1
+
+
+def test_export_refuses_more_image_tokens_than_capacity(checkpoint, tmp_path):
+    from qwen35_onnx.export.exporter import ExportError, ExportOptions, export
+
+    with pytest.raises(ExportError, match=r"--max-images 9 needs 9 x 16 = 144 image tokens, more than the capacity 128"):
+        export(checkpoint, tmp_path / "x", ExportOptions(capacity=CAPACITY, max_images=9))
+    with pytest.raises(ExportError, match=r"--max-images must be an integer >= 1, got 0"):
+        export(checkpoint, tmp_path / "y", ExportOptions(capacity=CAPACITY, max_images=0))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize(
+    "messages, param, message",
+    [
+        ("hi", "messages", "must be a list"),
+        ([], "messages", "at least one message"),
+        ([{"role": "tool", "content": "x"}], "messages[0].role", "'tool' is not one of"),
+        ([{"role": "user"}], "messages[0].content", "must be a string or a list"),
+        ([{"role": "user", "content": 5}], "messages[0].content", "got int"),
+        ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type", "'audio' must be"),
+        ([{"role": "user", "content": ["hi"]}], "messages[0].content[0].type", "'str' must be"),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text", "must be a string"),
+        ([{"role": "assistant", "content": [image_part("data:image/png;base64,AAAA")]}],
+         "messages[0].content[0]", "user messages only"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+         "messages[0].content[0].image_url.url", "non-empty string"),
+        ([{"role": "user", "content": [image_part("https://example.com/a.png")]}],
+         "messages[0].content[0].image_url.url", "are not fetched"),
+        ([{"role": "user", "content": [image_part("data:text/plain;base64,aGk=")]}],
+         "messages[0].content[0].image_url.url", "'text/plain' is not one of"),
+        ([{"role": "user", "content": [image_part("data:image/png;base64,not base64!")]}],
+         "messages[0].content[0].image_url.url", "not valid base64"),
+        ([{"role": "user", "content": [image_part("data:image/png;base64," + base64.b64encode(b"junk").decode())]}],
+         "messages[0].content[0].image_url.url", "not a readable image"),
+        ([{"role": "user", "content": [image_part("data:image/png,rawdata")]}],
+         "messages[0].content[0].image_url.url", "data:image/png;base64"),
+    ],
+)
+def test_bad_messages_name_the_field(messages, param, message):
+    from qwen35_onnx.runtime.chat import normalize_messages
+
+    with pytest.raises(ChatInputError, match=message) as err:
+        normalize_messages(messages)
+    assert err.value.param == param
+
+
+def test_local_images_follow_the_policy(tmp_path, photo):
+    from qwen35_onnx.runtime.chat import ImagePolicy, normalize_messages
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    inside = shutil.copy(photo, allowed / "p.jpg")
+    outside = shutil.copy(photo, tmp_path / "secret.jpg")
+    (allowed / "link.jpg").symlink_to(outside)
+
+    def ask(url, policy):
+        return normalize_messages([{"role": "user", "content": [image_part(url)]}], policy)
+
+    with pytest.raises(ChatInputError, match="local image paths are not allowed"):
+        ask(str(inside), ImagePolicy())
+    policy = ImagePolicy(local_dir=allowed)
+    assert len(ask(str(inside), policy)[1]) == 1
+    assert len(ask(f"file://{inside}", policy)[1]) == 1
+    for escape in (str(outside), f"{allowed}/../secret.jpg", str(allowed / "link.jpg"), "file:///etc/passwd"):
+        with pytest.raises(ChatInputError, match="outside the allowed image folder"):
+            ask(escape, policy)
+    with pytest.raises(ChatInputError, match="not found"):
+        ask(str(allowed / "missing.png"), policy)
+    with pytest.raises(ChatInputError, match="more than the limit of 100 bytes"):
+        ask(str(inside), ImagePolicy(local_dir=allowed, max_image_bytes=100))
+    with pytest.raises(ChatInputError, match="more than the limit of 100 bytes"):
+        ask(data_url(Image.open(photo)), ImagePolicy(max_image_bytes=100))
+
+
+def test_image_formats_and_modes(images):
+    from qwen35_onnx.runtime.chat import normalize_messages
+
+    rgba = images[1].convert("RGBA")
+    for fmt, picture in (("PNG", rgba), ("JPEG", images[0]), ("WEBP", images[1]), ("GIF", images[1].convert("P"))):
+        _, decoded = normalize_messages([{"role": "user", "content": [image_part(data_url(picture, fmt))]}])
+        assert decoded[0].mode == "RGB" and decoded[0].size == picture.size

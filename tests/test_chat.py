@@ -240,3 +240,31 @@ def test_image_formats_and_modes(images):
     for fmt, picture in (("PNG", rgba), ("JPEG", images[0]), ("WEBP", images[1]), ("GIF", images[1].convert("P"))):
         _, decoded = normalize_messages([{"role": "user", "content": [image_part(data_url(picture, fmt))]}])
         assert decoded[0].mode == "RGB" and decoded[0].size == picture.size
+
+
+def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, monkeypatch):
+    import io as _io
+
+    from qwen35_onnx.chat_repl import run_chat
+
+    seen = []
+    original = pipe.stream_chat
+
+    def spy(messages, *args, **kwargs):
+        seen.append(messages)
+        return original(messages, *args, **kwargs)
+
+    monkeypatch.setattr(pipe, "stream_chat", spy)
+    lines = [f"/image {photo}\n", f"/image {photo}\n", f"/image {photo}\n", "three images\n",  # refused: max 2
+             "/image /no/such.png\n", "/frobnicate\n", "hello\n", "and again\n", "/reset\n", "fresh\n", "/quit\n", "ignored\n"]
+    out, err = _io.StringIO(), _io.StringIO()
+    answered = run_chat(pipe, lines, out, err, system="Be brief.", max_new_tokens=4)
+    assert answered == 3
+    log = err.getvalue()
+    assert "3 images, more than the 2 this export takes" in log
+    assert "no image file at /no/such.png" in log and "unknown command '/frobnicate'" in log
+    # turn 2 carries turn 1 (the failed three-image turn is dropped); /reset keeps only the system prompt
+    assert [m["role"] for m in seen[1]] == ["system", "user"]
+    assert [m["role"] for m in seen[2]] == ["system", "user", "assistant", "user"]
+    assert [m["role"] for m in seen[3]] == ["system", "user"]
+    assert len(out.getvalue().splitlines()) == 3

@@ -232,25 +232,28 @@ class Pipeline:
         return cls(root, contract, graphs, preprocessor, device, host_state_roundtrip)
 
     # ---- host-side preparation -----------------------------------------------------------
-    def prepare(self, image: str | os.PathLike | Image.Image | None, prompt: str) -> PreparedPrompt:
-        """Chat-template and preprocess one user turn (``image`` None: text only); the one-turn
-        case of :meth:`prepare_chat`.
+    def prepare(self, image, prompt: str) -> PreparedPrompt:
+        """Chat-template and preprocess one user turn: ``image`` (a path, a PIL image, a list of
+        them, or None for text only) first, then ``prompt``; the one-turn case of
+        :meth:`prepare_chat`.
 
         Raises:
             FileNotFoundError / ValueError: missing or unreadable image.
+            ChatInputError: more images than the export's ``max_images``.
             ValueError: the prompt does not fit the largest prefill bucket / the capacity.
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        content: list[dict] = [{"type": "text", "text": prompt}]
-        if image is not None:
-            if isinstance(image, Image.Image):
-                picture = to_rgb(image)
-            elif isinstance(image, (str, os.PathLike)):
-                picture = load_image(image)
+        content: list[dict] = []
+        for picture in ([] if image is None else image if isinstance(image, (list, tuple)) else [image]):
+            if isinstance(picture, Image.Image):
+                picture = to_rgb(picture)
+            elif isinstance(picture, (str, os.PathLike)):
+                picture = load_image(picture)
             else:
-                raise TypeError(f"image must be a file path, a PIL image or None, got {type(image).__name__}")
-            content.insert(0, {"type": "image", "image": picture})
+                raise TypeError(f"image must be a file path, a PIL image, a list of them or None, got {type(picture).__name__}")
+            content.append({"type": "image", "image": picture})
+        content.append({"type": "text", "text": prompt})
         return self.prepare_chat([{"role": "user", "content": content}])
 
     def prepare_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None,
@@ -397,8 +400,9 @@ class Pipeline:
     # ---- generation ----------------------------------------------------------------------
     def stream(self, image, prompt: str, max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
                stop: tuple[str, ...] | list[str] = ()) -> GenerationStream:
-        """Start a generation for ``image`` (path, PIL image or None) and ``prompt``; iterate the
-        returned stream for text pieces. All input checks run here, before any graph.
+        """Start a generation for ``image`` (path, PIL image, a list of them, or None) and
+        ``prompt``; iterate the returned stream for text pieces. All input checks run here,
+        before any graph.
 
         Raises:
             ValueError / FileNotFoundError: bad ``max_new_tokens``, sampling options or stop

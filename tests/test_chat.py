@@ -268,3 +268,20 @@ def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, mo
     assert [m["role"] for m in seen[2]] == ["system", "user", "assistant", "user"]
     assert [m["role"] for m in seen[3]] == ["system", "user"]
     assert len(out.getvalue().splitlines()) == 3
+
+
+def test_huge_or_odd_images_are_refused_early(tmp_path):
+    from qwen35_onnx.runtime.chat import ImagePolicy, normalize_messages
+
+    big = Image.new("L", (3000, 2000))  # small PNG, many pixels
+    with pytest.raises(ChatInputError, match=r"3000x2000 = 6000000 pixels, more than the limit of 1000000"):
+        normalize_messages([{"role": "user", "content": [image_part(data_url(big))]}], ImagePolicy(max_image_pixels=10**6))
+    policy = ImagePolicy(local_dir=tmp_path)
+    for path in (str(tmp_path / "a\0b.png"), str(tmp_path / ("x" * 5000))):
+        with pytest.raises(ChatInputError, match="not a usable file path|not found"):
+            normalize_messages([{"role": "user", "content": [image_part(path)]}], policy)
+    bmp = io.BytesIO()
+    big.resize((8, 8)).save(bmp, format="BMP")
+    url = "data:image/png;base64," + base64.b64encode(bmp.getvalue()).decode()
+    with pytest.raises(ChatInputError, match="format BMP is not PNG, JPEG, WebP or GIF"):
+        normalize_messages([{"role": "user", "content": [image_part(url)]}])

@@ -39,6 +39,7 @@ __all__ = ["ChatInputError", "ImagePolicy", "ROLES", "normalize_messages", "deco
 ROLES = ("system", "developer", "user", "assistant")
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
 
 
@@ -61,11 +62,14 @@ class ImagePolicy:
         allow_any_local: read local image files from anywhere (the Python API's default, where
             the caller is the operator; the server never sets it).
         max_image_bytes: largest encoded image (bytes of a file or of a decoded data URL).
+        max_image_pixels: largest image (width x height) decoded from a data URL; checked from
+            the header, before the pixels are decoded (a small file can hold a huge image).
     """
 
     local_dir: Path | None = None
     allow_any_local: bool = False
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     @classmethod
     def trusted(cls) -> "ImagePolicy":
@@ -183,7 +187,7 @@ def decode_image_url(url: str, param: str, policy: ImagePolicy) -> Image.Image:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise ChatInputError(f"{param}: the data URL is not valid base64 ({exc})", param) from None
-        return _open_image_bytes(data, param)
+        return _open_image_bytes(data, param, policy.max_image_pixels)
     scheme = urlparse(url).scheme.lower()
     if scheme == "file":
         return _local_image(unquote(urlparse(url).path), param, policy)
@@ -200,15 +204,19 @@ def _local_image(path: str, param: str, policy: ImagePolicy) -> Image.Image:
             f"{param}: local image paths are not allowed here (the server reads local images only from a folder "
             "given with --allowed-image-dir); send the image as a data: URL", param
         )
-    resolved = Path(path).expanduser().resolve()
-    if not policy.allow_any_local:
-        root = Path(policy.local_dir).resolve()
-        if not resolved.is_relative_to(root):
-            raise ChatInputError(f"{param}: {path!r} is outside the allowed image folder", param)
-    if resolved.is_file() and resolved.stat().st_size > policy.max_image_bytes:
+    shown = repr(path[:200])
+    try:
+        resolved = Path(path).expanduser().resolve()
+        if not policy.allow_any_local:
+            root = Path(policy.local_dir).resolve()
+            if not resolved.is_relative_to(root):
+                raise ChatInputError(f"{param}: {shown} is outside the allowed image folder", param)
+        size = resolved.stat().st_size if resolved.is_file() else 0
+    except (OSError, ValueError, RuntimeError) as exc:  # embedded NUL, name too long, symlink loop
+        raise ChatInputError(f"{param}: {shown} is not a usable file path ({exc})", param) from None
+    if size > policy.max_image_bytes:
         raise ChatInputError(
-            f"{param}: {path!r} is {resolved.stat().st_size} bytes, more than the limit of "
-            f"{policy.max_image_bytes} bytes", param
+            f"{param}: {shown} is {size} bytes, more than the limit of {policy.max_image_bytes} bytes", param
         )
     try:
         return load_image(resolved)
@@ -216,11 +224,17 @@ def _local_image(path: str, param: str, policy: ImagePolicy) -> Image.Image:
         raise ChatInputError(f"{param}: {exc}", param) from None
 
 
-def _open_image_bytes(data: bytes, param: str) -> Image.Image:
+def _open_image_bytes(data: bytes, param: str, max_pixels: int) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format not in ("PNG", "JPEG", "WEBP", "GIF"):
                 raise ChatInputError(f"{param}: image format {image.format} is not PNG, JPEG, WebP or GIF", param)
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ChatInputError(
+                    f"{param}: the image is {width}x{height} = {width * height} pixels, more than the limit of "
+                    f"{max_pixels} pixels", param
+                )
             image.load()  # the first frame of an animated GIF / WebP
             return to_rgb(ImageOps.exif_transpose(image))
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:

@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[export,test]"
+	$(PY) -m pip install --quiet -e ".[export,test,serve,openvino]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,7 +26,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# Speed side by side (not a test): writes benchmarks/out/PRESET/bench.{md,json,png}.
+# Speed side by side (not a test): writes benchmarks/out/PRESET/bench.{md,json,png}. OpenVINO's own
+# pipeline (optimum-intel + openvino-genai) runs from benchmarks/out/.venv-optimum, which the bench
+# creates on its first run (pins in src/qwen35_onnx/bench.py).
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[export,bench]"
 	$(VENV)/bin/qwen35-onnx bench

@@ -75,3 +75,13 @@ def reference_tokens(fixed_export, reference_model, photo) -> list[int]:
     prepared = pipe.prepare(photo, PROMPT)
     c = pipe.contract
     return reference_generate(reference_model, prepared, c.grid_thw, MAX_NEW_TOKENS, c.eos_token_ids)
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """The demo checkpoint after 200 training steps, trained once per session for the quantization
+    and the OpenVINO bf16 tests: random weights are a chaotic worst case for anything that
+    perturbs the computation (quantization, bf16), see ``checkpoints.train_checkpoint``."""
+    from qwen35_onnx.checkpoints import train_checkpoint
+
+    return train_checkpoint(checkpoint, tmp_path_factory.mktemp("ckpt") / "trained", steps=200)

@@ -173,7 +173,7 @@ def test_bad_generation_options(pipe, photo, kwargs, error, message):
 
 
 def test_bad_image_and_prompt_types(pipe):
-    with pytest.raises(TypeError, match="image must be a file path, a PIL image or None, got int"):
+    with pytest.raises(TypeError, match="image must be a file path, a PIL image, a list of them or None, got int"):
         pipe.generate(5, PROMPT)
     with pytest.raises(TypeError, match="prompt must be a str, got bytes"):
         pipe.generate(None, b"hi")

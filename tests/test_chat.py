@@ -285,3 +285,54 @@ def test_huge_or_odd_images_are_refused_early(tmp_path):
     url = "data:image/png;base64," + base64.b64encode(bmp.getvalue()).decode()
     with pytest.raises(ChatInputError, match="format BMP is not PNG, JPEG, WebP or GIF"):
         normalize_messages([{"role": "user", "content": [image_part(url)]}])
+
+
+def test_cancel_from_another_thread_stops_before_the_next_token(pipe):
+    import threading
+
+    stream = pipe.stream_chat([{"role": "user", "content": "Tell me more."}], max_new_tokens=60)
+    deltas = iter(stream)
+    next(deltas)
+    worker = threading.Thread(target=stream.cancel)
+    worker.start()
+    worker.join()
+    rest = list(deltas)  # ends instead of running to 60 tokens
+    result = stream.result
+    assert result.finish_reason is None
+    assert len(result.generation.token_ids) < 60
+    assert len(rest) <= 1  # at most the streamer's held-back tail
+    assert result.generation.token_ids == pipe.chat([{"role": "user", "content": "Tell me more."}],
+                                                    max_new_tokens=60).generation.token_ids[:len(result.generation.token_ids)]
+
+
+def test_image_limits_are_exact_and_cover_local_files_and_bombs(tmp_path):
+    from qwen35_onnx.runtime.chat import ImagePolicy, ImageTooLarge, normalize_messages
+
+    def ask(url, policy):
+        return normalize_messages([{"role": "user", "content": [image_part(url)]}], policy)
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, format="PNG")
+    for pad in range(3):  # a PNG of exactly the limit passes whatever its base64 padding
+        data = png.getvalue() + b"\0" * pad
+        url = "data:image/png;base64," + base64.b64encode(data).decode()
+        assert len(ask(url, ImagePolicy(max_image_bytes=len(data)))[1]) == 1
+        with pytest.raises(ImageTooLarge, match=f"is {len(data)} bytes, more than the limit of {len(data) - 1}"):
+            ask(url, ImagePolicy(max_image_bytes=len(data) - 1))
+    big = tmp_path / "big.png"
+    Image.new("L", (3000, 2000)).save(big)
+    with pytest.raises(ImageTooLarge, match="3000x2000 = 6000000 pixels, more than the limit of 1000000"):
+        ask(str(big), ImagePolicy(local_dir=tmp_path, max_image_pixels=10**6))
+    with pytest.raises(ImageTooLarge, match="3000x2000 = 6000000 pixels"):  # relative paths live in the folder
+        ask("big.png", ImagePolicy(local_dir=tmp_path, max_image_pixels=10**6))
+    # a header declaring 20000 x 20000 pixels: PIL refuses it in Image.open, still a 413-kind error
+    bomb = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(bomb, format="PNG")
+    with pytest.raises(ImageTooLarge, match="more than the limit of 50000000 pixels"):
+        ask("data:image/png;base64," + base64.b64encode(bomb.getvalue()).decode(), ImagePolicy())
+    with pytest.raises(ChatInputError, match=r"^[^(]*'/etc/passwd' is outside the allowed image folder$"):
+        ask("/etc/passwd", ImagePolicy(local_dir=tmp_path))
+    with pytest.raises(ChatInputError, match="is not a regular file"):
+        ask(str(tmp_path), ImagePolicy(local_dir=tmp_path))
+    with pytest.raises(ChatInputError, match=r"not a readable image \(no known image format\)$"):
+        ask("data:image/png;base64," + base64.b64encode(b"junk").decode(), ImagePolicy())

@@ -79,17 +79,19 @@ def test_export_missing_checkpoint(tmp_path):
     _assert_clean_error(proc, "is not a local Hugging Face checkpoint folder")
 
 
-def test_runtime_generates_without_torch(fixed_export, photo):
-    """torch made unimportable (as in an install without the export extra)."""
+@pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
+def test_runtime_generates_without_torch(fixed_export, photo, runtime):
+    """torch (and the onnx package) made unimportable (as in an install without the export extra)."""
     code = textwrap.dedent(
         f"""
         import sys
-        for name in ("torch", "torchvision"):
+        for name in ("torch", "torchvision", "onnx"):
             sys.modules[name] = None
         from qwen35_onnx.pipeline import Pipeline
-        result = Pipeline.from_exported({str(fixed_export)!r}).generate({str(photo)!r}, "Hi", max_new_tokens=4)
+        pipe = Pipeline.from_exported({str(fixed_export)!r}, runtime={runtime!r})
+        result = pipe.generate({str(photo)!r}, "Hi", max_new_tokens=4)
         assert len(result.token_ids) == 4, result
-        loaded = [m for m in sys.modules if m.split(".")[0] == "torch" and sys.modules[m] is not None]
+        loaded = [m for m in sys.modules if m.split(".")[0] in ("torch", "onnx") and sys.modules[m] is not None]
         assert not loaded, loaded
         print("ok")
         """

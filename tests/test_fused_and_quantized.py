@@ -21,15 +21,6 @@ def ort_export(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained_checkpoint(checkpoint, tmp_path_factory):
-    """The demo checkpoint after 200 training steps: random weights are a chaotic worst case
-    for quantization (see ``checkpoints.train_checkpoint``)."""
-    from qwen35_onnx.checkpoints import train_checkpoint
-
-    return train_checkpoint(checkpoint, tmp_path_factory.mktemp("ckpt") / "trained", steps=200)
-
-
-@pytest.fixture(scope="module")
 def trained_fp32_export(trained_checkpoint, tmp_path_factory):
     return export_to(trained_checkpoint, tmp_path_factory.mktemp("exp") / "trained-fp32", ops="ort")
 

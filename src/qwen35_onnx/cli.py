@@ -1,4 +1,4 @@
-"""The qwen35-onnx command: export, generate, verify, bench and demo.
+"""The qwen35-onnx command: export, generate, verify, bench, demo and serve.
 
 Errors the user can fix (bad options, bad input, mismatched exports) are printed as one
 ``error: ...`` line with exit status 2, never as a traceback.
@@ -53,7 +53,7 @@ def export(
     ),
     prefill_logits: Optional[str] = typer.Option(None, "--prefill-logits", help="last (the last real token) or all (every position, for verification). [default: last]"),
     ops: Optional[str] = typer.Option(None, "--ops", help="ort (ONNX Runtime fused operators, KV cache updated in place) or portable (standard ONNX operators only, for other runtimes and compilers). [default: ort]"),
-    quantize: Optional[str] = typer.Option(None, "--quantize", help="none, int4 or int8: weight-only MatMulNBits for the text graphs. [default: none]"),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="none, int4 or int8: weight-only quantization of the text graphs (MatMulNBits with --ops ort, standard blocked DequantizeLinear with --ops portable). [default: none]"),
     quant_block_size: Optional[int] = typer.Option(None, "--quant-block-size", help="Weights per quantization scale (power of two from 16 to 256). [default: 32]"),
     max_images: Optional[int] = typer.Option(None, "--max-images", help="Images per prompt the prefill graphs take (each adds its image tokens to the prompt). [default: 1]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export in --output-dir."),
@@ -100,7 +100,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", help="Export folder written by `qwen35-onnx export`."),
-    image: Optional[Path] = typer.Option(None, "--image", help="Image file (any size and mode); omit for a text-only prompt."),
+    image: Optional[list[Path]] = typer.Option(None, "--image", help="Image file (any size and mode; repeatable, up to the export's --max-images); omit for a text-only prompt."),
     prompt: str = typer.Option(..., "--prompt", help="User prompt."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
@@ -108,7 +108,9 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed (same seed, same text)."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not included in the output."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    runtime: str = typer.Option("onnxruntime", "--runtime", help="onnxruntime or openvino (static graphs of a fixed-KV --ops portable export)."),
+    device: str = typer.Option("cpu", "--device", help="onnxruntime: cpu or cuda; openvino: an OpenVINO device (cpu, gpu, npu, ... as present)."),
+    precision: str = typer.Option("f32", "--precision", help="f32 (parity with transformers); openvino also bf16 or f16 (its inference precision hint)."),
     host_state_roundtrip: bool = typer.Option(False, "--host-state-roundtrip", help="Copy states to host every step (for comparison)."),
 ) -> None:
     """Stream text for an image and a prompt; timings go to stderr."""
@@ -116,9 +118,10 @@ def generate(
     from .runtime.sampling import SamplingConfig
 
     try:
-        pipe = Pipeline.from_exported(model, device=device, host_state_roundtrip=host_state_roundtrip)
+        pipe = Pipeline.from_exported(model, device=device, host_state_roundtrip=host_state_roundtrip, runtime=runtime,
+                                      precision=precision)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        stream = pipe.stream(image, prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+        stream = pipe.stream(image or None, prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
     except USER_ERRORS as exc:
         _fail(exc)
     try:
@@ -205,6 +208,80 @@ def demo(
         _fail(exc)
     if not ok:
         raise typer.Exit(code=1)
+
+
+@app.command()
+def chat(
+    model: Path = typer.Option(..., "--model", help="Export folder written by `qwen35-onnx export`."),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Most tokens per reply. [default: until end of sequence or capacity]"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
+    no_thinking: bool = typer.Option(False, "--no-thinking", help="Pass enable_thinking=false to the chat template."),
+) -> None:
+    """Interactive multi-turn chat: one line per turn, /image PATH attaches an image, /reset, /quit."""
+    from .chat_repl import HELP, run_chat
+    from .pipeline import Pipeline
+    from .runtime.sampling import SamplingConfig
+
+    try:
+        pipe = Pipeline.from_exported(model)
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+    except USER_ERRORS as exc:
+        _fail(exc)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        typer.echo(HELP, err=True)
+    kwargs = {"enable_thinking": False} if no_thinking else None
+    show_prompt = (lambda: sys.stderr.write("> ") and sys.stderr.flush()) if interactive else None
+    try:
+        run_chat(pipe, sys.stdin, sys.stdout, sys.stderr, system=system, max_new_tokens=max_new_tokens,
+                 sampling=sampling, chat_template_kwargs=kwargs, prompt=show_prompt)
+    except KeyboardInterrupt:
+        typer.echo("", err=True)
+
+
+@app.command()
+def serve(
+    model: Path = typer.Option(..., "--model", help="Export folder written by `qwen35-onnx export`."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free port, printed at start)."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="QWEN35_ONNX_API_KEY", show_envvar=False,
+        help="Require `Authorization: Bearer KEY` on /v1/* (or set QWEN35_ONNX_API_KEY). [default: no auth]",
+    ),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model id shown in /v1/models and replies. [default: the export folder's name]"),
+    max_queue: int = typer.Option(8, "--max-queue", help="Requests that may wait while one generation runs; more get 429."),
+    max_body_bytes: int = typer.Option(32 * 1024 * 1024, "--max-body-bytes", help="Largest request body; larger gets 413."),
+    max_image_bytes: int = typer.Option(20 * 1024 * 1024, "--max-image-bytes", help="Largest encoded image; larger gets 413."),
+    max_image_pixels: int = typer.Option(50_000_000, "--max-image-pixels", help="Largest image in pixels (width x height, read before decoding); larger gets 413."),
+    allowed_image_dir: Optional[Path] = typer.Option(None, "--allowed-image-dir", help="Folder from which local image paths / file:// URLs may be read. [default: none, data: URLs only]"),
+    threads: int = typer.Option(0, "--threads", help="ONNX Runtime intra-op threads (0: its default)."),
+) -> None:
+    """OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, GET /health)."""
+    try:
+        from .server import ServerOptions, serve as run_server
+    except ImportError as exc:  # fastapi / uvicorn missing
+        _fail(ValueError(f"serve needs the 'serve' extra (pip install 'qwen35-onnx[serve]'): {exc}"))
+    if threads < 0:
+        _fail(ValueError(f"--threads must be >= 0, got {threads}"))
+    if not 0 <= port <= 65535:
+        _fail(ValueError(f"--port must be in [0, 65535], got {port}"))
+    options = ServerOptions(
+        model_name=model_name if model_name is not None else model.resolve().name,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        max_image_bytes=max_image_bytes,
+        max_image_pixels=max_image_pixels,
+        allowed_image_dir=allowed_image_dir,
+    )
+    try:
+        run_server(model, options, host=host, port=port, threads=threads,
+                   announce=lambda line: typer.echo(line, err=True))
+    except USER_ERRORS as exc:
+        _fail(exc)
 
 
 def main() -> None:  # pragma: no cover

@@ -271,6 +271,17 @@ class ShapeContract:
         return (2 * self.n_full, self.batch, self.num_key_value_heads, length, self.head_dim)
 
     @property
+    def quant_format(self) -> str:
+        """How a quantized export stores its text weights (derived from :attr:`quantize` and
+        :attr:`ops`, written to the manifest's ``derived`` section for its readers): ``'none'``;
+        ``'MatMulNBits'`` (``--ops ort``: ONNX Runtime's ``com.microsoft`` operator);
+        ``'DequantizeLinear'`` (``--ops portable``: standard ONNX, a blocked DequantizeLinear of
+        opset 21 in front of each MatMul, int4/int8 weights and fp32 scales)."""
+        if self.quantize == "none":
+            return "none"
+        return "MatMulNBits" if self.ops == "ort" else "DequantizeLinear"
+
+    @property
     def kv_in_place(self) -> bool:
         """True for ``--ops ort`` with fixed KV: the decode graph takes and returns every state
         one entry at a time (see :meth:`decode_state_names`), so the runtime binds each entry by
@@ -326,6 +337,7 @@ class ShapeContract:
             "recurrent_state_shape": list(self.recurrent_state_shape),
             "kv_shape": list(self.kv_shape()) if self.kv_mode == "fixed" else "dynamic",
             "state_dtypes": self.state_dtypes,
+            "quant_format": self.quant_format,
         }
         return d
 

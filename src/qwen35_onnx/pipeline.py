@@ -23,24 +23,23 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from PIL import Image
 
 from .contract import ContractError, ShapeContract, read_manifest
+from .runtime.backend import Backend, Decoder, GraphSet, open_backend
 from .runtime.masks import CapacityExhausted, advance_mask, prepare_decode_mask
 from .runtime.chat import ChatInputError, ImagePolicy, normalize_messages
 from .runtime.positions import decode_position_ids, mrope_position_ids
 from .runtime.preprocess import Preprocessor, load_image, to_rgb
 from .runtime.reasoning import THINK_END, ChatDelta, ReasoningParser, prompt_opens_reasoning
 from .runtime.sampling import Sampler, SamplingConfig, StopStrings
-from .runtime.sessions import GraphSet
-from .runtime.state import BoundDecoder, HostDecoder
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +122,21 @@ class GenerationStream:
     def __init__(self):
         self._pieces: Iterator[str] = iter(())
         self.result: GenerationResult | None = None
+        self._cancel = threading.Event()
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
+
+    def cancel(self) -> None:
+        """Ask the generation to stop before its next token; safe to call from any thread, also
+        while another thread is inside the iteration (a generator cannot be closed from there).
+        The iteration then ends (tokens that produced no text yet included), ``result`` keeps
+        every token with ``finish_reason`` None, and the states are released."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
 
     def close(self) -> None:
         """Stop the generation (its states are released); ``result`` keeps what was produced."""
@@ -191,6 +202,10 @@ class ChatStream:
         self._deltas.close()
         self.generation_stream.close()
 
+    def cancel(self) -> None:
+        """Thread-safe request to stop before the next token (see :meth:`GenerationStream.cancel`)."""
+        self.generation_stream.cancel()
+
 
 class Pipeline:
     """Exported graphs + preprocessing + decode loop.
@@ -199,37 +214,66 @@ class Pipeline:
         root: the export folder (``manifest.json``, ``vision/``, ``text/`` and
             the tokenizer/processor files).
         contract: the manifest's contract.
-        graphs: the loaded, cross-checked graphs.
+        backend: the runtime that loaded the graphs (ONNX Runtime or OpenVINO, see
+            :mod:`qwen35_onnx.runtime.backend`); everything else here is shared.
         preprocessor: tokenizer, chat template and image processor.
-        device: 'cpu' or 'cuda'.
-        host_state_roundtrip: copy the states to host between decode steps instead of
-            keeping them in bound OrtValues (slower; for comparison).
+
+    Threads: one generation at a time (the graphs' sessions and state buffers are shared);
+    ``prepare``/``prepare_chat``/``prepare_ids`` run no graph and may be called from another
+    thread while a generation streams (the tokenizer is used under ``preprocessor.lock``).
     """
 
-    def __init__(self, root: Path, contract: ShapeContract, graphs: GraphSet, preprocessor: Preprocessor,
-                 device: str = "cpu", host_state_roundtrip: bool = False):
+    def __init__(self, root: Path, contract: ShapeContract, backend: Backend, preprocessor: Preprocessor):
         self.root = root
         self.contract = contract
-        self.graphs = graphs
+        self.backend = backend
         self.preprocessor = preprocessor
-        self.device = device
-        self.host_state_roundtrip = host_state_roundtrip
 
     @classmethod
     def from_exported(cls, path: str | os.PathLike, device: str = "cpu", host_state_roundtrip: bool = False,
-                      threads: int = 0) -> "Pipeline":
+                      threads: int = 0, runtime: str = "onnxruntime", precision: str = "f32") -> "Pipeline":
         """Load an export folder and cross-check manifest, graph metadata and graph shapes.
 
+        Args:
+            path: the export folder.
+            device: ONNX Runtime 'cpu' or 'cuda'; OpenVINO a device name ('cpu' / 'CPU', 'GPU',
+                'NPU', ... as present).
+            host_state_roundtrip: copy the states to host between decode steps instead of keeping
+                them on the device (slower; for comparison).
+            threads: intra-op threads (0: the runtime's default).
+            runtime: 'onnxruntime' (default) or 'openvino'.
+            precision: 'f32' (default: parity with transformers); with OpenVINO also 'bf16' or
+                'f16' (its inference precision hint).
+
         Raises:
-            ContractError: incomplete export, or graphs that disagree with the manifest or
-                with each other (e.g. different capacities).
-            ValueError: unknown device.
+            ContractError: incomplete export, graphs that disagree with the manifest or with
+                each other (e.g. different capacities), or an export the runtime cannot run.
+            ValueError: unknown runtime, device or precision.
         """
         root = Path(path)
         contract = read_manifest(root)
-        graphs = GraphSet(root, contract, device=device, threads=threads)
+        backend = open_backend(root, contract, runtime=runtime, device=device, precision=precision,
+                               threads=threads, host_state_roundtrip=host_state_roundtrip)
         preprocessor = Preprocessor.from_pretrained(root, contract.image_size, contract.image_token_id)
-        return cls(root, contract, graphs, preprocessor, device, host_state_roundtrip)
+        return cls(root, contract, backend, preprocessor)
+
+    @property
+    def graphs(self) -> GraphSet:
+        """The loaded, cross-checked graphs (``.vision``, ``.decode``, ``.prefill(bucket)``,
+        ``.unload_prefill()``)."""
+        return self.backend.graphs
+
+    @property
+    def runtime(self) -> str:
+        return self.backend.runtime
+
+    @property
+    def device(self) -> str:
+        return self.backend.device
+
+    @property
+    def host_state_roundtrip(self) -> bool:
+        return self.backend.host_state_roundtrip
 
     # ---- host-side preparation -----------------------------------------------------------
     def prepare(self, image, prompt: str) -> PreparedPrompt:
@@ -244,6 +288,10 @@ class Pipeline:
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"prompt is not valid Unicode text: {exc}") from None
         content: list[dict] = []
         for picture in ([] if image is None else image if isinstance(image, (list, tuple)) else [image]):
             if isinstance(picture, Image.Image):
@@ -362,10 +410,9 @@ class Pipeline:
             if n_tokens:
                 raise ValueError(f"the prompt has {n_tokens} image tokens but no image was given")
             return rows
-        session = self.graphs.vision.session
         filled = 0
         for start in range(0, prepared.pixel_values.shape[0], c.n_patches):
-            (embeds,) = session.run(None, {"pixel_values": prepared.pixel_values[start:start + c.n_patches]})
+            embeds = self.backend.run_vision(prepared.pixel_values[start:start + c.n_patches])
             rows[filled:filled + embeds.shape[0]] = embeds
             filled += embeds.shape[0]
         if filled != n_tokens:
@@ -374,28 +421,21 @@ class Pipeline:
 
     def run_prefill(self, prepared: PreparedPrompt, image_embeds: np.ndarray) -> tuple[np.ndarray, dict]:
         """Prefill graph of the prompt's bucket; returns the last real token's logits ``[V]``
-        (host) and the three states as OrtValues (numpy arrays in host-roundtrip mode)."""
+        (host) and the three states in the backend's device-resident form (ONNX Runtime
+        OrtValues, OpenVINO Tensors; numpy arrays in host-roundtrip mode)."""
         return self._prefill(prepared, self.padded_prompt(prepared), image_embeds)
 
     def _prefill(self, prepared: PreparedPrompt, padded, image_embeds: np.ndarray) -> tuple[np.ndarray, dict]:
-        session = self.graphs.prefill(prepared.bucket if self.contract.prefill_buckets else None).session
         ids, mask, positions = padded
         feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, "image_embeds": image_embeds}
-        names = [o.name for o in session.get_outputs()]
-        if self.host_state_roundtrip:
-            outputs = dict(zip(names, session.run(None, feeds)))
-            logits = outputs.pop("logits")
-        else:
-            binding = session.io_binding()
-            for name, value in feeds.items():
-                binding.bind_cpu_input(name, value)
-            for name in names:
-                binding.bind_output(name, self.device)
-            session.run_with_iobinding(binding)
-            outputs = dict(zip(names, binding.get_outputs()))
-            logits = outputs.pop("logits").numpy()
+        logits, states = self.backend.run_prefill(prepared.bucket if self.contract.prefill_buckets else None, feeds)
         row = 0 if logits.shape[1] == 1 else prepared.prompt_len - 1
-        return logits[0, row], outputs
+        return logits[0, row], states
+
+    def decoder(self, states: dict) -> Decoder:
+        """The backend's decoder starting from prefill ``states`` (from :meth:`run_prefill`):
+        ``decoder.step(input_ids, attention_mask, position_ids) -> logits [1, 1, V]``."""
+        return self.backend.decoder(states)
 
     # ---- generation ----------------------------------------------------------------------
     def stream(self, image, prompt: str, max_new_tokens: int = 128, sampling: SamplingConfig | None = None,
@@ -448,19 +488,25 @@ class Pipeline:
         stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop)
         return ChatStream(stream, ReasoningParser(prepared.opens_reasoning, enabled=self.has_think_markers))
 
+    def token_room(self, prepared: PreparedPrompt) -> int:
+        """Most new tokens the capacity leaves for ``prepared``: ``capacity - prompt_len + 1`` (the
+        last token needs no KV slot)."""
+        return self.contract.capacity - prepared.prompt_len + 1
+
     @property
     def has_think_markers(self) -> bool:
         """The tokenizer has a ``</think>`` token, so replies are split into reasoning and content."""
         if not hasattr(self, "_has_think_markers"):
             tokenizer = self.preprocessor.tokenizer
-            self._has_think_markers = THINK_END in tokenizer.get_added_vocab() or THINK_END in tokenizer.get_vocab()
+            with self.preprocessor.lock:
+                self._has_think_markers = THINK_END in tokenizer.get_added_vocab() or THINK_END in tokenizer.get_vocab()
         return self._has_think_markers
 
     def stream_prepared(self, prepared: PreparedPrompt, max_new_tokens: int | None = 128,
                         sampling: SamplingConfig | None = None, stop=()) -> GenerationStream:
         """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`; ``max_new_tokens``
         None: until end of sequence or capacity."""
-        room = self.contract.capacity - prepared.prompt_len + 1  # the last token needs no KV slot
+        room = self.token_room(prepared)
         if max_new_tokens is None:
             max_new_tokens = room
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
@@ -493,25 +539,24 @@ class Pipeline:
         rest = ""
         try:
             self.graphs.prefill(prepared.bucket if contract.prefill_buckets else None)  # load + check first
+            padded = self.padded_prompt(prepared)
+            prompt_mask = padded[1]
+            # the mask checks (batch 1, 0/1 values, contiguous prefix) run before any graph reads the
+            # mask: static compilers do not bound-check the indices a graph derives from it
+            width = contract.capacity if contract.kv_mode == "fixed" else prompt_mask.shape[1]
+            decode_mask = prepare_decode_mask(prompt_mask, width, width)
             t0 = time.perf_counter()
             image_embeds = self.run_vision(prepared)
             t1 = time.perf_counter()
-            padded = self.padded_prompt(prepared)
             logits, states = self._prefill(prepared, padded, image_embeds)
             t2 = time.perf_counter()
             timings.vision_ms = 1000 * (t1 - t0) if prepared.pixel_values is not None else None
             timings.prefill_ms = 1000 * (t2 - t1)
 
-            prompt_mask = padded[1]
-            if contract.kv_mode == "fixed":
-                decode_mask = prepare_decode_mask(prompt_mask, contract.capacity, _shape(states["present_kv_cache"])[3])
-            else:
-                decode_mask = prepare_decode_mask(prompt_mask, prompt_mask.shape[1], prompt_mask.shape[1])
-            decoder = (
-                HostDecoder(self.graphs.decode, contract, states)
-                if self.host_state_roundtrip
-                else BoundDecoder(self.graphs.decode, contract, states, self.device)
-            )
+            if contract.kv_mode == "fixed":  # the KV width the prefill returned must be the capacity
+                kv_width = self.backend.state_shape(states["present_kv_cache"])[3]
+                decode_mask = prepare_decode_mask(prompt_mask, contract.capacity, kv_width)
+            decoder = self.backend.decoder(states)
             token = sampler(_finite(logits, "prefill"))
             while True:
                 tokens.append(token)
@@ -525,6 +570,8 @@ class Pipeline:
                     break
                 if len(tokens) >= max_new_tokens:
                     finish = FINISH_LENGTH
+                    break
+                if stream.cancelled:
                     break
                 try:
                     decode_mask, next_pos = self._advance(decode_mask)
@@ -574,10 +621,6 @@ def _finite(logits: np.ndarray, where: str) -> np.ndarray:
             "(re-export the model); the tokens generated so far are in the result"
         )
     return logits
-
-
-def _shape(value) -> list[int]:
-    return list(value.shape()) if isinstance(value, ort.OrtValue) else list(value.shape)
 
 
 __all__ = [

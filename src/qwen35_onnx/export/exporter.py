@@ -440,7 +440,7 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
     if contract.quantize != "none" and job.kind != "vision":
         from .quantize import quantize_graph
 
-        quantize_graph(path, contract.quantize, contract.quant_block_size, external)
+        quantize_graph(path, contract.quantize, contract.quant_block_size, external, ops=contract.ops)
     return path
 
 

@@ -32,9 +32,9 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .preprocess import load_image, to_rgb
+from .preprocess import to_rgb
 
-__all__ = ["ChatInputError", "ImagePolicy", "ROLES", "normalize_messages", "decode_image_url"]
+__all__ = ["ChatInputError", "ImageTooLarge", "ImagePolicy", "ROLES", "normalize_messages", "decode_image_url"]
 
 ROLES = ("system", "developer", "user", "assistant")
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
@@ -50,6 +50,10 @@ class ChatInputError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ImageTooLarge(ChatInputError):
+    """An image over the :class:`ImagePolicy` limits (bytes or pixels); a server answers 413."""
 
 
 @dataclass(frozen=True)
@@ -178,15 +182,20 @@ def decode_image_url(url: str, param: str, policy: ImagePolicy) -> Image.Image:
                 f"{param}: media type {media or 'none'!r} is not one of {', '.join(IMAGE_MEDIA_TYPES)}", param
             )
         payload = url[match.end():]
-        if len(payload) * 3 // 4 > policy.max_image_bytes:
-            raise ChatInputError(
-                f"{param}: the image is about {len(payload) * 3 // 4} bytes, more than the limit of "
+        decoded_size = len(payload.rstrip("=")) * 3 // 4  # exact for valid base64
+        if decoded_size > policy.max_image_bytes:
+            raise ImageTooLarge(
+                f"{param}: the image is {decoded_size} bytes, more than the limit of "
                 f"{policy.max_image_bytes} bytes", param
             )
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise ChatInputError(f"{param}: the data URL is not valid base64 ({exc})", param) from None
+        if len(data) > policy.max_image_bytes:
+            raise ImageTooLarge(
+                f"{param}: the image is {len(data)} bytes, more than the limit of {policy.max_image_bytes} bytes", param
+            )
         return _open_image_bytes(data, param, policy.max_image_pixels)
     scheme = urlparse(url).scheme.lower()
     if scheme == "file":
@@ -199,45 +208,67 @@ def decode_image_url(url: str, param: str, policy: ImagePolicy) -> Image.Image:
 
 
 def _local_image(path: str, param: str, policy: ImagePolicy) -> Image.Image:
+    """A local image file as the policy allows: a relative path is taken inside ``local_dir``
+    (the current folder with ``allow_any_local``); the resolved path (links and ``..`` followed)
+    must lie inside ``local_dir``; the file must be a regular file within the byte limit."""
     if not policy.allow_any_local and policy.local_dir is None:
         raise ChatInputError(
             f"{param}: local image paths are not allowed here (the server reads local images only from a folder "
             "given with --allowed-image-dir); send the image as a data: URL", param
         )
     shown = repr(path[:200])
+    outside = False
     try:
-        resolved = Path(path).expanduser().resolve()
-        if not policy.allow_any_local:
-            root = Path(policy.local_dir).resolve()
-            if not resolved.is_relative_to(root):
-                raise ChatInputError(f"{param}: {shown} is outside the allowed image folder", param)
-        size = resolved.stat().st_size if resolved.is_file() else 0
+        candidate = Path(path).expanduser()
+        if not policy.allow_any_local and not candidate.is_absolute():
+            candidate = Path(policy.local_dir) / candidate
+        resolved = candidate.resolve()
+        outside = not policy.allow_any_local and not resolved.is_relative_to(Path(policy.local_dir).resolve())
+        exists, regular = resolved.exists(), resolved.is_file()
+        size = resolved.stat().st_size if regular else 0
     except (OSError, ValueError, RuntimeError) as exc:  # embedded NUL, name too long, symlink loop
         raise ChatInputError(f"{param}: {shown} is not a usable file path ({exc})", param) from None
+    if outside:
+        raise ChatInputError(f"{param}: {shown} is outside the allowed image folder", param)
+    if not exists:
+        raise ChatInputError(f"{param}: image file not found: {shown}", param)
+    if not regular:
+        raise ChatInputError(f"{param}: image path {shown} is not a regular file", param)
     if size > policy.max_image_bytes:
-        raise ChatInputError(
+        raise ImageTooLarge(
             f"{param}: {shown} is {size} bytes, more than the limit of {policy.max_image_bytes} bytes", param
         )
     try:
-        return load_image(resolved)
-    except (OSError, ValueError) as exc:
-        raise ChatInputError(f"{param}: {exc}", param) from None
+        data = resolved.read_bytes()
+    except OSError as exc:
+        raise ChatInputError(f"{param}: cannot read {shown}: {exc.strerror or exc}", param) from None
+    return _open_image_bytes(data, param, policy.max_image_pixels, formats=None)
 
 
-def _open_image_bytes(data: bytes, param: str, max_pixels: int) -> Image.Image:
+WEB_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+"""Image formats accepted in data URLs (local files may be any format PIL reads)."""
+
+
+def _open_image_bytes(data: bytes, param: str, max_pixels: int, formats=WEB_FORMATS) -> Image.Image:
+    """Decode an encoded image: the format (``formats``, None: any) and the pixel count (from the
+    header, before the pixels are decoded) are checked first; EXIF orientation applied; RGB."""
     try:
         with Image.open(io.BytesIO(data)) as image:
-            if image.format not in ("PNG", "JPEG", "WEBP", "GIF"):
+            if formats is not None and image.format not in formats:
                 raise ChatInputError(f"{param}: image format {image.format} is not PNG, JPEG, WebP or GIF", param)
             width, height = image.size
             if width * height > max_pixels:
-                raise ChatInputError(
+                raise ImageTooLarge(
                     f"{param}: the image is {width}x{height} = {width * height} pixels, more than the limit of "
                     f"{max_pixels} pixels", param
                 )
             image.load()  # the first frame of an animated GIF / WebP
             return to_rgb(ImageOps.exif_transpose(image))
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:  # raised by Image.open itself above ~179 megapixels
+        raise ImageTooLarge(f"{param}: the image is more than the limit of {max_pixels} pixels ({exc})", param) from None
+    except UnidentifiedImageError:
+        raise ChatInputError(f"{param}: the data is not a readable image (no known image format)", param) from None
+    except (OSError, SyntaxError, ValueError) as exc:
         if isinstance(exc, ChatInputError):
             raise
         raise ChatInputError(f"{param}: the data is not a readable image ({exc})", param) from None

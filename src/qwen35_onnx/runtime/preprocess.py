@@ -27,7 +27,9 @@ code runs without it (see tests/test_preprocess.py).
 
 from __future__ import annotations
 
+import inspect
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -186,6 +188,10 @@ class Preprocessor:
         if not tokenizer.chat_template:
             raise ValueError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
+        # Hugging Face fast tokenizers raise "Already borrowed" when one thread encodes (which
+        # sets truncation/padding) while another decodes: every use here holds this lock, so a
+        # request may be prepared on one thread while a generation streams on another
+        self.lock = threading.RLock()
         self.image_processor = image_processor
         self.image_size = image_size
         self.image_token_id = int(image_token_id)
@@ -298,11 +304,13 @@ class Preprocessor:
             for part in m["content"] if part.get("type") == "image"
         )
         kwargs = dict(chat_template_kwargs or {})
-        reserved = {"messages", "conversation", "add_generation_prompt", "tokenize"} & set(kwargs)
+        reserved = sorted(set(kwargs) & self._reserved_template_kwargs())
         if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+            raise ValueError(f"chat_template_kwargs may not set {reserved} (parameters of apply_chat_template, "
+                             "not template variables)")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+            with self.lock:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as exc:  # jinja2 errors, raise_exception() in templates
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
         found = text.count(self.image_token)
@@ -315,15 +323,24 @@ class Preprocessor:
             text_expanded = text.replace(self.image_token, self.image_token * n_image_tokens)
         else:
             text_expanded = text
-        ids = np.asarray(self.tokenizer(text_expanded, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        with self.lock:
+            encoded = self.tokenizer(text_expanded, add_special_tokens=False)["input_ids"]
+        ids = np.asarray(encoded, dtype=np.int64)
         got, expected = int((ids == self.image_token_id).sum()), n_images * n_image_tokens
         if got != expected:
             raise ValueError(f"tokenized prompt holds {got} image tokens, expected {expected}")
         return ids[None, :], text
 
+    def _reserved_template_kwargs(self) -> set[str]:
+        """``apply_chat_template``'s own parameters (``chat_template``, ``tools``, ``tokenize``, ...),
+        which template variables may not override, plus ``messages``."""
+        parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        named = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        return named | {"messages", "conversation"}
+
     def text_streamer(self) -> TextStreamer:
-        """A fresh :class:`TextStreamer` over this tokenizer."""
-        return TextStreamer(self.tokenizer)
+        """A fresh :class:`TextStreamer` over this tokenizer (sharing its lock)."""
+        return TextStreamer(self.tokenizer, self.lock)
 
 
 class TextStreamer:
@@ -344,14 +361,16 @@ class TextStreamer:
         print(streamer.end())
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, lock: threading.RLock | None = None) -> None:
         self.tokenizer = tokenizer
+        self._lock = lock or threading.RLock()
         self.ids: list[int] = []
         self._prefix_offset = 0  # window start: ids before it are fully emitted
         self._read_offset = 0  # ids before it are emitted (the window's prefix part)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def put(self, token_id: int) -> str:
         """Add one token id; return the text it completes ("" while a character is split)."""

@@ -7,8 +7,11 @@ top-p). Temperature 0 means greedy (``argmax``, first index on ties, as ``torch.
 
 from __future__ import annotations
 
+import json
 import numbers
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -119,3 +122,34 @@ class StopStrings:
         """Release whatever is held back (generation ended without a match)."""
         out, self.pending = self.pending, ""
         return out
+
+
+def sampling_defaults(export_dir: str | os.PathLike) -> SamplingConfig:
+    """Default sampling of an export, from its ``generation_config.json`` as vLLM does it:
+    ``do_sample`` false or absent (or no file) -> greedy; otherwise its ``temperature`` (1.0 when
+    absent), ``top_p`` (1.0) and ``top_k`` (off). Requests override each value.
+
+    Raises:
+        ValueError: the file is not JSON or holds values out of range.
+    """
+    path = Path(export_dir) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return SamplingConfig()
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict) or not config.get("do_sample"):
+        return SamplingConfig()
+
+    def value(name, default):
+        got = config.get(name)
+        return default if got is None else got
+
+    sampling = SamplingConfig(temperature=value("temperature", 1.0), top_p=value("top_p", 1.0),
+                              top_k=value("top_k", 0))
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return sampling

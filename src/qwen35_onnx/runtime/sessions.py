@@ -1,23 +1,24 @@
-"""ONNX Runtime sessions for the exported graphs, and the cross-check of every graph's
-shapes and metadata against the manifest (no torch).
-
-The capacity comes from two sources that must agree: the manifest and the graphs' own
-static shapes (decode ``attention_mask`` width == ``past_kv_cache`` token axis ==
-``present_kv_cache`` token axis, and prefill's ``present_kv_cache`` token axis). Any
-disagreement is a :class:`~qwen35_onnx.contract.ContractError` raised at load time, before
-the first decode step; there is no silent fallback to another flow.
+"""ONNX Runtime sessions for the exported graphs (no torch): providers, one
+``InferenceSession`` per graph, described for the shared cross-checks of
+:mod:`qwen35_onnx.runtime.checks` (re-exported here).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnxruntime as ort
 
-from ..contract import METADATA_KEY, STATE_NAMES, ContractError, ShapeContract
+from ..contract import METADATA_KEY, ContractError, ShapeContract
+from . import backend
+from .checks import (  # noqa: F401  (re-exported: the checks used to live here)
+    ONNX_TYPES, GraphSpec, check_decode, check_metadata, check_prefill, check_vision,
+)
 
 DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+ORT_TYPES = ONNX_TYPES
+"""ONNX Runtime names element types as ONNX does (``'tensor(float)'``)."""
 
 
 def providers_for(device: str) -> list[str]:
@@ -36,20 +37,11 @@ def providers_for(device: str) -> list[str]:
 
 
 @dataclass
-class GraphSession:
-    """One loaded graph: its session, its contract (from ``metadata_props``) and its I/O shapes
-    and element types.
+class GraphSession(GraphSpec):
+    """One graph loaded by ONNX Runtime: its session, and its description (contract from
+    ``metadata_props``, I/O shapes and ONNX element types such as ``'tensor(float)'``)."""
 
-    Shapes are lists whose entries are ints (static) or strings (symbolic); types are ONNX
-    Runtime's strings, e.g. ``'tensor(float)'``.
-    """
-
-    name: str
-    session: ort.InferenceSession
-    contract: ShapeContract
-    inputs: dict[str, list]
-    outputs: dict[str, list]
-    types: dict[str, str] = field(default_factory=dict)
+    session: ort.InferenceSession | None = None
 
     @classmethod
     def load(cls, name: str, path: Path, device: str = "cpu", threads: int = 0) -> "GraphSession":
@@ -81,166 +73,19 @@ class GraphSession:
             types={t.name: t.type for t in [*session.get_inputs(), *session.get_outputs()]},
         )
 
-    def dim(self, kind: str, tensor: str, axis: int):
-        """Static size of ``tensor``'s ``axis`` (an int), or its symbolic name (a str)."""
-        table = self.inputs if kind == "input" else self.outputs
-        if tensor not in table:
-            raise ContractError(f"{self.name} graph has no {kind} named {tensor!r} (has {sorted(table)})")
-        return table[tensor][axis]
 
-
-class GraphSet:
-    """The graphs of one export. Vision and decode load (and are cross-checked) at once; each
-    prefill graph (one per bucket in fixed mode) loads on first use and is cross-checked then,
-    before it runs, so unused buckets cost no memory.
+class GraphSet(backend.GraphSet):
+    """The graphs of one export as ONNX Runtime sessions (see
+    :class:`qwen35_onnx.runtime.backend.GraphSet`: vision and decode at once, prefill buckets on
+    first use, every graph cross-checked against the manifest).
 
     Raises (constructor and :meth:`prefill`):
-        ContractError: a graph is missing, or disagrees with the manifest (see the ``check_*``
-            functions).
+        ContractError: a graph is missing, or disagrees with the manifest.
     """
 
     def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0):
-        self.root, self.contract, self.device, self.threads = Path(root), contract, device, threads
-        self._prefill: dict[int | None, GraphSession] = {}
-        expected = {"vision", "decode"} | {contract.prefill_graph_key(b) for b in contract.prefill_buckets or [None]}
-        missing = sorted(expected - set(contract.graphs))
-        if missing:
-            raise ContractError(f"manifest.json lists no graph for {missing} (has {sorted(contract.graphs)})")
-        for key, rel in contract.graphs.items():
-            path = self.root / rel
-            if not path.is_file() or path.stat().st_size == 0:
-                raise ContractError(f"{key} graph {str(path)!r} is missing or empty: the export is incomplete")
-        self.vision = self._load("vision")
-        self.decode = self._load("decode")
-        check_vision(contract, self.vision)
-        check_decode(contract, self.decode)
+        self.device, self.threads = device, threads
+        super().__init__(root, contract)
 
-    def _load(self, key: str) -> GraphSession:
-        if key not in self.contract.graphs:
-            raise ContractError(f"manifest.json lists no {key!r} graph (has {sorted(self.contract.graphs)})")
-        graph = GraphSession.load(key, self.root / self.contract.graphs[key], self.device, self.threads)
-        check_metadata(self.contract, graph)
-        return graph
-
-    def unload_prefill(self) -> None:
-        """Drop the loaded prefill sessions (each holds its own copy of the text weights in
-        memory); they load again on next use."""
-        self._prefill.clear()
-
-    def prefill(self, bucket: int | None) -> GraphSession:
-        """The prefill graph for ``bucket`` tokens (``None``: the dynamic-length graph)."""
-        if bucket not in self._prefill:
-            graph = self._load(self.contract.prefill_graph_key(bucket))
-            check_prefill(self.contract, graph, bucket)
-            self._prefill[bucket] = graph
-        return self._prefill[bucket]
-
-
-def _expect(what: str, actual, expected) -> None:
-    if actual != expected:
-        raise ContractError(f"{what} is {actual!r} but the manifest says {expected!r}")
-
-
-def check_metadata(contract: ShapeContract, graph: GraphSession) -> None:
-    """The graph's own contract (from ``metadata_props``) must equal the manifest's.
-
-    Raises:
-        ContractError: naming the graph and every field that differs, e.g. ``capacity: 64 != 128``.
-    """
-    diff = graph.contract.same_shapes(contract)
-    if diff:
-        raise ContractError(
-            f"{graph.name} graph was exported with a different contract than manifest.json: {'; '.join(diff)} "
-            "(were the graphs exported separately with different options?)"
-        )
-
-
-#: ONNX Runtime's element type of each state dtype of the contract.
-ORT_TYPES = {"fp32": "tensor(float)"}
-
-
-def _check_tensor(graph: GraphSession, kind: str, name: str, shape: list, dtype: str) -> None:
-    """``name`` is a ``kind`` ('input'/'output') of ``graph`` with ``shape`` and element type ``dtype``."""
-    table = graph.inputs if kind == "input" else graph.outputs
-    if name not in table:
-        raise ContractError(f"{graph.name} graph has no {kind} {name!r}; the manifest expects one of shape {shape} (has {sorted(table)})")
-    _expect(f"{graph.name} {kind} {name} shape", table[name], shape)
-    _expect(f"{graph.name} {kind} {name} element type", graph.types.get(name), ORT_TYPES[dtype])
-
-
-def _check_states(contract: ShapeContract, graph: GraphSession, kind: str, prefix: str) -> None:
-    for state in STATE_NAMES[:2]:  # the KV cache is checked with the capacity
-        _check_tensor(graph, kind, f"{prefix}_{state}", list(contract.state_shape(state)), contract.state_dtype(state))
-
-
-def _check_names(graph: GraphSession, kind: str, expected: list[str]) -> None:
-    """The graph's ``kind`` names are exactly ``expected`` (an extra input would be left unfed by
-    one decoder and demanded by another)."""
-    table = graph.inputs if kind == "input" else graph.outputs
-    extra, missing = sorted(set(table) - set(expected)), [n for n in expected if n not in table]
-    if extra or missing:
-        raise ContractError(
-            f"{graph.name} graph {kind}s do not match the manifest: unexpected {extra}, missing {missing} "
-            "(a graph of another kind or layout in this export? re-export the folder with this version)"
-        )
-
-
-def _check_capacity(contract: ShapeContract, widths: dict[str, object]) -> None:
-    for what, width in widths.items():
-        if width != contract.capacity:
-            listing = ", ".join(f"{k} = {v!r}" for k, v in widths.items())
-            raise ContractError(
-                f"capacity mismatch: {what} is {width!r} but manifest capacity is {contract.capacity} "
-                f"({listing}); re-export all graphs with the same --max-seq-len"
-            )
-
-
-def check_vision(contract: ShapeContract, vision: GraphSession) -> None:
-    """pixel_values ``[n_patches, patch_dim]`` and image_embeds ``[n_image_tokens, dim]``."""
-    _expect("vision input pixel_values shape", vision.inputs.get("pixel_values"), [contract.n_patches, contract.patch_dim])
-    _expect(
-        "vision output image_embeds shape",
-        vision.outputs.get("image_embeds"),
-        [contract.n_image_tokens, contract.image_embed_dim],
-    )
-
-
-def check_decode(contract: ShapeContract, decode: GraphSession) -> None:
-    """Input and output names exactly as the contract says; state shapes and element types; and
-    in fixed mode: mask width == past KV width == present KV width == capacity (for every entry
-    when the graph takes the states one entry at a time)."""
-    for kind, prefix, fixed in (("input", "past", ["input_ids", "attention_mask", "position_ids"]), ("output", "present", ["logits"])):
-        _check_names(decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)])
-    if contract.kv_in_place:
-        for kind, prefix in (("input", "past"), ("output", "present")):
-            table = decode.inputs if kind == "input" else decode.outputs
-            for state in STATE_NAMES:
-                entry = list(contract.state_shape(state)[1:])
-                for name in contract.decode_state_names(state, prefix):
-                    if state == "kv_cache":
-                        _check_capacity(contract, {f"decode {name} token axis": table[name][2]})
-                    _check_tensor(decode, kind, name, entry, contract.state_dtype(state))
-        _check_capacity(contract, {"decode attention_mask width": decode.dim("input", "attention_mask", 1)})
-        return
-    _check_states(contract, decode, "input", "past")
-    _check_states(contract, decode, "output", "present")
-    if contract.kv_mode == "fixed":
-        _check_capacity(contract, {
-            "decode attention_mask width": decode.dim("input", "attention_mask", 1),
-            "decode past_kv_cache token axis": decode.dim("input", "past_kv_cache", 3),
-            "decode present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
-        })
-
-
-def check_prefill(contract: ShapeContract, prefill: GraphSession, bucket: int | None) -> None:
-    """State shapes; in fixed mode the KV output width equals capacity and a bucket graph's
-    inputs have exactly ``bucket`` tokens; logits have 1 row with ``prefill_logits='last'``."""
-    _check_states(contract, prefill, "output", "present")
-    if contract.kv_mode == "fixed":
-        _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})
-    _expect(f"{prefill.name} input image_embeds shape", prefill.inputs.get("image_embeds"),
-            [contract.n_image_rows, contract.image_embed_dim])
-    if bucket is not None:
-        _expect(f"{prefill.name} input_ids shape", prefill.inputs.get("input_ids"), [contract.batch, bucket])
-    if contract.prefill_logits == "last":
-        _expect(f"{prefill.name} logits rows", prefill.dim("output", "logits", 1), 1)
+    def _read(self, key: str, path: Path) -> GraphSession:
+        return GraphSession.load(key, path, self.device, self.threads)

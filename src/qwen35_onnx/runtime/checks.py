@@ -1,0 +1,167 @@
+"""Cross-checks of loaded graphs against the manifest, shared by every runtime backend (no torch,
+no runtime import).
+
+A backend describes each graph it loaded as a :class:`GraphSpec`: the graph's own contract (read
+from its ``metadata_props``), its input and output names with their shapes and element types.
+The ``check_*`` functions compare that description with the manifest's
+:class:`~qwen35_onnx.contract.ShapeContract`. The capacity comes from two sources that must agree:
+the manifest and the graphs' own static shapes (decode ``attention_mask`` width ==
+``past_kv_cache`` token axis == ``present_kv_cache`` token axis, and prefill's
+``present_kv_cache`` token axis). Any disagreement is a
+:class:`~qwen35_onnx.contract.ContractError` raised at load time, before the first decode step;
+there is no silent fallback to another flow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..contract import STATE_NAMES, ContractError, ShapeContract
+
+#: Element type (ONNX's type string, the same for every backend) of each contract dtype.
+ONNX_TYPES = {"fp32": "tensor(float)"}
+
+
+@dataclass
+class GraphSpec:
+    """What a backend loaded for one graph, in backend-neutral terms.
+
+    Shapes are lists whose entries are ints (static) or strings (symbolic / dynamic); element
+    types are ONNX type strings, e.g. ``'tensor(float)'``, ``'tensor(int64)'``.
+    """
+
+    name: str
+    contract: ShapeContract
+    inputs: dict[str, list]
+    outputs: dict[str, list]
+    types: dict[str, str] = field(default_factory=dict)
+
+    def dim(self, kind: str, tensor: str, axis: int):
+        """Static size of ``tensor``'s ``axis`` (an int), or its symbolic name (a str)."""
+        table = self.inputs if kind == "input" else self.outputs
+        if tensor not in table:
+            raise ContractError(f"{self.name} graph has no {kind} named {tensor!r} (has {sorted(table)})")
+        return table[tensor][axis]
+
+
+def check_export_files(root: Path, contract: ShapeContract) -> None:
+    """The manifest lists every graph the contract needs, and each listed file exists and is not empty.
+
+    Raises:
+        ContractError: naming the missing graph or file.
+    """
+    expected = {"vision", "decode"} | {contract.prefill_graph_key(b) for b in contract.prefill_buckets or [None]}
+    missing = sorted(expected - set(contract.graphs))
+    if missing:
+        raise ContractError(f"manifest.json lists no graph for {missing} (has {sorted(contract.graphs)})")
+    for key, rel in contract.graphs.items():
+        path = Path(root) / rel
+        if not path.is_file() or path.stat().st_size == 0:
+            raise ContractError(f"{key} graph {str(path)!r} is missing or empty: the export is incomplete")
+
+
+def _expect(what: str, actual, expected) -> None:
+    if actual != expected:
+        raise ContractError(f"{what} is {actual!r} but the manifest says {expected!r}")
+
+
+def check_metadata(contract: ShapeContract, graph: GraphSpec) -> None:
+    """The graph's own contract (from ``metadata_props``) must equal the manifest's.
+
+    Raises:
+        ContractError: naming the graph and every field that differs, e.g. ``capacity: 64 != 128``.
+    """
+    diff = graph.contract.same_shapes(contract)
+    if diff:
+        raise ContractError(
+            f"{graph.name} graph was exported with a different contract than manifest.json: {'; '.join(diff)} "
+            "(were the graphs exported separately with different options?)"
+        )
+
+
+def _check_tensor(graph: GraphSpec, kind: str, name: str, shape: list, dtype: str) -> None:
+    """``name`` is a ``kind`` ('input'/'output') of ``graph`` with ``shape`` and element type ``dtype``."""
+    table = graph.inputs if kind == "input" else graph.outputs
+    if name not in table:
+        raise ContractError(f"{graph.name} graph has no {kind} {name!r}; the manifest expects one of shape {shape} (has {sorted(table)})")
+    _expect(f"{graph.name} {kind} {name} shape", table[name], shape)
+    _expect(f"{graph.name} {kind} {name} element type", graph.types.get(name), ONNX_TYPES[dtype])
+
+
+def _check_states(contract: ShapeContract, graph: GraphSpec, kind: str, prefix: str) -> None:
+    for state in STATE_NAMES[:2]:  # the KV cache is checked with the capacity
+        _check_tensor(graph, kind, f"{prefix}_{state}", list(contract.state_shape(state)), contract.state_dtype(state))
+
+
+def _check_names(graph: GraphSpec, kind: str, expected: list[str]) -> None:
+    """The graph's ``kind`` names are exactly ``expected`` (an extra input would be left unfed by
+    one decoder and demanded by another)."""
+    table = graph.inputs if kind == "input" else graph.outputs
+    extra, missing = sorted(set(table) - set(expected)), [n for n in expected if n not in table]
+    if extra or missing:
+        raise ContractError(
+            f"{graph.name} graph {kind}s do not match the manifest: unexpected {extra}, missing {missing} "
+            "(a graph of another kind or layout in this export? re-export the folder with this version)"
+        )
+
+
+def _check_capacity(contract: ShapeContract, widths: dict[str, object]) -> None:
+    for what, width in widths.items():
+        if width != contract.capacity:
+            listing = ", ".join(f"{k} = {v!r}" for k, v in widths.items())
+            raise ContractError(
+                f"capacity mismatch: {what} is {width!r} but manifest capacity is {contract.capacity} "
+                f"({listing}); re-export all graphs with the same --max-seq-len"
+            )
+
+
+def check_vision(contract: ShapeContract, vision: GraphSpec) -> None:
+    """pixel_values ``[n_patches, patch_dim]`` and image_embeds ``[n_image_tokens, dim]``."""
+    _expect("vision input pixel_values shape", vision.inputs.get("pixel_values"), [contract.n_patches, contract.patch_dim])
+    _expect(
+        "vision output image_embeds shape",
+        vision.outputs.get("image_embeds"),
+        [contract.n_image_tokens, contract.image_embed_dim],
+    )
+
+
+def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
+    """Input and output names exactly as the contract says; state shapes and element types; and
+    in fixed mode: mask width == past KV width == present KV width == capacity (for every entry
+    when the graph takes the states one entry at a time)."""
+    for kind, prefix, fixed in (("input", "past", ["input_ids", "attention_mask", "position_ids"]), ("output", "present", ["logits"])):
+        _check_names(decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)])
+    if contract.kv_in_place:
+        for kind, prefix in (("input", "past"), ("output", "present")):
+            table = decode.inputs if kind == "input" else decode.outputs
+            for state in STATE_NAMES:
+                entry = list(contract.state_shape(state)[1:])
+                for name in contract.decode_state_names(state, prefix):
+                    if state == "kv_cache":
+                        _check_capacity(contract, {f"decode {name} token axis": table[name][2]})
+                    _check_tensor(decode, kind, name, entry, contract.state_dtype(state))
+        _check_capacity(contract, {"decode attention_mask width": decode.dim("input", "attention_mask", 1)})
+        return
+    _check_states(contract, decode, "input", "past")
+    _check_states(contract, decode, "output", "present")
+    if contract.kv_mode == "fixed":
+        _check_capacity(contract, {
+            "decode attention_mask width": decode.dim("input", "attention_mask", 1),
+            "decode past_kv_cache token axis": decode.dim("input", "past_kv_cache", 3),
+            "decode present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
+        })
+
+
+def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | None) -> None:
+    """State shapes; in fixed mode the KV output width equals capacity and a bucket graph's
+    inputs have exactly ``bucket`` tokens; logits have 1 row with ``prefill_logits='last'``."""
+    _check_states(contract, prefill, "output", "present")
+    if contract.kv_mode == "fixed":
+        _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})
+    _expect(f"{prefill.name} input image_embeds shape", prefill.inputs.get("image_embeds"),
+            [contract.n_image_rows, contract.image_embed_dim])
+    if bucket is not None:
+        _expect(f"{prefill.name} input_ids shape", prefill.inputs.get("input_ids"), [contract.batch, bucket])
+    if contract.prefill_logits == "last":
+        _expect(f"{prefill.name} logits rows", prefill.dim("output", "logits", 1), 1)

@@ -1,0 +1,565 @@
+"""Issue acceptance (`qwen35-onnx serve`): a real server process, the official `openai` client and
+httpx. The model is a "bigram checkpoint" (tests/bigram.py) with the Qwen3.5-style thinking
+template: for the thinking prompt it writes ``hm,ok</think>`` and then ``é日→ `` forever (multi-byte
+characters split over byte tokens, no end of sequence), so replies are long, deterministic and
+checkable. The server runs with ``--max-queue 1`` and an API key. Everything that needs the export
+(about 35 s to build, once per module) or a server process is marked slow."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+REASONING = "hm,ok"
+CYCLE = "é日→ "
+CYCLE_TOKENS = 9  # é = 2 byte tokens, 日 = 3, → = 3, space = 1
+LEAD_TOKENS = 5  # h m , ok </think>
+CAPACITY = 2048
+PROMPT_TOKENS = 12  # "Hi" with the thinking template
+KEY = "sk-test-key"
+MAX_BODY = 1024 * 1024
+MAX_IMAGE = 100_000
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def expected_content(n_tokens: int) -> str:
+    """Content of a thinking reply of ``n_tokens`` tokens that ends on a character boundary."""
+    cycles, rest = divmod(n_tokens - LEAD_TOKENS, CYCLE_TOKENS)
+    assert rest == 0
+    return CYCLE * cycles
+
+
+# ---- fixtures: checkpoint, export, server process ------------------------------------------------
+@pytest.fixture(scope="module")
+def bigram_export(checkpoint, tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    from qwen35_onnx.checkpoints import THINKING_CHAT_TEMPLATE, set_chat_template
+    from qwen35_onnx.export.exporter import ExportOptions, export
+
+    from .bigram import build_bigram_checkpoint, chain, reference_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    def ids(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    cycle = ids(CYCLE)
+    assert len(cycle) == CYCLE_TOKENS and tokenizer.decode(cycle) == CYCLE
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template=THINKING_CHAT_TEMPLATE,
+                                           add_generation_prompt=True, tokenize=False)
+    prompt_ids = ids(prompt)
+    assert len(prompt_ids) == PROMPT_TOKENS and prompt.endswith("<think>\n")
+    lead = ids(REASONING) + [think_end]
+    assert len(lead) == LEAD_TOKENS
+    folder = tmp_path_factory.mktemp("bigram")
+    ckpt = build_bigram_checkpoint(checkpoint, folder / "checkpoint", chain(prompt_ids[-1], lead, cycle))
+    set_chat_template(ckpt, THINKING_CHAT_TEMPLATE)
+    # the checkpoint does what the tests expect, in transformers itself
+    n = LEAD_TOKENS + 2 * CYCLE_TOKENS
+    assert tokenizer.decode(reference_greedy(ckpt, prompt_ids, n)) == REASONING + "</think>" + CYCLE * 2
+    out = folder / "bigram-export"
+    export(ckpt, out, ExportOptions(capacity=CAPACITY, max_images=2, prefill_buckets=(64, CAPACITY)))
+    return out
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "qwen35_onnx.cli", "serve", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while True:
+            text = log_path.read_text()
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", text)
+            if found:
+                self.url = found.group(1)
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start:\n{text}")
+            time.sleep(0.1)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def wait_health(self, check, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.health()
+            if check(state):
+                return state
+            assert time.monotonic() < deadline, f"/health never matched: {state}"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory, photo) -> Path:
+    folder = tmp_path_factory.mktemp("images")
+    (folder / "photo.jpg").write_bytes(photo.read_bytes())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(bigram_export, image_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "QWEN35_ONNX_API_KEY": KEY}  # the key comes from the environment
+    proc = ServerProcess(["--model", str(bigram_export), "--port", "0", "--model-name", "bigram", "--max-queue", "1",
+                          "--max-body-bytes", str(MAX_BODY), "--max-image-bytes", str(MAX_IMAGE),
+                          "--allowed-image-dir", str(image_dir), "--threads", "1"], log_path, env)
+    yield proc
+    proc.stop()
+    log = log_path.read_text()
+    assert "Traceback" not in log, log
+    assert not re.search(r'" 5\d\d', log), log  # no 5xx in the access log
+
+
+@pytest.fixture()
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, body, key: str | None = KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (dict, list)):
+        kwargs["json"] = body
+    else:
+        kwargs["content"] = body
+    kwargs.setdefault("timeout", 120)
+    return httpx.post(f"{server.url}/v1/chat/completions", headers=headers, **kwargs)
+
+
+def hi(text: str = "Hi") -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def collect(stream) -> tuple[str, str, list, object]:
+    """(reasoning, content, chunks, usage) of an openai chat-completion stream."""
+    reasoning, content, chunks, usage = [], [], [], None
+    for chunk in stream:
+        chunks.append(chunk)
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            reasoning.append(getattr(choice.delta, "reasoning_content", None) or "")
+            content.append(choice.delta.content or "")
+    return "".join(reasoning), "".join(content), chunks, usage
+
+
+def data_url(path: Path) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, fragment: str = ""):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    assert fragment in error["message"], error
+    return error
+
+
+# ---- acceptance ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == ["bigram"]
+    assert client.models.retrieve("bigram").id == "bigram"
+    health = server.health()  # no key needed
+    assert health["status"] == "ok" and health["max_queue"] == 1
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.chat.completions.create(model="bigram", messages=hi(), max_tokens=4)
+    assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+    assert_error(post(server, {"messages": hi()}, key=None), 401)
+    assert_error(post(server, {"messages": hi()}, key="sk-test-ke"), 401)
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+
+
+@pytest.mark.slow
+def test_stream_and_whole_reply_agree_greedy(client):
+    n = LEAD_TOKENS + 3 * CYCLE_TOKENS
+    whole = client.chat.completions.create(model="any-name", messages=hi(), max_tokens=n)
+    assert whole.object == "chat.completion" and whole.model == "bigram"
+    message = whole.choices[0].message
+    assert message.role == "assistant"
+    assert message.reasoning_content == REASONING
+    assert message.content == expected_content(n)
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
+        PROMPT_TOKENS, n, PROMPT_TOKENS + n)
+
+    stream = client.chat.completions.create(model="bigram", messages=hi(), max_completion_tokens=n, stream=True,
+                                            stream_options={"include_usage": True})
+    reasoning, content, chunks, usage = collect(stream)
+    assert (reasoning, content) == (REASONING, message.content)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens) == (PROMPT_TOKENS, n)
+
+
+@pytest.mark.slow
+def test_stream_and_whole_reply_agree_sampled(client):
+    def ask(seed, stream):
+        args = dict(model="bigram", messages=hi(), max_tokens=40, temperature=4.0, top_p=0.95, seed=seed)
+        if not stream:
+            reply = client.chat.completions.create(**args).choices[0].message
+            return (reply.reasoning_content or "") + "|" + reply.content
+        reasoning, content, _, _ = collect(client.chat.completions.create(**args, stream=True))
+        return reasoning + "|" + content
+
+    first = ask(7, stream=False)
+    assert ask(7, stream=True) == first
+    assert ask(7, stream=False) == first
+    assert ask(8, stream=False) != first  # really sampled
+
+
+@pytest.mark.slow
+def test_multibyte_stream_has_no_replacement_characters(client):
+    n = LEAD_TOKENS + 60 * CYCLE_TOKENS
+    stream = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n, stream=True)
+    pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == expected_content(n)
+
+
+@pytest.mark.slow
+def test_image_as_data_url_and_allowed_folder(client, server, photo, image_dir):
+    n = LEAD_TOKENS + CYCLE_TOKENS
+    text_only = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n)
+    content = [{"type": "image_url", "image_url": {"url": data_url(photo)}}, {"type": "text", "text": "Hi"}]
+    reply = client.chat.completions.create(model="bigram", messages=[{"role": "user", "content": content}],
+                                           max_tokens=n)
+    assert reply.choices[0].message.content == expected_content(n)
+    # one image: its image tokens (16 at 128x128) plus vision start / end
+    assert reply.usage.prompt_tokens == text_only.usage.prompt_tokens + 16 + 2
+    local = [{"type": "image_url", "image_url": {"url": str(image_dir / "photo.jpg")}}, {"type": "text", "text": "Hi"}]
+    twice = client.chat.completions.create(
+        model="bigram", messages=[{"role": "user", "content": content[:1] + local}], max_tokens=n)
+    assert twice.usage.prompt_tokens == reply.usage.prompt_tokens + 18
+
+
+@pytest.mark.slow
+def test_stop_strings(client):
+    reply = client.chat.completions.create(model="bigram", messages=hi(), stop=["→", "zz"], max_tokens=100)
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == "é日"
+    _, content, chunks, _ = collect(client.chat.completions.create(model="bigram", messages=hi(), stop="→ é",
+                                                                   stream=True))
+    assert content == "é日"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_thinking_switch(client):
+    n = LEAD_TOKENS + 2 * CYCLE_TOKENS
+    on = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n)
+    assert (on.choices[0].message.reasoning_content, on.choices[0].message.content) == (REASONING, CYCLE * 2)
+    off_args = dict(model="bigram", messages=hi(), max_tokens=n, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    off = client.chat.completions.create(**off_args)
+    # the template closed the block: the same tokens are all content, "</think>" included
+    assert off.choices[0].message.reasoning_content is None
+    assert off.choices[0].message.content == REASONING + "</think>" + CYCLE * 2
+    assert off.usage.prompt_tokens == on.usage.prompt_tokens + 4  # "\n</think>\n\n"
+    reasoning, content, chunks, _ = collect(client.chat.completions.create(**off_args, stream=True))
+    assert (reasoning, content) == ("", off.choices[0].message.content)
+    assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
+    reasoning, content, _, _ = collect(client.chat.completions.create(
+        model="bigram", messages=hi(), max_tokens=n, stream=True, extra_body={"chat_template_kwargs": {}}))
+    assert (reasoning, content) == (REASONING, CYCLE * 2)
+
+
+class Streamer(threading.Thread):
+    """A streaming request read on a thread with httpx: ``started`` is set at the first content."""
+
+    def __init__(self, server, body: dict, stop_after: int | None = None):
+        super().__init__(daemon=True)
+        self.server, self.body, self.stop_after = server, {**body, "stream": True}, stop_after
+        self.started = threading.Event()
+        self.events: list[dict] = []
+        self.error: BaseException | None = None
+
+    def run(self):
+        try:
+            with httpx.stream("POST", f"{self.server.url}/v1/chat/completions", json=self.body, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    self.events.append(json.loads(line[6:]))
+                    if self.events[-1]["choices"] and self.events[-1]["choices"][0]["delta"].get("content"):
+                        self.started.set()
+                    if self.stop_after is not None and len(self.events) >= self.stop_after:
+                        return  # leaves the with-block: the connection is closed mid-stream
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+        finally:
+            self.started.set()
+
+    def text(self) -> tuple[str, str]:
+        deltas = [e["choices"][0]["delta"] for e in self.events if e["choices"]]
+        return ("".join(d.get("reasoning_content", "") for d in deltas), "".join(d.get("content", "") for d in deltas))
+
+
+@pytest.mark.slow
+def test_concurrent_clients_queue_and_429(server, client):
+    long_tokens = LEAD_TOKENS + 225 * CYCLE_TOKENS  # 2030 tokens: nearly the capacity
+    t0 = time.monotonic()
+    first = Streamer(server, {"messages": hi(), "max_tokens": long_tokens})
+    first.start()
+    assert first.started.wait(30) and first.error is None
+    sampled = dict(model="bigram", messages=hi("Hello there"), max_tokens=60, temperature=4.0, seed=3)
+    second: dict = {}
+    waiter = threading.Thread(target=lambda: second.setdefault("reply", client.chat.completions.create(**sampled)))
+    waiter.start()
+    state = server.wait_health(lambda h: h["running"] == 1 and h["waiting"] == 1)
+    rejected = state["rejected"]
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model="bigram", messages=hi(), max_tokens=4)
+    assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
+    assert "--max-queue 1" in info.value.body["message"]
+    # field checks come first: a bad field fails with 400, not 429, while the queue is full; the
+    # messages (images, template) are prepared only when there is room, so those get 429 now
+    assert_error(post(server, {"messages": hi(), "top_p": 2}), 400, "top_p")
+    assert_error(post(server, {"messages": [{"role": "robot", "content": "x"}]}), 429, None)
+    assert server.health()["running"] == 1, "the first generation ended before the checks: make it longer"
+    print(f"checks done {time.monotonic() - t0:.2f} s after the first request started")
+    first.join(60)
+    waiter.join(60)
+    print(f"first request done after {time.monotonic() - t0:.2f} s")
+    assert first.error is None
+    assert first.text() == (REASONING, expected_content(long_tokens))
+    assert first.events[-1]["choices"][0]["finish_reason"] == "length"
+    # both answers equal those of requests run one at a time
+    alone = client.chat.completions.create(**sampled)
+    assert second["reply"].choices[0].message == alone.choices[0].message
+    state = server.health()
+    assert state["rejected"] == rejected + 2 and state["running"] == 0 and state["waiting"] == 0
+
+
+@pytest.mark.slow
+def test_dropped_clients_are_cancelled(server, client):
+    before = server.health()
+    # a stream dropped mid-way: cancelled between two tokens, long before its 2000 tokens
+    dropped = Streamer(server, {"messages": hi()}, stop_after=20)
+    dropped.start()
+    dropped.join(30)
+    state = server.wait_health(lambda h: h["cancelled"] == before["cancelled"] + 1, timeout=5)
+    assert state["running"] == 0 and state["last"]["outcome"] == "cancelled"
+    assert state["last"]["completion_tokens"] < 1000, state
+    # a whole (non-streamed) reply whose client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, {"messages": hi()}, timeout=0.3)
+    state = server.wait_health(lambda h: h["cancelled"] == before["cancelled"] + 2, timeout=5)
+    assert state["last"]["completion_tokens"] < CAPACITY - PROMPT_TOKENS, state
+    # a waiting client that gives up leaves the queue; the running one is not disturbed
+    runner = Streamer(server, {"messages": hi(), "max_tokens": LEAD_TOKENS + 120 * CYCLE_TOKENS})
+    runner.start()
+    assert runner.started.wait(30)
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, {"messages": hi()}, timeout=0.3)
+    server.wait_health(lambda h: h["left_queue"] == before["left_queue"] + 1 and h["waiting"] == 0)
+    runner.join(60)
+    assert runner.text() == (REASONING, expected_content(LEAD_TOKENS + 120 * CYCLE_TOKENS))
+    # and the next request is served correctly
+    n = LEAD_TOKENS + 2 * CYCLE_TOKENS
+    reply = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n)
+    assert reply.choices[0].message.content == expected_content(n)
+    state = server.health()
+    assert state["running"] == 0 and state["failed"] == 0
+
+
+def tiny_png(size=(8, 8)) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (200, 10, 10)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_message(*urls: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "Hi"}]}]
+
+
+BAD_REQUESTS = [
+    # (body, status, param, fragment of the message)
+    (b'{"messages": [', 400, None, "not valid JSON"),
+    (b"\xff\xfe\x00", 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "JSON object"),
+    ({"model": "bigram"}, 400, "messages", "required"),
+    ({"messages": "Hi"}, 400, "messages", "list"),
+    ({"messages": []}, 400, "messages", "at least one"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "not one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string or a list"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "messages[0].content[0].type", "audio"),
+    ({"messages": hi(), "model": 3}, 400, "model", "string"),
+    ({"messages": hi(), "temperature": "hot"}, 400, "temperature", "number"),
+    ({"messages": hi(), "temperature": -1}, 400, "temperature", ">= 0"),
+    ({"messages": hi(), "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ({"messages": hi(), "top_k": 1.5}, 400, "top_k", "integer"),
+    ({"messages": hi(), "seed": -3}, 400, "seed", ">= 0"),
+    ({"messages": hi(), "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ({"messages": hi(), "max_completion_tokens": "9"}, 400, "max_completion_tokens", "integer"),
+    ({"messages": hi(), "stream": "yes"}, 400, "stream", "true or false"),
+    ({"messages": hi(), "stop": [1]}, 400, "stop", "strings"),
+    ({"messages": hi(), "stop": [""]}, 400, "stop", "non-empty"),
+    ({"messages": hi(), "n": 2}, 400, "n", "must be 1"),
+    ({"messages": hi(), "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ({"messages": hi(), "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "chat_template_kwargs", "chat_template"),
+    ({"messages": hi(), "chat_template_kwargs": [1]}, 400, "chat_template_kwargs", "object"),
+    ({"messages": hi("word " * 2100)}, 400, "messages", "2048"),
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages", "Unicode"),
+    ({"messages": image_message("data:image/png;base64,aGVsbG8=")}, 400, "messages[0].content[0].image_url.url",
+     "not a readable image"),
+    ({"messages": image_message("data:image/png;base64,@@@")}, 400, "messages[0].content[0].image_url.url", "base64"),
+    ({"messages": image_message("https://example.com/cat.png")}, 400, "messages[0].content[0].image_url.url",
+     "not fetched"),
+    ({"messages": image_message("/etc/hostname")}, 400, "messages[0].content[0].image_url.url", "outside"),
+    ({"messages": image_message(tiny_png(), tiny_png(), tiny_png())}, 400, "messages", "3 images"),
+    ({"messages": image_message("data:image/png;base64," + "A" * 140_000)}, 413,
+     "messages[0].content[0].image_url.url", "limit"),
+]
+
+
+@pytest.mark.slow
+def test_bad_requests_get_openai_errors(server, client):
+    before = server.health()
+    for body, status, param, fragment in BAD_REQUESTS:
+        assert_error(post(server, body), status, param, fragment)
+    # bodies over --max-body-bytes: announced, and streamed without a length
+    assert_error(post(server, b"{" + b" " * MAX_BODY + b"}"), 413, None, "--max-body-bytes")
+    chunks = (b" " * 65536 for _ in range(MAX_BODY // 65536 + 2))
+    assert_error(post(server, chunks), 413, None, "--max-body-bytes")
+    error = assert_error(httpx.get(f"{server.url}/v1/nope", timeout=10), 404)
+    assert error["code"] == "not_found"
+    assert_error(httpx.get(f"{server.url}/v1/chat/completions", timeout=10), 405)
+    assert_error(httpx.get(f"{server.url}/v1/models/other", headers={"Authorization": f"Bearer {KEY}"}, timeout=10),
+                 404, "model")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="bigram", messages=hi(), n=3)
+    assert info.value.body["param"] == "n"
+    # the server keeps serving
+    n = LEAD_TOKENS + CYCLE_TOKENS
+    reply = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n)
+    assert reply.choices[0].message.content == expected_content(n)
+    after = server.health()
+    assert after["completed"] == before["completed"] + 1 and after["failed"] == 0 and after["running"] == 0
+
+
+@pytest.mark.slow
+def test_serve_command_errors(tmp_path):
+    def serve(*args, prelude=""):
+        code = f"import sys; {prelude}from qwen35_onnx.cli import main; sys.argv = ['qwen35-onnx', 'serve', *{list(args)!r}]; main()"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    proc = serve("--model", str(tmp_path))
+    assert proc.returncode == 2 and "error:" in proc.stderr and "manifest.json" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = serve("--model", str(tmp_path), prelude="sys.modules['fastapi'] = None; ")
+    assert proc.returncode == 2 and "'serve' extra" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- the pieces without a server -----------------------------------------------------------------
+def test_sampling_defaults_follow_generation_config(tmp_path):
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+    from qwen35_onnx.runtime.sampling import sampling_defaults
+    from qwen35_onnx.server import parse_chat_request
+
+    assert sampling_defaults(tmp_path) == SamplingConfig()  # no file: greedy
+    config = tmp_path / "generation_config.json"
+    config.write_text(json.dumps({"do_sample": False, "temperature": 0.7}))
+    assert sampling_defaults(tmp_path) == SamplingConfig()
+    config.write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    defaults = sampling_defaults(tmp_path)
+    assert defaults == SamplingConfig(temperature=0.6, top_p=0.95, top_k=20)
+    # request values override one by one; top_k -1 is "off" as in vLLM
+    request = parse_chat_request({"messages": [], "temperature": 0, "seed": 5}, defaults)
+    assert request.sampling == SamplingConfig(temperature=0.0, top_p=0.95, top_k=20, seed=5)
+    request = parse_chat_request({"messages": [], "top_k": -1, "max_tokens": 3, "max_completion_tokens": 7}, defaults)
+    assert (request.sampling.top_k, request.max_tokens) == (0, 7)
+    config.write_text(json.dumps({"do_sample": True, "top_p": 3}))
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_defaults(tmp_path)
+
+
+def test_server_options_are_checked(tmp_path):
+    from qwen35_onnx.server import ServerOptions
+
+    ServerOptions("m", allowed_image_dir=tmp_path).validate()
+    for bad, fragment in ((dict(max_queue=-1), "--max-queue"), (dict(max_body_bytes=10), "--max-body-bytes"),
+                          (dict(max_image_bytes=0), "--max-image-bytes"), (dict(api_key=""), "--api-key"),
+                          (dict(allowed_image_dir=tmp_path / "nope"), "--allowed-image-dir")):
+        with pytest.raises(ValueError, match=fragment):
+            ServerOptions("m", **bad).validate()
+
+
+@pytest.mark.slow
+def test_failed_generation_ends_the_response_cleanly(bigram_export):
+    """Fault injection on a real pipeline served in-process: the decode step raises (as an ONNX
+    Runtime failure would). The whole reply is a 500 ``server_error`` body, the stream ends with
+    an error event and [DONE], the slot is freed and the next request is served."""
+    import uvicorn
+
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.server import ServerOptions, create_app
+
+    pipe = Pipeline.from_exported(bigram_export, threads=1)
+    app = create_app(pipe, ServerOptions("bigram", max_queue=1))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        url = "http://127.0.0.1:%d" % server.servers[0].sockets[0].getsockname()[1]
+
+        def fail(mask):
+            raise RuntimeError("injected decode failure")
+
+        pipe._advance = fail
+        body = {"messages": hi(), "max_tokens": 20}
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and "injected decode failure" in error["message"]
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as response:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "injected decode failure" in json.loads(events[-2])["error"]["message"]
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert (health["failed"], health["running"], health["waiting"]) == (2, 0, 0)
+        del pipe._advance
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert reply["choices"][0]["message"]["reasoning_content"] == REASONING
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -85,3 +85,12 @@ def trained_checkpoint(checkpoint, tmp_path_factory) -> Path:
     from qwen35_onnx.checkpoints import train_checkpoint
 
     return train_checkpoint(checkpoint, tmp_path_factory.mktemp("ckpt") / "trained", steps=200)
+
+
+def random_prompt(pipe, length: int, seed: int):
+    """[1, length] token ids of ordinary (non-special, non-image) tokens of ``pipe``'s tokenizer."""
+    import numpy as np
+
+    specials = set(pipe.preprocessor.tokenizer.all_special_ids) | {pipe.contract.image_token_id}
+    pool = np.array([t for t in range(pipe.contract.vocab_size) if t not in specials])
+    return np.random.default_rng(seed).choice(pool, size=(1, length))

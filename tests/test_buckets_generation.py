@@ -9,7 +9,7 @@ import pytest
 from qwen35_onnx.pipeline import Pipeline
 from qwen35_onnx.runtime.sampling import SamplingConfig
 
-from .conftest import CAPACITY, PROMPT
+from .conftest import CAPACITY, PROMPT, random_prompt
 
 pytestmark = pytest.mark.slow
 EXACT = 1e-5
@@ -27,13 +27,6 @@ def close(a, b) -> bool:
 @pytest.fixture(scope="module")
 def pipe(fixed_export):
     return Pipeline.from_exported(fixed_export)
-
-
-def random_prompt(pipe, length: int, seed: int) -> np.ndarray:
-    """Token ids of ordinary (non-special) tokens."""
-    specials = set(pipe.preprocessor.tokenizer.all_special_ids) | {pipe.contract.image_token_id}
-    pool = np.array([t for t in range(pipe.contract.vocab_size) if t not in specials])
-    return np.random.default_rng(seed).choice(pool, size=(1, length))
 
 
 def test_padded_prefill_equals_unpadded(reference_model, pipe):

@@ -15,7 +15,7 @@ import pytest
 from qwen35_onnx.contract import METADATA_KEY, ContractError, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, export_to
+from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, export_to, random_prompt
 
 ov = pytest.importorskip("openvino")
 
@@ -30,13 +30,6 @@ def ov_pipe(fixed_export):
 @pytest.fixture(scope="module")
 def ort_pipe(fixed_export):
     return Pipeline.from_exported(fixed_export)
-
-
-def random_prompt(pipe, length: int, seed: int) -> np.ndarray:
-    """Token ids of ordinary (non-special) tokens (as in test_buckets_generation)."""
-    specials = set(pipe.preprocessor.tokenizer.all_special_ids) | {pipe.contract.image_token_id}
-    pool = np.array([t for t in range(pipe.contract.vocab_size) if t not in specials])
-    return np.random.default_rng(seed).choice(pool, size=(1, length))
 
 
 def copy_export(fixed_export, tmp_path, name="copy"):

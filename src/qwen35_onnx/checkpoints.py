@@ -174,15 +174,9 @@ _REQUIRED_FILES = (
     "preprocessor_config.json",
 )
 
-# A Qwen-style chat template (written for this project). Every image or video
-# part becomes ONE pad token between vision start/end; the runtime expands the
-# pad to the number of image tokens of the processed image.
-_CHAT_TEMPLATE = """\
-{%- for message in messages -%}
-<|im_start|>{{ message['role'] }}
-{% if message['content'] is string -%}
-{{ message['content'] }}
-{%- else -%}
+# Content parts of a message: every image or video part becomes ONE pad token between
+# vision start/end (the runtime expands the pad to the number of image tokens of the image).
+_PARTS = """\
 {%- for part in message['content'] -%}
 {%- if part['type'] == 'image' -%}
 <|vision_start|><|image_pad|><|vision_end|>
@@ -192,6 +186,16 @@ _CHAT_TEMPLATE = """\
 {{ part['text'] }}
 {%- endif -%}
 {%- endfor -%}
+"""
+
+# A Qwen-style chat template (written for this project), the demo checkpoint's.
+_CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+<|im_start|>{{ message['role'] }}
+{% if message['content'] is string -%}
+{{ message['content'] }}
+{%- else -%}
+""" + _PARTS + """\
 {%- endif -%}
 <|im_end|>
 {% endfor -%}
@@ -199,7 +203,6 @@ _CHAT_TEMPLATE = """\
 <|im_start|>assistant
 {% endif -%}
 """
-
 
 # A Qwen3.5-style template with the thinking switch (written for this project; it behaves
 # as the published Qwen3.5 template does): images as above; earlier assistant turns lose their
@@ -215,15 +218,7 @@ THINKING_CHAT_TEMPLATE = """\
 {%- endif -%}
 {{ text }}
 {%- else -%}
-{%- for part in message['content'] -%}
-{%- if part['type'] == 'image' -%}
-<|vision_start|><|image_pad|><|vision_end|>
-{%- elif part['type'] == 'video' -%}
-<|vision_start|><|video_pad|><|vision_end|>
-{%- elif part['type'] == 'text' -%}
-{{ part['text'] }}
-{%- endif -%}
-{%- endfor -%}
+""" + _PARTS + """\
 {%- endif -%}
 <|im_end|>
 {% endfor -%}

@@ -33,3 +33,25 @@ def test_report_has_ratios_flatness_and_floor(tmp_path: Path):
     assert np.isclose(float(rows["fast"][4]), 1.1)
     assert "| slow | 4.00 | 1.00 |" in markdown  # ratio row/column
     assert (tmp_path / "bench.json").is_file() and (tmp_path / "bench.md").read_text() == markdown
+
+
+def test_target_lines_compare_our_openvino_int4_with_the_peer():
+    from qwen35_onnx.bench import target_lines
+
+    ours = PeerResult("openvino int4 f32", {}, {32: 50.0, 512: 55.0}, None)
+    peer = PeerResult("ov-genai int4 f32", {}, {32: 60.0, 512: 66.0}, None)
+    (line,) = [line for line in target_lines([ours, peer]) if line.startswith("- ")]
+    assert "32: 50.00 vs 60.00 ms (1.20x)" in line and "512: 55.00 vs 66.00 ms (1.20x)" in line
+    assert target_lines([ours]) == []
+
+
+def test_run_bench_refuses_unknown_rows_before_any_export(tmp_path: Path):
+    import pytest
+
+    from qwen35_onnx.bench import ROWS, run_bench
+
+    assert {"openvino fp32 f32", "openvino fp32 bf16", "openvino int4 f32", "openvino int4 bf16",
+            "ov-genai int4 f32"} <= set(ROWS)
+    with pytest.raises(ValueError, match="unknown bench rows"):
+        run_bench(tmp_path / "checkpoint", tmp_path / "out", rows=["openvino int3"])
+    assert not (tmp_path / "out").exists()

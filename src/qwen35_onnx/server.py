@@ -59,6 +59,7 @@ from starlette.requests import ClientDisconnect
 
 from .pipeline import ChatDelta, ChatInputError, ChatStream, ImagePolicy, Pipeline, PreparedPrompt
 from .runtime.chat import ImageTooLarge
+from .runtime.preprocess import TemplateKwargsError
 from .runtime.sampling import SamplingConfig, sampling_defaults
 
 log = logging.getLogger(__name__)
@@ -75,15 +76,6 @@ STEP_SECONDS = 0.05
 """A non-streamed generation's step: tokens for up to this long per worker-thread job."""
 
 API_KEY_ENV = "QWEN35_ONNX_API_KEY"
-
-# apply_chat_template's own parameters: a client may not set them through chat_template_kwargs
-# (``chat_template`` would swap the template, the others change how the prompt is tokenized).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "add_generation_prompt", "continue_final_message", "tokenize", "chat_template",
-    "tools", "documents", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
-})
-
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -173,9 +165,11 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def parse_chat_request(body, defaults: SamplingConfig | None = None) -> ChatRequest:
+def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kwargs=frozenset()) -> ChatRequest:
     """Check the types and values of a ``/v1/chat/completions`` body (``messages`` themselves are
-    checked by ``Pipeline.prepare_chat``). ``defaults``: the export's sampling defaults.
+    checked by ``Pipeline.prepare_chat``). ``defaults``: the export's sampling defaults;
+    ``reserved_kwargs``: names ``chat_template_kwargs`` may not set
+    (``Preprocessor.reserved_template_kwargs``), refused here so the 400 comes before any queueing.
 
     Raises:
         APIError: 400 naming the field and what it must be.
@@ -243,7 +237,7 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None) -> ChatRequ
 
     kwargs = optional("chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
     if kwargs:
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        reserved = sorted(set(reserved_kwargs) & set(kwargs))
         if reserved:
             raise _bad(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
 
@@ -480,12 +474,13 @@ class _Server:
         except ChatInputError as exc:
             raise _bad(str(exc), exc.param) from None
         except ValueError as exc:  # invalid Unicode, template errors, prompt over the capacity
-            param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
+            param = "chat_template_kwargs" if isinstance(exc, TemplateKwargsError) else "messages"
             raise _bad(str(exc), param) from None
 
     async def chat_completions(self, request: Request) -> Response:
         self.authorize(request)
-        req = parse_chat_request(await self.read_json(request), self.defaults)
+        req = parse_chat_request(await self.read_json(request), self.defaults,
+                                 self.pipeline.preprocessor.reserved_template_kwargs())
         if self.slots.full:  # cheap refusal before the costly preparation
             self.counters["rejected"] += 1
             raise self.slots.busy_error()

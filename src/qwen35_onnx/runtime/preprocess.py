@@ -37,7 +37,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-__all__ = ["Preprocessor", "TextStreamer", "fit_to_grid", "load_image", "to_rgb"]
+__all__ = ["Preprocessor", "TemplateKwargsError", "TextStreamer", "fit_to_grid", "load_image", "to_rgb"]
 
 PAD_COLOUR = (0, 0, 0)  # fit_to_grid square padding: black
 WHITE = (255, 255, 255)  # background for transparent pixels in load_image
@@ -149,6 +149,10 @@ def fit_to_grid(image: Image.Image, image_size: int) -> Image.Image:
     if side == image_size:
         return image.copy()
     return image.resize((image_size, image_size), Image.Resampling.BICUBIC)
+
+
+class TemplateKwargsError(ValueError):
+    """``chat_template_kwargs`` tries to set a parameter of ``apply_chat_template`` itself."""
 
 
 class Preprocessor:
@@ -304,9 +308,9 @@ class Preprocessor:
             for part in m["content"] if part.get("type") == "image"
         )
         kwargs = dict(chat_template_kwargs or {})
-        reserved = sorted(set(kwargs) & self._reserved_template_kwargs())
+        reserved = sorted(set(kwargs) & self.reserved_template_kwargs())
         if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved} (parameters of apply_chat_template, "
+            raise TemplateKwargsError(f"chat_template_kwargs may not set {reserved} (parameters of apply_chat_template, "
                              "not template variables)")
         try:
             with self.lock:
@@ -331,7 +335,7 @@ class Preprocessor:
             raise ValueError(f"tokenized prompt holds {got} image tokens, expected {expected}")
         return ids[None, :], text
 
-    def _reserved_template_kwargs(self) -> set[str]:
+    def reserved_template_kwargs(self) -> set[str]:
         """``apply_chat_template``'s own parameters (``chat_template``, ``tools``, ``tokenize``, ...),
         which template variables may not override, plus ``messages``."""
         parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()

@@ -94,3 +94,35 @@ def random_prompt(pipe, length: int, seed: int):
     specials = set(pipe.preprocessor.tokenizer.all_special_ids) | {pipe.contract.image_token_id}
     pool = np.array([t for t in range(pipe.contract.vocab_size) if t not in specials])
     return np.random.default_rng(seed).choice(pool, size=(1, length))
+
+
+def forced_logits(pipe, prepared, tokens: list[int]) -> list:
+    """The logits ``[V]`` (fp64 copies) ``pipe`` gives before each of ``tokens`` when they are fed
+    one after another (teacher forcing through the pipeline's own decode loop): entry ``i`` is
+    the prediction for ``tokens[i]`` after the prompt and ``tokens[:i]``."""
+    import numpy as np
+
+    from qwen35_onnx.pipeline import GenerationStream
+    from qwen35_onnx.runtime.sampling import StopStrings
+
+    seen = []
+
+    def sampler(logits):
+        seen.append(np.array(logits, dtype=np.float64))
+        return tokens[len(seen) - 1]
+
+    for _ in pipe._generate(prepared, len(tokens), sampler, StopStrings(()), GenerationStream()):
+        pass
+    return seen
+
+
+def split_margin(pipe, prepared, tokens: list[int], other: list[int]) -> tuple[int, float]:
+    """Where two greedy runs part and how close a call it was for ``pipe``: ``(i, margin)`` with
+    ``i`` the first index where ``tokens`` (``pipe``'s greedy tokens) and ``other`` differ and
+    ``margin`` = ``pipe``'s logit of ``tokens[i]`` minus its logit of ``other[i]`` there (>= 0; a
+    near tie is a margin that is small next to the logits' spread); ``(len, inf)`` when they agree."""
+    i = next((i for i, (a, b) in enumerate(zip(tokens, other)) if a != b), None)
+    if i is None:
+        return min(len(tokens), len(other)), float("inf")
+    logits = forced_logits(pipe, prepared, tokens[: i + 1])[i]
+    return i, float(logits[tokens[i]] - logits[other[i]])

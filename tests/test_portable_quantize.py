@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qwen35_onnx.contract import read_manifest
 from qwen35_onnx.export.quantize import DQ_OPSET, quantize_blocks, quantize_dq, to_dq_opset
 
-from .conftest import CAPACITY, PROMPT, export_to
+from .conftest import CAPACITY, PROMPT, export_to, split_margin
 from .onnx_graphs import all_nodes
 
 BLOCK = 32
@@ -260,7 +260,14 @@ def test_portable_quantized_runs_on_onnxruntime(portable_export, ort_int4_export
         ort_logits = _last_logits(ort_int4_export, photo)
         print(f"max |portable int4 - ort int4| {np.abs(logits - ort_logits).max():.2e}")  # 1.4e-6 measured
         np.testing.assert_allclose(logits, ort_logits, atol=1e-4 * np.abs(ort_logits).max())
-        assert tokens == Pipeline.from_exported(ort_int4_export).generate(photo, PROMPT, max_new_tokens=32).token_ids
+        ort_pipe = Pipeline.from_exported(ort_int4_export)
+        ort_tokens = ort_pipe.generate(photo, PROMPT, max_new_tokens=32).token_ids
+        split, margin = split_margin(ort_pipe, ort_pipe.prepare(photo, PROMPT), ort_tokens, tokens)
+        print(f"portable int4 and ort int4 greedy tokens: first {split} of 32 equal, ort int4's margin there {margin:.2e}")
+        # the attention differs (GroupQueryAttention against MatMul + Softmax): a near tie may part
+        # them; measured: equal for 28 tokens, then ort int4 preferred its token by 0.023 (under 1 % of the
+        # logits' spread)
+        assert split == 32 or (split >= 16 and margin < 0.01 * np.ptp(ort_logits))
 
 
 def _decode_feeds(session) -> dict[str, np.ndarray]:

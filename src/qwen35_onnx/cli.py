@@ -170,9 +170,13 @@ def bench(
         help="Checkpoint sizes: qwen3.5-0.8b (published Qwen3.5-0.8B dimensions, random weights, 3.4 GB) "
              "or tiny (the demo checkpoint, a quick run).",
     ),
+    rows: str = typer.Option(
+        "all", "--rows",
+        help="Comma-separated rows to measure (names as in the table, e.g. 'ort int4,openvino int4 f32'), or all.",
+    ),
 ) -> None:
     """Speed side by side: this project's variants, transformers, onnxruntime-genai, the floor."""
-    from .bench import run_bench
+    from .bench import ROWS, run_bench
     from .checkpoints import PRESETS, build_demo_checkpoint, demo_checkpoint_dir
 
     if preset not in PRESETS:
@@ -183,13 +187,17 @@ def bench(
         _fail(ValueError(f"--lengths {lengths!r} must be comma-separated integers"))
     if not parsed or min(parsed) < 1:
         _fail(ValueError(f"--lengths {lengths!r} must be positive"))
+    chosen = None if rows.strip() == "all" else tuple(r.strip() for r in rows.split(",") if r.strip())
+    unknown = [r for r in chosen or () if r not in ROWS]
+    if chosen == () or unknown:
+        _fail(ValueError(f"--rows {rows!r}: unknown or empty {unknown or ''}; choices: all, {', '.join(ROWS)}"))
     if preset == "tiny":
         checkpoint = build_demo_checkpoint(demo_checkpoint_dir())
     else:
         typer.echo(f"[bench] building the {preset} checkpoint (once, cached) ...", err=True)
         checkpoint = build_demo_checkpoint(demo_checkpoint_dir().parent / f"checkpoint-{preset}", preset=preset)
     try:
-        typer.echo(run_bench(checkpoint, work_dir / preset, parsed, log=lambda m: typer.echo(m, err=True)))
+        typer.echo(run_bench(checkpoint, work_dir / preset, parsed, log=lambda m: typer.echo(m, err=True), rows=chosen))
     except USER_ERRORS as exc:
         _fail(exc)
 

@@ -23,6 +23,7 @@ from qwen35_onnx.checkpoints import (  # noqa: E402
     build_demo_checkpoint,
     demo_checkpoint_dir,
     photo_path,
+    preset_config,
     tiny_config,
 )
 
@@ -228,7 +229,7 @@ def test_published_0_8b_preset_sizes():
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
     assert 850e6 < sum(p.numel() for p in model.parameters()) < 856e6
     assert PRESETS["tiny"] is TINY_PRESET
-    with pytest.raises(ValueError, match="preset 'huge' is not one of tiny, qwen3.5-0.8b"):
+    with pytest.raises(ValueError, match="preset .huge. is not one of tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b"):
         preset_config("huge")
     with pytest.raises(ValueError, match="preset 'huge'"):
         build_demo_checkpoint(Path("/nonexistent/x"), preset="huge")
@@ -245,3 +246,55 @@ def test_train_checkpoint_rejects_bad_arguments(demo_dir, tmp_path):
     trained = train_checkpoint(demo_dir, tmp_path / "one", steps=1)
     assert (trained / "model.safetensors").is_file() and not (trained / ".qwen35_onnx_demo").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+
+
+@pytest.mark.parametrize(
+    "preset, text_sizes, heads, vision, tied, billions",
+    [
+        # hidden, layers (full attention), MLP; (q heads, KV heads, GDN key heads, GDN value heads);
+        # vision (depth, width, out); tied lm_head; parameters (B) as transformers builds them
+        ("qwen3.5-2b", (2048, 24, 6, 6144), (8, 2, 16, 16), (24, 1024, 2048), True, (2.20, 2.23)),
+        # the reference system's listing of the 4B, except the lm_head: the published config ties it
+        ("qwen3.5-4b", (2560, 32, 8, 9216), (16, 4, 16, 32), (24, 1024, 2560), True, (4.53, 4.55)),
+        ("qwen3.5-9b", (4096, 32, 8, 12288), (16, 4, 16, 32), (27, 1152, 4096), False, (9.40, 9.42)),
+    ],
+)
+def test_published_larger_presets(preset, text_sizes, heads, vision, tied, billions):
+    """The 2B, 4B and 9B presets have the published sizes (heads of 256, Gated DeltaNet heads of
+    128, vocabulary 248320, full attention every fourth layer) and are stored in bf16."""
+    from qwen35_onnx.checkpoints import _marker, preset_dtype
+
+    config = preset_config(preset)
+    text = config.text_config
+    hidden, layers, full, mlp = text_sizes
+    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size) == (hidden, layers, mlp, 248320)
+    assert text.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * full
+    assert (text.num_attention_heads, text.num_key_value_heads, text.linear_num_key_heads,
+            text.linear_num_value_heads) == heads
+    assert (text.head_dim, text.linear_key_head_dim, text.linear_value_head_dim) == (256, 128, 128)
+    v = config.vision_config
+    assert (v.depth, v.hidden_size, v.out_hidden_size, v.num_heads) == (*vision, 16)
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForConditionalGeneration(config)
+    assert (model.lm_head.weight is model.model.language_model.embed_tokens.weight) == tied
+    assert billions[0] * 1e9 < sum(p.numel() for p in model.parameters()) < billions[1] * 1e9
+    assert preset_dtype(preset) == "bf16" and _marker(0, preset)["dtype"] == "bf16"
+
+
+def test_published_preset_checkpoint_is_stored_in_bf16(tmp_path, monkeypatch):
+    """A published-size checkpoint is built and saved in bf16 and reloads as such (checked on a
+    shrunken copy of the 0.8B preset: 2 layers, so it builds in seconds)."""
+    import copy
+
+    from qwen35_onnx import checkpoints
+
+    small = copy.deepcopy(checkpoints.QWEN35_0_8B_PRESET)
+    small["text_config"].update(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                vocab_size=checkpoints.TINY_PRESET["text_config"]["vocab_size"])
+    small["vision_config"].update(depth=1)
+    monkeypatch.setitem(checkpoints.PRESETS, "qwen3.5-0.8b", small)
+    path = build_demo_checkpoint(tmp_path / "ckpt", preset="qwen3.5-0.8b")
+    model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32  # restored after the build
+    assert build_demo_checkpoint(tmp_path / "ckpt", preset="qwen3.5-0.8b") == path  # cached

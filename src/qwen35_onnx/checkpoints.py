@@ -34,6 +34,9 @@ __all__ = [
     "set_chat_template",
     "PRESETS",
     "QWEN35_0_8B_PRESET",
+    "QWEN35_2B_PRESET",
+    "QWEN35_4B_PRESET",
+    "QWEN35_9B_PRESET",
     "SPECIAL_TOKENS",
     "TINY_PRESET",
     "build_demo_checkpoint",
@@ -164,9 +167,8 @@ DEMO_SEED = 23
 
 _FORMAT_VERSION = 1
 _MARKER = ".qwen35_onnx_demo"
-_REQUIRED_FILES = (
+_REQUIRED_FILES = (  # and the weights: model.safetensors, or shards with model.safetensors.index.json
     "config.json",
-    "model.safetensors",
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -245,24 +247,22 @@ def set_chat_template(folder: str | os.PathLike, template: str) -> Path:
     return path
 
 
-def _published_0_8b() -> dict[str, Any]:
-    """:data:`QWEN35_0_8B_PRESET` (built from :data:`TINY_PRESET`'s token ids)."""
+def _published(text: dict[str, Any], vision: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """A published Qwen3.5 size on :data:`TINY_PRESET`'s token ids: the settings every published
+    size shares (Gated DeltaNet key/value heads of 128, conv kernel 4, attention heads of 256,
+    3 Gated DeltaNet layers then 1 full-attention layer, vocabulary 248320, rotary theta 1e7 on
+    25 % of each head with interleaved mRoPE sections 11/11/10; vision patch 16, temporal 2, 2x2
+    merge, 48x48 learned position grid), then ``text`` and ``vision``."""
     preset = copy.deepcopy(TINY_PRESET)
     preset["text_config"].update({
         "vocab_size": 248320,
-        "hidden_size": 1024,
-        "intermediate_size": 3584,
-        "num_hidden_layers": 24,
-        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (text["num_hidden_layers"] // 4),
         "head_dim": 256,
         "linear_num_key_heads": 16,
-        "linear_num_value_heads": 16,
         "linear_key_head_dim": 128,
         "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": tied,
         "max_position_embeddings": 262144,
         "initializer_range": 0.02,
         "rope_parameters": {
@@ -272,17 +272,10 @@ def _published_0_8b() -> dict[str, Any]:
             "mrope_section": [11, 11, 10],
             "mrope_interleaved": True,
         },
+        **text,
     })
-    preset["vision_config"].update({
-        "depth": 12,
-        "hidden_size": 768,
-        "num_heads": 12,
-        "intermediate_size": 3072,
-        "out_hidden_size": 1024,
-        "num_position_embeddings": 2304,
-        "initializer_range": 0.02,
-    })
-    preset["tie_word_embeddings"] = True
+    preset["vision_config"].update({"num_position_embeddings": 2304, "initializer_range": 0.02, **vision})
+    preset["tie_word_embeddings"] = tied
     return preset
 
 
@@ -301,10 +294,62 @@ def _published_0_8b() -> dict[str, Any]:
 #: 2x2 merge to 1024. Weights are random (``initializer_range`` 0.02, transformers' default)
 #: and the token ids are the demo tokenizer's (the published tokenizer cannot be downloaded
 #: here); only the sizes matter for speed. Treat as read-only.
-QWEN35_0_8B_PRESET: dict[str, Any] = _published_0_8b()
+QWEN35_0_8B_PRESET: dict[str, Any] = _published(
+    {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8,
+     "num_key_value_heads": 2, "linear_num_value_heads": 16},
+    {"depth": 12, "hidden_size": 768, "num_heads": 12, "intermediate_size": 3072, "out_hidden_size": 1024},
+    tied=True,
+)
+
+#: ``Qwen/Qwen3.5-2B`` (2.2 B parameters; revision 15852e8c16360a2fea060d615a32b45270f8a8fc of its
+#: ``config.json``): hidden 2048, MLP 6144, 24 layers (18 Gated DeltaNet + 6 full attention),
+#: attention 8 query / 2 KV heads, Gated DeltaNet 16 key / 16 value heads, tied embeddings. Vision
+#: tower (the 2B and 4B share it): 24 blocks of width 1024 (MLP 4096, 16 heads) merged to 2048,
+#: from pytorch-image-models ``timm/models/qwen3_vit.py`` @ 30eb5c9d and its PR #2765. Random
+#: weights and demo token ids as :data:`QWEN35_0_8B_PRESET`.
+QWEN35_2B_PRESET: dict[str, Any] = _published(
+    {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 8,
+     "num_key_value_heads": 2, "linear_num_value_heads": 16},
+    {"depth": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096, "out_hidden_size": 2048},
+    tied=True,
+)
+
+#: ``Qwen/Qwen3.5-4B`` (4.5 B parameters, 9.1 GB in bf16, the reference system's model; ``config.json`` revision
+#: 851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a): hidden 2560, MLP 9216, 32 layers (24 Gated DeltaNet +
+#: 8 full attention), attention 16 query / 4 KV heads of 256, Gated DeltaNet 16 key / 32 value
+#: heads of 128 (the 2:1 value/key ratio), vocab 248320. The published config ties the lm_head to
+#: the token embedding (``tie_word_embeddings: true``, and the model card: "LM Output: 248320
+#: (Tied to token embedding)"); the reference system's listing says untied, the published config
+#: wins. Vision: 24 blocks of width 1024 (MLP 4096, 16 heads) merged to 2560, no deepstack.
+QWEN35_4B_PRESET: dict[str, Any] = _published(
+    {"hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
+     "num_key_value_heads": 4, "linear_num_value_heads": 32},
+    {"depth": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096, "out_hidden_size": 2560},
+    tied=True,
+)
+
+#: ``Qwen/Qwen3.5-9B`` (9.4 B parameters, 18.8 GB in bf16: the published 19.3 GB also hold the
+#: multi-token-prediction layer, which transformers does not build; ``config.json`` revision
+#: c202236235762e1c871ad0ccb60c8ee5ba337b9a, of which only the first 50 lines were readable here;
+#: the rest from copies that agree with each other and with its weight index, which lists an
+#: ``lm_head.weight``): hidden 4096, MLP 12288, 32 layers (24 + 8), attention 16 query / 4 KV heads,
+#: Gated DeltaNet 16 key / 32 value heads, untied lm_head. Vision: 27 blocks of width 1152 (MLP
+#: 4304, 16 heads) merged to 4096 (pytorch-image-models ``qwen3_vit.py`` @ 30eb5c9d).
+QWEN35_9B_PRESET: dict[str, Any] = _published(
+    {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+     "num_key_value_heads": 4, "linear_num_value_heads": 32},
+    {"depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304, "out_hidden_size": 4096},
+    tied=False,
+)
 
 #: Checkpoint presets by name (``qwen35-onnx bench --preset``).
-PRESETS: dict[str, dict[str, Any]] = {"tiny": TINY_PRESET, "qwen3.5-0.8b": QWEN35_0_8B_PRESET}
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": TINY_PRESET,
+    "qwen3.5-0.8b": QWEN35_0_8B_PRESET,
+    "qwen3.5-2b": QWEN35_2B_PRESET,
+    "qwen3.5-4b": QWEN35_4B_PRESET,
+    "qwen3.5-9b": QWEN35_9B_PRESET,
+}
 
 
 def preset_config(name: str = "tiny"):
@@ -487,10 +532,17 @@ def _train_tokenizer():
 # ---------------------------------------------------------------------------
 
 
+def preset_dtype(preset: str) -> str:
+    """Storage dtype of a preset's checkpoint: fp32 for ``tiny`` (the parity tests' reference),
+    bf16 for the published sizes, as Qwen publishes them (a 4B fp32 checkpoint would be 18 GB)."""
+    return "fp32" if preset == "tiny" else "bf16"
+
+
 def _marker(seed: int, preset: str) -> dict[str, Any]:
     marker: dict[str, Any] = {"format_version": _FORMAT_VERSION, "seed": seed}
     if preset != "tiny":
         marker["preset"] = preset
+        marker["dtype"] = preset_dtype(preset)
     return marker
 
 
@@ -500,9 +552,8 @@ def _is_complete(path: Path, seed: int, preset: str = "tiny") -> bool:
         marker = json.loads((path / _MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker == _marker(seed, preset) and all(
-        (path / name).is_file() for name in _REQUIRED_FILES
-    )
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return marker == _marker(seed, preset) and weights and all((path / name).is_file() for name in _REQUIRED_FILES)
 
 
 def _write_checkpoint(folder: Path, seed: int, preset: str = "tiny") -> None:
@@ -514,9 +565,15 @@ def _write_checkpoint(folder: Path, seed: int, preset: str = "tiny") -> None:
     tokenizer.save_pretrained(folder)
     Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR).save_pretrained(folder)
 
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[preset_dtype(preset)]
+    default = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]):  # seed locally; the caller's RNG state is left alone
         torch.manual_seed(seed)
-        model = Qwen3_5ForConditionalGeneration(preset_config(preset)).to(torch.float32).eval()
+        torch.set_default_dtype(dtype)  # built in its storage dtype: one copy (a 4B fp32 copy is 18 GB)
+        try:
+            model = Qwen3_5ForConditionalGeneration(preset_config(preset)).eval()
+        finally:
+            torch.set_default_dtype(default)
     model.generation_config = GenerationConfig(
         eos_token_id=[_token_id("<|im_end|>"), _token_id("<|endoftext|>")],
         pad_token_id=_token_id("<|endoftext|>"),
@@ -574,8 +631,10 @@ def build_demo_checkpoint(
         seed: seed for the weights (the tokenizer and configs do not depend on it).
         overwrite: rebuild even if a complete checkpoint is already there, and
             replace a folder that is not a demo checkpoint.
-        preset: model sizes, a key of :data:`PRESETS` ("tiny", or "qwen3.5-0.8b" for the
-            published 0.8B dimensions with random weights: 3.4 GB, for benchmarks).
+        preset: model sizes, a key of :data:`PRESETS`: "tiny" (fp32), or one of the published
+            sizes "qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b" with random weights,
+            stored in bf16 (1.7, 4.4, 9.1 and 18.8 GB; for benchmarks). Building holds one copy of
+            the weights in memory (bf16) and writes it.
 
     Returns:
         Path: ``path`` as an absolute ``Path``.

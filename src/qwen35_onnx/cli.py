@@ -55,6 +55,12 @@ def export(
     ops: Optional[str] = typer.Option(None, "--ops", help="ort (ONNX Runtime fused operators, KV cache updated in place) or portable (standard ONNX operators only, for other runtimes and compilers). [default: ort]"),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="none, int4 or int8: weight-only quantization of the text graphs (MatMulNBits with --ops ort, standard blocked DequantizeLinear with --ops portable). [default: none]"),
     quant_block_size: Optional[int] = typer.Option(None, "--quant-block-size", help="Weights per quantization scale (power of two from 16 to 256). [default: 32]"),
+    quant_accuracy_level: Optional[int] = typer.Option(
+        None, "--quant-accuracy-level",
+        help="ONNX Runtime's MatMulNBits accuracy level of a quantized export: 0 unset, 1 fp32, 2 fp16, 3 bf16, "
+             "4 int8 activations (fastest on CPU). Written into --ops ort graphs, read from the manifest for "
+             "--ops portable. [default: 4]",
+    ),
     max_images: Optional[int] = typer.Option(None, "--max-images", help="Images per prompt the prefill graphs take (each adds its image tokens to the prompt). [default: 1]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export in --output-dir."),
 ) -> None:
@@ -73,6 +79,7 @@ def export(
         "ops": ops,
         "quantize": quantize,
         "quant_block_size": quant_block_size,
+        "quant_accuracy_level": quant_accuracy_level,
         "max_images": max_images,
     }
     try:
@@ -167,8 +174,8 @@ def bench(
     work_dir: Path = typer.Option(Path("benchmarks/out"), "--work-dir", help="Exports and reports (bench.md, bench.json, bench.png)."),
     preset: str = typer.Option(
         "qwen3.5-0.8b", "--preset",
-        help="Checkpoint sizes: qwen3.5-0.8b (published Qwen3.5-0.8B dimensions, random weights, 3.4 GB) "
-             "or tiny (the demo checkpoint, a quick run).",
+        help="Checkpoint sizes: qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b or qwen3.5-9b (published Qwen3.5 "
+             "dimensions, random weights, bf16: 1.7 / 4.4 / 9.1 / 18.8 GB) or tiny (the demo checkpoint, a quick run).",
     ),
     rows: str = typer.Option(
         "all", "--rows",

@@ -28,6 +28,11 @@ PREFILL_LOGITS = ("last", "all")
 OPS = ("portable", "ort")
 """Operator sets: standard ONNX only, or ONNX Runtime fused contrib operators."""
 QUANTIZATIONS = ("none", "int4", "int8")
+#: ONNX Runtime's MatMulNBits ``accuracy_level``: the type a quantized MatMul computes in on the
+#: CPU (0 unset = the input's type, 1 fp32, 2 fp16, 3 bf16, 4 int8: activations quantized to int8
+#: per block; ONNX Runtime's contrib operator spec, MatMulNBits).
+QUANT_ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+DEFAULT_QUANT_ACCURACY_LEVEL = 4
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
 DTYPES = ("fp32",)
@@ -197,6 +202,7 @@ class ShapeContract:
     pad_token_id: int | None
     exporter_version: str
     max_images: int = 1
+    quant_accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
@@ -360,7 +366,8 @@ class ShapeContract:
                 "re-export the model with this version of qwen35-onnx"
             )
         names = {f.name for f in dataclasses.fields(cls)}
-        optional = ("graphs", "format_version", "max_images")  # max_images: 1 in exports before 0.4.0
+        # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0
+        optional = ("graphs", "format_version", "max_images", "quant_accuracy_level")
         missing = sorted(n for n in names if n not in data and n not in optional)
         if missing:
             raise ContractError(f"contract is missing fields: {', '.join(missing)}")
@@ -397,7 +404,7 @@ class ShapeContract:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int):
-                low = 0 if f.name.endswith("_token_id") else 1
+                low = 0 if f.name.endswith("_token_id") or f.name == "quant_accuracy_level" else 1
                 if isinstance(value, bool) or not isinstance(value, int) or value < low:
                     raise ContractError(f"{f.name} must be an integer >= {low}, got {value!r}")
         for name in ("layer_types", "eos_token_ids", "prefill_buckets"):
@@ -421,6 +428,8 @@ class ShapeContract:
             raise ContractError(f"ops {self.ops!r} is not one of {OPS}")
         if self.quantize not in QUANTIZATIONS:
             raise ContractError(f"quantize {self.quantize!r} is not one of {QUANTIZATIONS}")
+        if self.quant_accuracy_level not in QUANT_ACCURACY_LEVELS:
+            raise ContractError(f"quant_accuracy_level {self.quant_accuracy_level!r} is not one of {QUANT_ACCURACY_LEVELS}")
         if self.prefill_logits not in PREFILL_LOGITS:
             raise ContractError(f"prefill_logits {self.prefill_logits!r} is not one of {PREFILL_LOGITS}")
         try:

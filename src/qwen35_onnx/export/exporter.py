@@ -29,7 +29,9 @@ from ..contract import (
     MANIFEST_NAME,
     METADATA_KEY,
     OPS,
+    DEFAULT_QUANT_ACCURACY_LEVEL,
     PREFILL_LOGITS,
+    QUANT_ACCURACY_LEVELS,
     QUANTIZATIONS,
     STATE_NAMES,
     ShapeContract,
@@ -92,6 +94,7 @@ class ExportOptions:
     ops: str = "ort"
     quantize: str = "none"
     quant_block_size: int = 32
+    quant_accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL
     max_images: int = 1
     overwrite: bool = False
 
@@ -117,6 +120,12 @@ class ExportOptions:
         bs = self.quant_block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
             raise ExportError(f"--quant-block-size {bs!r} must be a power of two from 16 to 256")
+        level = self.quant_accuracy_level
+        if isinstance(level, bool) or level not in QUANT_ACCURACY_LEVELS:
+            raise ExportError(
+                f"--quant-accuracy-level {level!r} must be one of {', '.join(map(str, QUANT_ACCURACY_LEVELS))} "
+                "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)"
+            )
         if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 1:
             raise ExportError(f"--max-images must be an integer >= 1, got {self.max_images!r}")
         if self.prefill_logits not in PREFILL_LOGITS:
@@ -272,6 +281,7 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
         ops=options.ops,
         quantize=options.quantize,
         quant_block_size=options.quant_block_size,
+        quant_accuracy_level=options.quant_accuracy_level,
         image_token_id=config.image_token_id,
         vision_start_token_id=config.vision_start_token_id,
         vision_end_token_id=config.vision_end_token_id,
@@ -440,7 +450,8 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
     if contract.quantize != "none" and job.kind != "vision":
         from .quantize import quantize_graph
 
-        quantize_graph(path, contract.quantize, contract.quant_block_size, external, ops=contract.ops)
+        quantize_graph(path, contract.quantize, contract.quant_block_size, external, ops=contract.ops,
+                       accuracy_level=contract.quant_accuracy_level)
     return path
 
 
@@ -501,6 +512,7 @@ CONTRACT_OPTIONS = {
     "ops": "--ops",
     "quantize": "--quantize",
     "quant_block_size": "--quant-block-size",
+    "quant_accuracy_level": "--quant-accuracy-level",
     "max_images": "--max-images",
 }
 """Options that shape the contract: a single-component export takes them from the existing export."""
@@ -524,6 +536,7 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
         "ops": existing.ops,
         "quantize": existing.quantize,
         "quant_block_size": existing.quant_block_size,
+        "quant_accuracy_level": existing.quant_accuracy_level,
         "max_images": existing.max_images,
     }
     defaults = ExportOptions()

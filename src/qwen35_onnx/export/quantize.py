@@ -46,8 +46,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ..contract import DEFAULT_QUANT_ACCURACY_LEVEL
+
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
-ACCURACY_LEVEL = 4
 DQ_OPSET = 21
 """Default-domain opset of portable quantized graphs: the first with blocked DequantizeLinear and INT4."""
 DQ_IR_VERSION = 10
@@ -56,10 +57,14 @@ _CHUNK = 1 << 24
 """Weights quantized per slice of at most this many elements (bounds the temporaries at 0.8B)."""
 
 
-def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool, ops: str = "ort") -> int:
+def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool, ops: str = "ort",
+                   accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL) -> int:
     """Quantize the graph at ``path`` in place; returns the number of quantized MatMuls
     (``MatMulNBits`` nodes for ``ops='ort'``, ``DequantizeLinear`` nodes for ``ops='portable'``).
 
+    ``accuracy_level`` (see :data:`~qwen35_onnx.contract.QUANT_ACCURACY_LEVELS`) is written into
+    each MatMulNBits node (``ops='ort'``); a portable graph has no place for it (ONNX Runtime
+    reads it from the manifest when it fuses the graph, see ``runtime.sessions``).
     Metadata (the contract) is kept. The weights are saved as the graph was (inline, or in its
     own ``<name>.data`` file with ``external_data``); the exporter then moves them into the
     shared weights file of the text graphs.
@@ -77,7 +82,7 @@ def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool
         onnx.load_external_data_for_model(model, str(path.parent))
         count = quantize_dq(model, QUANTIZE_BITS[scheme], block_size)
     elif ops == "ort":
-        model, count = _quantize_nbits(onnx.load(str(path)), QUANTIZE_BITS[scheme], block_size)
+        model, count = _quantize_nbits(onnx.load(str(path)), QUANTIZE_BITS[scheme], block_size, accuracy_level)
     else:
         raise ValueError(f"ops {ops!r} must be 'portable' or 'ort'")
     for old in path.parent.glob(path.name + ".data"):
@@ -95,7 +100,7 @@ def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool
 # ----------------------------------------------------------------------------------------
 # --ops ort: MatMulNBits
 # ----------------------------------------------------------------------------------------
-def _quantize_nbits(model: onnx.ModelProto, bits: int, block_size: int) -> tuple[onnx.ModelProto, int]:
+def _quantize_nbits(model: onnx.ModelProto, bits: int, block_size: int, accuracy_level: int) -> tuple[onnx.ModelProto, int]:
     # the quantizer and onnx_ir log every step at INFO level, and importing the quantizer
     # sets the root logger to INFO: levels are saved before the import and restored after
     loggers = [logging.getLogger(name) for name in ("onnxruntime.quantization", "onnx_ir", "")]
@@ -110,7 +115,7 @@ def _quantize_nbits(model: onnx.ModelProto, bits: int, block_size: int) -> tuple
             bits=bits,
             block_size=block_size,
             is_symmetric=True,
-            accuracy_level=ACCURACY_LEVEL,
+            accuracy_level=accuracy_level,
         )
         quantizer.process()
         quantized = quantizer.model.model

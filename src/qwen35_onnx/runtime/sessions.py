@@ -44,8 +44,10 @@ class GraphSession(GraphSpec):
     session: ort.InferenceSession | None = None
 
     @classmethod
-    def load(cls, name: str, path: Path, device: str = "cpu", threads: int = 0) -> "GraphSession":
-        """Load ``path`` with the providers of ``device``; ``threads`` 0 lets ORT choose.
+    def load(cls, name: str, path: Path, device: str = "cpu", threads: int = 0,
+             config: dict[str, str] | None = None) -> "GraphSession":
+        """Load ``path`` with the providers of ``device``; ``threads`` 0 lets ORT choose;
+        ``config``: session config entries (``SessionOptions.add_session_config_entry``).
 
         Raises:
             ContractError: the file is missing or carries no qwen35-onnx contract.
@@ -56,6 +58,8 @@ class GraphSession(GraphSpec):
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
             options.intra_op_num_threads = threads
+        for key, value in (config or {}).items():
+            options.add_session_config_entry(key, value)
         providers = providers_for(device)
         try:
             session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
@@ -88,4 +92,14 @@ class GraphSet(backend.GraphSet):
         super().__init__(root, contract)
 
     def _read(self, key: str, path: Path) -> GraphSession:
-        return GraphSession.load(key, path, self.device, self.threads)
+        return GraphSession.load(key, path, self.device, self.threads, session_config(self.contract))
+
+
+def session_config(contract: ShapeContract) -> dict[str, str]:
+    """Session config entries an export needs: a portable quantized export (blocked
+    DequantizeLinear, which ONNX Runtime fuses into MatMulNBits when it loads the graph) gets the
+    manifest's ``quant_accuracy_level`` as ``session.qdq_matmulnbits_accuracy_level`` (ONNX
+    Runtime's session option for that fusion; its own default is 4)."""
+    if contract.quantize != "none" and contract.ops == "portable":
+        return {"session.qdq_matmulnbits_accuracy_level": str(contract.quant_accuracy_level)}
+    return {}

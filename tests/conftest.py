@@ -87,6 +87,26 @@ def trained_checkpoint(checkpoint, tmp_path_factory) -> Path:
     return train_checkpoint(checkpoint, tmp_path_factory.mktemp("ckpt") / "trained", steps=200)
 
 
+@pytest.fixture(scope="session")
+def trained_export(trained_checkpoint, tmp_path_factory):
+    """``trained_export(ops, dtype="fp32", **options) -> Path``: an export of the trained demo
+    checkpoint with one prefill bucket of CAPACITY tokens, built on first request and shared by
+    every test of the session (the quantization, dtype and OpenVINO tests compare the same
+    exports)."""
+    root = tmp_path_factory.mktemp("trained-exports")
+    built: dict[tuple, Path] = {}
+
+    def get(ops: str, dtype: str = "fp32", **options) -> Path:
+        key = (ops, dtype, *sorted(options.items()))
+        if key not in built:
+            name = "-".join([ops, dtype] + [f"{k}-{v}" for k, v in sorted(options.items())])
+            built[key] = export_to(trained_checkpoint, root / name, ops=ops, dtype=dtype,
+                                   prefill_buckets=(CAPACITY,), **options)
+        return built[key]
+
+    return get
+
+
 def random_prompt(pipe, length: int, seed: int):
     """[1, length] token ids of ordinary (non-special, non-image) tokens of ``pipe``'s tokenizer."""
     import numpy as np

@@ -21,14 +21,13 @@ def ort_export(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained_fp32_export(trained_checkpoint, tmp_path_factory):
-    return export_to(trained_checkpoint, tmp_path_factory.mktemp("exp") / "trained-fp32", ops="ort")
+def trained_fp32_export(trained_export):
+    return trained_export("ort")
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
-def quantized_export(request, trained_checkpoint, tmp_path_factory):
-    out = export_to(trained_checkpoint, tmp_path_factory.mktemp("exp") / request.param, ops="ort", quantize=request.param)
-    return request.param, out
+def quantized_export(request, trained_export):
+    return request.param, trained_export("ort", quantize=request.param)
 
 
 def _last_logits(pipe, photo):

@@ -15,7 +15,7 @@ import pytest
 from qwen35_onnx.contract import METADATA_KEY, ContractError, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, export_to, random_prompt
+from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, random_prompt
 
 ov = pytest.importorskip("openvino")
 
@@ -366,14 +366,13 @@ def test_cli_bad_runtime_options(fixed_export, args, message):
 
 # ---- bf16 -----------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_bf16_token_agreement_with_f32(trained_checkpoint, tmp_path_factory, photo):
+def test_bf16_token_agreement_with_f32(trained_export, photo):
     """Measured, not asserted equal: how many of 64 greedy tokens bf16 precision keeps from f32 on
     the trained demo checkpoint (random weights are chaotic); the number goes to the README."""
     capabilities = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     if "BF16" not in capabilities:
         pytest.skip("this CPU has no bf16")
-    out = export_to(trained_checkpoint, tmp_path_factory.mktemp("exp") / "trained-portable", ops="portable",
-                    prefill_buckets=(32,))
+    out = trained_export("portable")
     f32 = Pipeline.from_exported(out, runtime="openvino").generate(photo, PROMPT, max_new_tokens=64)
     bf16 = Pipeline.from_exported(out, runtime="openvino", precision="bf16").generate(photo, PROMPT, max_new_tokens=64)
     assert len(f32.token_ids) == 64 == len(bf16.token_ids)

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qwen35_onnx.contract import read_manifest
 from qwen35_onnx.export.quantize import DQ_OPSET, quantize_blocks, quantize_dq, to_dq_opset
 
-from .conftest import CAPACITY, PROMPT, export_to, split_margin
+from .conftest import CAPACITY, PROMPT, split_margin
 from .onnx_graphs import all_nodes
 
 BLOCK = 32
@@ -140,23 +140,20 @@ def test_dequantize_linear_transform(bits, tmp_path):
 # Exports of the trained demo checkpoint (random weights are a chaotic worst case for int4:
 # last-logit cosine 0.60 against fp32, see checkpoints.train_checkpoint)
 # ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["int4", "int8"])
-def portable_export(request, trained_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("exp") / f"portable-{request.param}"
-    return request.param, export_to(trained_checkpoint, out, ops="portable", quantize=request.param,
-                                    prefill_buckets=(CAPACITY,))
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def portable_export(request, trained_export):
+    return request.param, trained_export("portable", quantize=request.param)
 
 
 @pytest.fixture(scope="module")
-def ort_int4_export(trained_checkpoint, tmp_path_factory):
-    return export_to(trained_checkpoint, tmp_path_factory.mktemp("exp") / "ort-int4", ops="ort", quantize="int4",
-                     prefill_buckets=(CAPACITY,))
+def ort_int4_export(trained_export):
+    return trained_export("ort", quantize="int4")
 
 
 @pytest.fixture(scope="module")
-def fp32_export(trained_checkpoint, tmp_path_factory):
+def fp32_export(trained_export):
     """The reference (--ops ort fp32: the portable fp32 export gives the same logits within 2e-6)."""
-    return export_to(trained_checkpoint, tmp_path_factory.mktemp("exp") / "fp32", ops="ort", prefill_buckets=(CAPACITY,))
+    return trained_export("ort")
 
 
 def _graph_paths(out):
@@ -325,7 +322,7 @@ def _greedy(out, photo, n: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_quant_accuracy_levels_against_fp32(scheme, trained_checkpoint, fp32_export, photo, tmp_path):
+def test_quant_accuracy_levels_against_fp32(scheme, trained_export, fp32_export, photo):
     """``--quant-accuracy-level`` 0 (the input's type, fp32) and 4 (int8 activations; ONNX Runtime
     issue 29849 reports greedy flips with it on models with outlier activations): recorded in the
     manifest and in every MatMulNBits node, and greedy agreement with fp32 over 64 tokens on the
@@ -336,9 +333,8 @@ def test_quant_accuracy_levels_against_fp32(scheme, trained_checkpoint, fp32_exp
     reference = _last_logits(fp32_export, photo)
     fp32_pipe = Pipeline.from_exported(fp32_export)
     logits = {}
-    for level in (0, 4):
-        out = export_to(trained_checkpoint, tmp_path / f"level{level}", ops="ort", quantize=scheme,
-                        quant_accuracy_level=level, prefill_buckets=(CAPACITY,))
+    for level in (0, 4):  # 4: the default (the export the other tests share)
+        out = trained_export("ort", quantize=scheme, **({"quant_accuracy_level": 0} if level == 0 else {}))
         contract, paths = _graph_paths(out)
         assert contract.quant_accuracy_level == level
         for key in ("decode", f"prefill_{CAPACITY}"):
@@ -358,7 +354,7 @@ def test_quant_accuracy_levels_against_fp32(scheme, trained_checkpoint, fp32_exp
 
 
 @pytest.mark.slow
-def test_portable_export_takes_its_accuracy_level_to_onnxruntime(portable_export, trained_checkpoint, photo, tmp_path):
+def test_portable_export_takes_its_accuracy_level_to_onnxruntime(portable_export, trained_export, photo):
     """A portable quantized export has no MatMulNBits node to hold the level: the runtime passes
     the manifest's level to ONNX Runtime's DequantizeLinear + MatMul fusion
     (``session.qdq_matmulnbits_accuracy_level``), so level 1 (fp32) computes differently from 4."""
@@ -367,8 +363,7 @@ def test_portable_export_takes_its_accuracy_level_to_onnxruntime(portable_export
     scheme, level4 = portable_export
     if scheme != "int8":
         pytest.skip("one scheme is enough")
-    level1 = export_to(trained_checkpoint, tmp_path / "level1", ops="portable", quantize=scheme,
-                       quant_accuracy_level=1, prefill_buckets=(CAPACITY,))
+    level1 = trained_export("portable", quantize=scheme, quant_accuracy_level=1)
     assert session_config(read_manifest(level1)) == {"session.qdq_matmulnbits_accuracy_level": "1"}
     assert session_config(read_manifest(level4)) == {"session.qdq_matmulnbits_accuracy_level": "4"}
     a, b = _last_logits(level1, photo), _last_logits(level4, photo)

@@ -43,7 +43,7 @@ def export(
     output_dir: Path = typer.Option(..., "--output-dir", help="Folder to write (vision/, text/ with the prefill and decode graphs and their shared weights, manifest.json)."),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Capacity in tokens: KV cache and mask width. [default: 2048]"),
     kv_cache: Optional[str] = typer.Option(None, "--kv-cache", help="fixed (constant-width KV, static graphs) or dynamic (growing). [default: fixed]"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Weights and states dtype. [default: fp32]"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, fp16 or bf16: weights, activations, conv state and KV cache (the recurrent state and the host-facing pixel_values, image_embeds and logits stay fp32; bf16 runs on OpenVINO). [default: fp32]"),
     vision_image_size: Optional[int] = typer.Option(None, "--vision-image-size", help="Image side in pixels (multiple of patch x merge). [default: 128]"),
     dummy_seq_len: Optional[int] = typer.Option(None, "--dummy-seq-len", help="Trace length in tokens. [default: 8, at most capacity - 1]"),
     component: str = typer.Option("all", "--component", help="all, vision, prefill or decode (one graph of an existing export, keeping its settings)."),

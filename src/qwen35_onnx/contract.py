@@ -35,7 +35,10 @@ QUANT_ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 DEFAULT_QUANT_ACCURACY_LEVEL = 4
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
-DTYPES = ("fp32",)
+DTYPES = ("fp32", "fp16", "bf16")
+"""Export dtypes (``--dtype``): of the weights, the activations, the conv state and the KV cache.
+The Gated DeltaNet recurrent state is fp32 in every dtype, and the graphs' host-facing tensors
+(``pixel_values``, ``image_embeds``, ``logits``) are fp32 in every dtype."""
 MIN_CAPACITY = 2
 
 

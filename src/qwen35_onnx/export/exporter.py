@@ -51,6 +51,16 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration",)
 SUPPORTED_MODEL_TYPES = ("qwen3_5",)
 OPSET = 18
+BF16_OPSET = 22
+"""Default-domain opset of bf16 exports: opset 22 is the first where Conv (the patch embedding and
+the causal conv) and the other operators of our graphs accept bfloat16 (ONNX operator spec)."""
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a contract dtype name ('fp32', 'fp16', 'bf16')."""
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 TEXT_DIR = "text"
 """Folder of the prefill and decode graphs and of their shared weights file."""
 EXTERNAL_DATA_THRESHOLD = 256 * 1024 * 1024
@@ -360,16 +370,17 @@ def dummy_inputs(kind: str, contract: ShapeContract, seq_len: int):
     mask_len = contract.capacity if contract.kv_mode == "fixed" else seq_len + 1
     mask = torch.zeros(b, mask_len, dtype=torch.long)
     mask[:, : seq_len + 1] = 1
+    dtype = {name: torch_dtype(contract.state_dtype(name)) for name in STATE_NAMES}
     if contract.kv_in_place:  # every state one entry at a time
         states = tuple(
-            tuple(torch.zeros(contract.state_shape(name)[1:]) for _ in range(contract.state_shape(name)[0]))
+            tuple(torch.zeros(contract.state_shape(name)[1:], dtype=dtype[name]) for _ in range(contract.state_shape(name)[0]))
             for name in STATE_NAMES
         )
     else:
         states = (
-            torch.zeros(contract.conv_state_shape),
-            torch.zeros(contract.recurrent_state_shape),
-            torch.zeros(contract.kv_shape(kv_len)),
+            torch.zeros(contract.conv_state_shape, dtype=dtype["conv_states"]),
+            torch.zeros(contract.recurrent_state_shape, dtype=dtype["recurrent_states"]),
+            torch.zeros(contract.kv_shape(kv_len), dtype=dtype["kv_cache"]),
         )
     return (torch.randint(0, contract.vocab_size, (b, 1)), mask, torch.full((4, b, 1), seq_len, dtype=torch.long), *states)
 
@@ -431,7 +442,7 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
             module,
             dummy_inputs(job.kind, contract, trace_seq_len(job, contract, dummy_seq_len)),
             dynamo=True,
-            opset_version=OPSET,
+            opset_version=BF16_OPSET if contract.dtype == "bf16" else OPSET,
             input_names=inputs,
             output_names=outputs,
             dynamic_shapes=dynamic_shapes(job, contract),
@@ -481,8 +492,9 @@ def load_config(model_id: str | Path):
     return config, generation_config
 
 
-def load_weights(model_id: str | Path):
-    """fp32 ``Qwen3_5ForConditionalGeneration`` of a local folder, eval mode.
+def load_weights(model_id: str | Path, dtype: str = "fp32"):
+    """``Qwen3_5ForConditionalGeneration`` of a local folder in ``dtype`` (a contract dtype: the
+    weights are converted while loading, whatever the checkpoint stores), eval mode.
 
     Raises:
         ExportError: missing or unreadable weight files.
@@ -490,7 +502,7 @@ def load_weights(model_id: str | Path):
     from transformers import Qwen3_5ForConditionalGeneration
 
     try:
-        return Qwen3_5ForConditionalGeneration.from_pretrained(Path(model_id), dtype="float32").eval()
+        return Qwen3_5ForConditionalGeneration.from_pretrained(Path(model_id), dtype=torch_dtype(dtype)).eval()
     except Exception as exc:  # OSError, safetensors' SafetensorError, ...: a bad checkpoint
         raise ExportError(f"--model-id {str(model_id)!r}: the weights cannot be loaded: {exc}") from exc
 
@@ -633,7 +645,7 @@ def export(
         raise ExportError(f"--output-dir {str(out)!r} cannot be created: {exc}") from exc
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an export is ordinary data
     try:
-        model = load_weights(model_dir)
+        model = load_weights(model_dir, contract.dtype)
         if options.component != "all":
             keep = {job.path.split("/")[0] for job in graph_jobs(contract) if job.kind != options.component}
             for name in sorted(keep):

@@ -100,6 +100,7 @@ class VisionGraph(nn.Module):
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
 
         visual = self.visual
+        pixel_values = pixel_values.to(visual.patch_embed.proj.weight.dtype)  # fp32 in, the export's dtype inside
         hidden = visual.patch_embed(pixel_values) + self.pos_embeds.to(pixel_values.dtype)
         n_tokens = hidden.shape[0]
         for block in visual.blocks:
@@ -113,7 +114,7 @@ class VisionGraph(nn.Module):
             out = (probs @ v).transpose(0, 1).reshape(n_tokens, -1)
             hidden = hidden + attn.proj(out)
             hidden = hidden + block.mlp(block.norm2(hidden))
-        return visual.merger(hidden)
+        return visual.merger(hidden).float()
 
 
 class _TextGraph(nn.Module):
@@ -138,8 +139,9 @@ class _TextGraph(nn.Module):
             # MRotaryEmbedding tables for every position below capacity: [L, F]
             rotary = self.text.rotary_emb
             freqs = torch.arange(contract.capacity, dtype=torch.float32)[:, None] * rotary.inv_freq.float()[None]
-            self.register_buffer("rope_cos", freqs.cos() * rotary.attention_scaling, persistent=False)
-            self.register_buffer("rope_sin", freqs.sin() * rotary.attention_scaling, persistent=False)
+            dtype = self.text.embed_tokens.weight.dtype
+            self.register_buffer("rope_cos", (freqs.cos() * rotary.attention_scaling).to(dtype), persistent=False)
+            self.register_buffer("rope_sin", (freqs.sin() * rotary.attention_scaling).to(dtype), persistent=False)
 
     def _merge_projections(self) -> None:
         """Register, for every group of :data:`MERGED_PROJECTIONS` in every layer, the
@@ -180,15 +182,16 @@ class _TextGraph(nn.Module):
         return layers.mrope_cos_sin(self.text.rotary_emb, hidden, position_ids[1:])
 
     def gdn_projections(self, i: int, attn: nn.Module, hidden: torch.Tensor):
-        """in_proj_* of Gated DeltaNet layer ``i``: packed qkv ``[B, D, S]``, z, and g/beta ``[B, S, Hv]``."""
+        """in_proj_* of Gated DeltaNet layer ``i``: packed qkv ``[B, D, S]`` and z in the export's dtype, g/beta
+        ``[B, S, Hv]`` fp32 (the gates compute in fp32 whatever the dtype)."""
         qkv, z, b, a = self.projections(i, "gdn_in", hidden)
         qkv = qkv.transpose(1, 2)
         decay_scale = -attn.A_log.float().exp()
         if self.fused:
-            g, beta = fused.linear_attention_gate(a, attn.dt_bias.float(), decay_scale, b)
-            return qkv, z, g.float(), beta
-        beta = b.sigmoid()
-        g = decay_scale * F.softplus(a.float() + attn.dt_bias)
+            g, beta = fused.linear_attention_gate(a.float(), attn.dt_bias.float(), decay_scale, b.float())
+            return qkv, z, g, beta
+        beta = b.float().sigmoid()
+        g = decay_scale * F.softplus(a.float() + attn.dt_bias.float())
         return qkv, z, g, beta
 
     @property
@@ -197,16 +200,16 @@ class _TextGraph(nn.Module):
         return self.contract.ops == "ort"
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``lm_head``: ``[B, S, hidden] -> [B, S, V]``."""
+        """``lm_head``: ``[B, S, hidden] -> [B, S, V]`` fp32 (computed in the export's dtype)."""
         if self.contract.quantize != "none":
-            return hidden @ self.lm_head_t
-        return self.lm_head(hidden)
+            return (hidden @ self.lm_head_t).float()
+        return self.lm_head(hidden).float()
 
     def norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A ``Qwen3_5RMSNorm`` (scale ``1 + weight``); one SimplifiedLayerNormalization with ``--ops ort``."""
         if not self.fused:
             return module(x)
-        return fused.rms_norm(x, _rms_scale(module), module.eps)
+        return fused.rms_norm(x, _rms_scale(module).to(x.dtype), module.eps)
 
     def l2norm(self, x: torch.Tensor) -> torch.Tensor:
         """transformers' ``l2norm`` (``x / sqrt(sum x^2 + 1e-6)``) of the last axis ``D``; with
@@ -314,7 +317,7 @@ class _TextGraph(nn.Module):
 
     def _run_layers_fused(self, hidden: torch.Tensor, linear_mixer, full_mixer) -> torch.Tensor:
         def skip_norm(x, residual, module):
-            return fused.skip_rms_norm(x, residual, _rms_scale(module), module.eps)
+            return fused.skip_rms_norm(x, residual, _rms_scale(module).to(x.dtype), module.eps)
 
         layers_ = list(self.text.layers)
         residual, h = hidden, self.norm(layers_[0].input_layernorm, hidden)

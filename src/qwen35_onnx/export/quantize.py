@@ -9,9 +9,9 @@ The format follows ``--ops``:
 
 - ``ort``: ONNX Runtime's own tool
   (``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer``) replaces the MatMul
-  by a ``com.microsoft`` ``MatMulNBits`` node. ``accuracy_level`` 4: activations are quantized to
-  int8 per block inside the kernel, ONNX Runtime's fast CPU path (without it, int8 weights run on
-  a slow fp32 path).
+  by a ``com.microsoft`` ``MatMulNBits`` node with the export's ``--quant-accuracy-level`` as its
+  ``accuracy_level`` (default 4: activations quantized to int8 per block inside the kernel, ONNX
+  Runtime's fast CPU path; 0 computes in the input's type).
 - ``portable``: standard ONNX weight quantization, readable by any ONNX runtime and NPU
   toolchain. Each weight ``W[K, N]`` becomes an ``INT4`` or ``INT8`` initializer of the same shape
   and an fp32 scale ``[ceil(K / block_size), N]``, feeding a blocked ``DequantizeLinear``
@@ -31,11 +31,12 @@ Measured (``tests/test_portable_quantize.py`` checks the structure, the fusion, 
 with ``--ops ort`` and with OpenVINO): on the demo checkpoint trained 200 steps
 (``checkpoints.train_checkpoint``), last-logit cosine against fp32 is the same in both formats,
 int4 0.9982 and int8 1.0000. ONNX Runtime fuses every pair into MatMulNBits (accuracy level 4, its
-default for this fusion), so on the 0.8B preset a portable int4 decode step takes 88-92 ms against
-65-72 ms for ``--ops ort`` int4 and 260 ms for portable fp32 (2 shared cores): the gap to ``ort``
-is the portable graph's unfused operators, not the weights. OpenVINO's CPU plugin runs the same
-portable int4 graph in 56-57 ms, its 187 fully connected layers holding i4 weights (compiled
-decode graph 2.1 GB resident against 5.9 GB for fp32), logits within 1e-6 of ONNX Runtime's.
+default for this fusion, or the export's ``--quant-accuracy-level``). Decode at 0.8B, 2 cores
+(bench of 0.5.0): portable int4 on ONNX Runtime 39-53 ms per token against 32-36 ms for
+``--ops ort`` int4 (the portable graph's unfused operators, not the weights); OpenVINO's CPU
+plugin runs the same portable int4 graph in 36-40 ms, its fully connected layers holding i4
+weights (compiled decode graph 2.1 GB resident against 5.9 GB for fp32), logits within 1e-6 of
+ONNX Runtime's.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ DQ_OPSET = 21
 """Default-domain opset of portable quantized graphs: the first with blocked DequantizeLinear and INT4."""
 DQ_IR_VERSION = 10
 """First IR version with the INT4 / UINT4 types (the one opset 21 goes with)."""
+FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+"""Weight types quantized (the scales keep the weight's type, which the MatMul computes in)."""
 _CHUNK = 1 << 24
 """Weights quantized per slice of at most this many elements (bounds the temporaries at 0.8B)."""
 
@@ -194,8 +197,9 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
 
 
 def quantize_dq(model: onnx.ModelProto, bits: int, block_size: int) -> int:
-    """Put a blocked ``DequantizeLinear`` (int4 or int8 weights, fp32 scales, axis 0) in front of
-    every MatMul of ``model`` whose weight (second input) is a 2-D fp32 initializer, in place
+    """Put a blocked ``DequantizeLinear`` (int4 or int8 weights, scales in the weight's dtype, axis
+    0) in front of every MatMul of ``model`` whose weight (second input) is a 2-D fp32, fp16 or
+    bf16 initializer, in place
     (subgraphs included; a weight feeding several MatMuls gets one DequantizeLinear). The model
     must already be at opset :data:`DQ_OPSET` (:func:`to_dq_opset`). Returns the number of
     DequantizeLinear nodes added."""
@@ -211,10 +215,12 @@ def quantize_dq(model: onnx.ModelProto, bits: int, block_size: int) -> int:
             for sub in _node_subgraphs(node):
                 count += visit(sub, weights)
             tensor = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-            if tensor is not None and len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT:
+            if tensor is not None and len(tensor.dims) == 2 and tensor.data_type in FLOAT_TYPES:
                 name = tensor.name
                 if name not in done:
-                    q, scale = quantize_blocks(onnx.numpy_helper.to_array(tensor), bits, block_size)
+                    weight = onnx.numpy_helper.to_array(tensor)
+                    q, scale = quantize_blocks(weight, bits, block_size)
+                    scale = scale.astype(weight.dtype)  # DequantizeLinear's output type is its scale's
                     # ml_dtypes (an onnx dependency) gives ONNX's INT4 packing: two per byte, low nibble first
                     q_tensor = onnx.numpy_helper.from_array(q.astype(ml_dtypes.int4) if bits == 4 else q, f"{name}_q{bits}")
                     graph.initializer.extend([q_tensor, onnx.numpy_helper.from_array(scale, f"{name}_scale")])

@@ -20,7 +20,17 @@ from pathlib import Path
 from ..contract import STATE_NAMES, ContractError, ShapeContract
 
 #: Element type (ONNX's type string, the same for every backend) of each contract dtype.
-ONNX_TYPES = {"fp32": "tensor(float)"}
+ONNX_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
+#: Tensors that cross between the host and the graphs, fp32 in every export dtype: (graph kind,
+#: 'input'/'output', name).
+HOST_FP32 = (("vision", "input", "pixel_values"), ("vision", "output", "image_embeds"),
+             ("prefill", "input", "image_embeds"), ("prefill", "output", "logits"), ("decode", "output", "logits"))
+
+
+def _check_host_types(graph: "GraphSpec", kind: str) -> None:
+    for graph_kind, io, name in HOST_FP32:
+        if graph_kind == kind:
+            _expect(f"{graph.name} {io} {name} element type", graph.types.get(name), ONNX_TYPES["fp32"])
 
 
 @dataclass
@@ -90,8 +100,10 @@ def _check_tensor(graph: GraphSpec, kind: str, name: str, shape: list, dtype: st
 
 
 def _check_states(contract: ShapeContract, graph: GraphSpec, kind: str, prefix: str) -> None:
-    for state in STATE_NAMES[:2]:  # the KV cache is checked with the capacity
+    for state in STATE_NAMES[:2]:  # the KV cache's shape is checked with the capacity
         _check_tensor(graph, kind, f"{prefix}_{state}", list(contract.state_shape(state)), contract.state_dtype(state))
+    _expect(f"{graph.name} {kind} {prefix}_kv_cache element type", graph.types.get(f"{prefix}_kv_cache"),
+            ONNX_TYPES[contract.state_dtype("kv_cache")])
 
 
 def _check_names(graph: GraphSpec, kind: str, expected: list[str]) -> None:
@@ -124,6 +136,7 @@ def check_vision(contract: ShapeContract, vision: GraphSpec) -> None:
         vision.outputs.get("image_embeds"),
         [contract.n_image_tokens, contract.image_embed_dim],
     )
+    _check_host_types(vision, "vision")
 
 
 def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
@@ -132,6 +145,7 @@ def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
     when the graph takes the states one entry at a time)."""
     for kind, prefix, fixed in (("input", "past", ["input_ids", "attention_mask", "position_ids"]), ("output", "present", ["logits"])):
         _check_names(decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)])
+    _check_host_types(decode, "decode")
     if contract.kv_in_place:
         for kind, prefix in (("input", "past"), ("output", "present")):
             table = decode.inputs if kind == "input" else decode.outputs
@@ -157,6 +171,7 @@ def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | Non
     """State shapes; in fixed mode the KV output width equals capacity and a bucket graph's
     inputs have exactly ``bucket`` tokens; logits have 1 row with ``prefill_logits='last'``."""
     _check_states(contract, prefill, "output", "present")
+    _check_host_types(prefill, "prefill")
     if contract.kv_mode == "fixed":
         _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})
     _expect(f"{prefill.name} input image_embeds shape", prefill.inputs.get("image_embeds"),

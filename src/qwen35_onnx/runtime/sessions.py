@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from .checks import (  # noqa: F401  (re-exported: the checks used to live here)
 )
 
 DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+MISSING_KERNEL = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
+"""ONNX Runtime's NOT_IMPLEMENTED message for an operator without a kernel for the graph's types."""
 ORT_TYPES = ONNX_TYPES
 """ONNX Runtime names element types as ONNX does (``'tensor(float)'``)."""
 
@@ -45,9 +48,10 @@ class GraphSession(GraphSpec):
 
     @classmethod
     def load(cls, name: str, path: Path, device: str = "cpu", threads: int = 0,
-             config: dict[str, str] | None = None) -> "GraphSession":
+             config: dict[str, str] | None = None, dtype: str = "fp32") -> "GraphSession":
         """Load ``path`` with the providers of ``device``; ``threads`` 0 lets ORT choose;
-        ``config``: session config entries (``SessionOptions.add_session_config_entry``).
+        ``config``: session config entries (``SessionOptions.add_session_config_entry``);
+        ``dtype``: the export's dtype (named in the error when ONNX Runtime lacks a kernel).
 
         Raises:
             ContractError: the file is missing or carries no qwen35-onnx contract.
@@ -64,6 +68,14 @@ class GraphSession(GraphSpec):
         try:
             session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
         except Exception as exc:  # ORT raises its own classes (InvalidProtobuf, Fail, ...)
+            missing = MISSING_KERNEL.search(str(exc))
+            if missing:
+                op, version, node = missing.groups()
+                raise ContractError(
+                    f"{name} graph {str(path)!r}: ONNX Runtime's {providers[0]} has no {dtype} kernel for the "
+                    f"operator {op} (opset {version}, node {node!r}); run this {dtype} export with --runtime openvino, "
+                    "or export with a --dtype this provider runs (fp32 or fp16)"
+                ) from None
             raise ContractError(f"{name} graph {str(path)!r} cannot be loaded by ONNX Runtime: {exc}") from exc
         meta = session.get_modelmeta().custom_metadata_map
         if METADATA_KEY not in meta:
@@ -92,7 +104,7 @@ class GraphSet(backend.GraphSet):
         super().__init__(root, contract)
 
     def _read(self, key: str, path: Path) -> GraphSession:
-        return GraphSession.load(key, path, self.device, self.threads, session_config(self.contract))
+        return GraphSession.load(key, path, self.device, self.threads, session_config(self.contract), self.contract.dtype)
 
 
 def session_config(contract: ShapeContract) -> dict[str, str]:

@@ -21,7 +21,8 @@ import onnxruntime as ort
 from ..contract import STATE_NAMES, ShapeContract
 from .sessions import GraphSession
 
-NP_DTYPES = {"fp32": np.float32}
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+"""numpy dtypes of the contract dtypes ONNX Runtime's Python API can allocate (numpy has no bf16)."""
 
 
 class BoundDecoder:
@@ -51,10 +52,9 @@ class BoundDecoder:
         self.device = device
         self.fixed = contract.kv_mode == "fixed"
         self.in_place = contract.kv_in_place
-        dtype = NP_DTYPES[contract.dtype]
         # KV: in place (not double-buffered) with kv_in_place; allocated by ORT in dynamic mode
         buffered = STATE_NAMES if self.fixed and not self.in_place else STATE_NAMES[:2]
-        shapes = {"logits": ((contract.batch, 1, contract.vocab_size), dtype)}
+        shapes = {"logits": ((contract.batch, 1, contract.vocab_size), np.float32)}
         shapes.update({
             f"present_{name}": (contract.state_shape(name), NP_DTYPES[contract.state_dtype(name)]) for name in buffered
         })

@@ -184,6 +184,12 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
         (dict(kv_mode="dynamic", prefill_buckets=(32,)), r"--prefill-buckets needs --kv-cache fixed"),
         (dict(prefill_logits="some"), r"--prefill-logits 'some' must be one of last, all"),
         (dict(quantize="int4", quant_block_size=2**40), r"--quant-block-size 1099511627776 must be a power of two from 16 to 256"),
+        (dict(quantize="int4", quant_accuracy_level=5), r"--quant-accuracy-level 5 must be one of 0, 1, 2, 3, 4"),
+        (dict(quantize="int4", quant_accuracy_level=4.0), r"--quant-accuracy-level 4.0 must be one of"),
+        (dict(quantize="int4", quant_accuracy_level=True), r"--quant-accuracy-level True must be one of"),
+        (dict(quant_accuracy_level=0), r"--quant-accuracy-level 0 applies to quantized exports only"),
+        (dict(dtype="bf16", ops="ort"), r"--dtype bf16 needs --ops portable"),
+        (dict(dtype="fp8"), r"--dtype 'fp8' is not supported; supported: fp32, fp16, bf16"),
     ],
 )
 def test_export_time_checks(checkpoint, tmp_path, options, message):

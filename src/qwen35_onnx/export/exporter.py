@@ -131,10 +131,17 @@ class ExportOptions:
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
             raise ExportError(f"--quant-block-size {bs!r} must be a power of two from 16 to 256")
         level = self.quant_accuracy_level
-        if isinstance(level, bool) or level not in QUANT_ACCURACY_LEVELS:
+        if isinstance(level, bool) or not isinstance(level, int) or level not in QUANT_ACCURACY_LEVELS:
             raise ExportError(
                 f"--quant-accuracy-level {level!r} must be one of {', '.join(map(str, QUANT_ACCURACY_LEVELS))} "
                 "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)"
+            )
+        if level != DEFAULT_QUANT_ACCURACY_LEVEL and self.quantize == "none":
+            raise ExportError(f"--quant-accuracy-level {level} applies to quantized exports only (add --quantize int4|int8)")
+        if self.dtype == "bf16" and self.ops == "ort":
+            raise ExportError(
+                "--dtype bf16 needs --ops portable: ONNX Runtime's fused operators (--ops ort) take fp32 and fp16 "
+                "only, and OpenVINO, which runs bf16, reads portable graphs only"
             )
         if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 1:
             raise ExportError(f"--max-images must be an integer >= 1, got {self.max_images!r}")

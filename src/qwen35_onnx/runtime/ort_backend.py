@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..contract import ShapeContract
+from ..contract import ContractError, ShapeContract
 from .backend import Backend, Decoder
 from .sessions import GraphSet, providers_for
-from .state import BoundDecoder, HostDecoder
+from .state import NP_DTYPES, BoundDecoder, HostDecoder
 
 
 class OrtBackend(Backend):
@@ -25,13 +25,18 @@ class OrtBackend(Backend):
     """
 
     runtime = "onnxruntime"
-    precision = "f32"  # the graphs run in their exported dtype
+    precision = "f32"  # no precision hint: the graphs compute in their exported dtype
 
     def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0,
                  host_state_roundtrip: bool = False):
         providers_for(device)  # a bad device fails before any graph loads
         self.contract, self.device, self.host_state_roundtrip = contract, device, host_state_roundtrip
         self.graphs = GraphSet(root, contract, device=device, threads=threads)
+        if contract.dtype not in NP_DTYPES:  # a provider loaded the graphs, but numpy cannot hold the states
+            raise ContractError(
+                f"the export at {str(root)!r} is {contract.dtype}: this runtime's ONNX Runtime path keeps decode states "
+                f"in buffers of {', '.join(NP_DTYPES)} only; run it with --runtime openvino"
+            )
 
     def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
         (embeds,) = self.graphs.vision.session.run(None, {"pixel_values": pixel_values})

@@ -71,11 +71,12 @@ class GraphSession(GraphSpec):
             missing = MISSING_KERNEL.search(str(exc))
             if missing:
                 op, version, node = missing.groups()
+                advice = ("run this bf16 export with --runtime openvino, or re-export with --dtype fp16 or fp32"
+                          if dtype == "bf16" else "re-export with --dtype fp32")
                 raise ContractError(
-                    f"{name} graph {str(path)!r}: ONNX Runtime's {providers[0]} has no {dtype} kernel for the "
-                    f"operator {op} (opset {version}, node {node!r}); run this {dtype} export with --runtime openvino, "
-                    "or export with a --dtype this provider runs (fp32 or fp16)"
-                ) from None
+                    f"{name} graph {str(path)!r}: ONNX Runtime's {providers[0]} has no kernel for the operator {op} "
+                    f"(opset {version}, node {node!r}) with the element types of this {dtype} export; {advice}"
+                ) from exc
             raise ContractError(f"{name} graph {str(path)!r} cannot be loaded by ONNX Runtime: {exc}") from exc
         meta = session.get_modelmeta().custom_metadata_map
         if METADATA_KEY not in meta:

@@ -136,6 +136,37 @@ def test_dequantize_linear_transform(bits, tmp_path):
     np.testing.assert_array_equal(rows, table[[0, 3]])
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_dequantize_linear_keeps_the_weight_dtype(dtype, tmp_path):
+    """fp16 / bf16 weights (``--dtype``): the scale is stored in the weight's dtype (the
+    DequantizeLinear then outputs what the MatMul computes in), and the codes are rounded with the
+    scale as stored, so ``q * stored scale`` is the nearest grid point to each weight. (Dividing
+    the peak by 8 is exact unless the scale falls below fp16's normal range: the fp16 weights here
+    are that small, where rounding with the fp32 scale gave 229 other codes.)"""
+    import ml_dtypes
+
+    np_type, onnx_type = {"fp16": (np.float16, TensorProto.FLOAT16), "bf16": (ml_dtypes.bfloat16, TensorProto.BFLOAT16)}[dtype]
+    rng = np.random.default_rng(7)
+    weight = (rng.standard_normal((256, 64)) * {"fp16": 1e-5, "bf16": 0.02}[dtype]).astype(np_type)
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_tensor_value_info("x", onnx_type, [2, 256])], [helper.make_tensor_value_info("y", onnx_type, [2, 64])],
+        [numpy_helper.from_array(weight, "w")],
+    ), opset_imports=[helper.make_opsetid("", 18)])
+    model = to_dq_opset(model)
+    assert quantize_dq(model, 4, BLOCK) == 1
+    path = tmp_path / "q.onnx"
+    onnx.save(model, str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    inits = {t.name: t for t in model.graph.initializer}
+    scale = numpy_helper.to_array(inits["w_scale"])
+    assert inits["w_scale"].data_type == onnx_type and scale.shape == (8, 64)
+    codes = numpy_helper.to_array(inits["w_q4"]).astype(np.float32)
+    stored = np.repeat(scale.astype(np.float32), BLOCK, axis=0)
+    # the quantizer multiplies by the scale's inverse, as ONNX Runtime's MLAS does
+    np.testing.assert_array_equal(codes, np.clip(np.rint(weight.astype(np.float32) * (1 / stored)), -8, 7))
+
+
 # ----------------------------------------------------------------------------------------
 # Exports of the trained demo checkpoint (random weights are a chaotic worst case for int4:
 # last-logit cosine 0.60 against fp32, see checkpoints.train_checkpoint)

@@ -14,7 +14,7 @@ The format follows ``--ops``:
   Runtime's fast CPU path; 0 computes in the input's type).
 - ``portable``: standard ONNX weight quantization, readable by any ONNX runtime and NPU
   toolchain. Each weight ``W[K, N]`` becomes an ``INT4`` or ``INT8`` initializer of the same shape
-  and an fp32 scale ``[ceil(K / block_size), N]``, feeding a blocked ``DequantizeLinear``
+  and a scale in the weight's dtype ``[ceil(K / block_size), N]``, feeding a blocked ``DequantizeLinear``
   (``axis=0``, ``block_size``; no zero point: the ONNX spec's default zero point is 0, i.e.
   symmetric) whose output is the MatMul's weight. Blocked quantization (the ``block_size``
   attribute, a scale of the input's rank) and the INT4 type arrive in opset 21 (ONNX operator
@@ -144,20 +144,21 @@ def to_dq_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def quantize_blocks(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+def quantize_blocks(weight: np.ndarray, bits: int, block_size: int, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric blocked quantization of ``weight`` ``[K, N]`` along K (ONNX Runtime's rule, see the
-    module docstring).
+    module docstring), the codes rounded with the scale as stored in ``scale_dtype`` (fp32, or the
+    fp16 / bf16 of a weight in that dtype, which is what the dequantization will multiply by).
 
     Returns:
         ``(q, scale)``: ``q`` ``[K, N]`` int8 holding values in ``[-2**(bits-1), 2**(bits-1) - 1]``,
-        ``scale`` ``[ceil(K / block_size), N]`` float32; ``q * repeat(scale, block_size, axis=0)[:K]``
-        approximates ``weight``.
+        ``scale`` ``[ceil(K / block_size), N]`` in ``scale_dtype``; ``q * repeat(scale, block_size,
+        axis=0)[:K]`` approximates ``weight``.
     """
     k, n = weight.shape
     blocks = -(-k // block_size)
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     q = np.empty((k, n), np.int8)
-    scale = np.empty((blocks, n), np.float32)
+    scale = np.empty((blocks, n), scale_dtype)
     step = max(1, _CHUNK // max(1, blocks * block_size))
     for c in range(0, n, step):
         w = weight[:, c : c + step].astype(np.float32, copy=False)
@@ -165,7 +166,7 @@ def quantize_blocks(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.
             w = np.pad(w, ((0, blocks * block_size - k), (0, 0)))
         w = w.reshape(blocks, block_size, -1)
         peak = np.take_along_axis(w, np.abs(w).argmax(axis=1)[:, None, :], axis=1)[:, 0]
-        s = (peak / low).astype(np.float32)
+        s = (peak / low).astype(scale_dtype).astype(np.float32)  # the stored value
         inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
         qc = np.clip(np.rint(w * inv[:, None, :]), low, high).astype(np.int8)
         q[:, c : c + step] = qc.reshape(blocks * block_size, -1)[:k]
@@ -219,8 +220,8 @@ def quantize_dq(model: onnx.ModelProto, bits: int, block_size: int) -> int:
                 name = tensor.name
                 if name not in done:
                     weight = onnx.numpy_helper.to_array(tensor)
-                    q, scale = quantize_blocks(weight, bits, block_size)
-                    scale = scale.astype(weight.dtype)  # DequantizeLinear's output type is its scale's
+                    # the scale keeps the weight's dtype: DequantizeLinear's output type is its scale's
+                    q, scale = quantize_blocks(weight, bits, block_size, scale_dtype=weight.dtype)
                     # ml_dtypes (an onnx dependency) gives ONNX's INT4 packing: two per byte, low nibble first
                     q_tensor = onnx.numpy_helper.from_array(q.astype(ml_dtypes.int4) if bits == 4 else q, f"{name}_q{bits}")
                     graph.initializer.extend([q_tensor, onnx.numpy_helper.from_array(scale, f"{name}_scale")])

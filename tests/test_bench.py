@@ -52,6 +52,18 @@ def test_run_bench_refuses_unknown_rows_before_any_export(tmp_path: Path):
 
     assert {"openvino fp32 f32", "openvino fp32 bf16", "openvino int4 f32", "openvino int4 bf16",
             "ov-genai int4 f32"} <= set(ROWS)
-    with pytest.raises(ValueError, match="unknown bench rows"):
+    with pytest.raises(ValueError, match=r"bench rows \['openvino int3'\]: unknown \['openvino int3'\]; choices: "):
         run_bench(tmp_path / "checkpoint", tmp_path / "out", rows=["openvino int3"])
+    with pytest.raises(ValueError, match=r"bench rows \[\]: none given"):
+        run_bench(tmp_path / "checkpoint", tmp_path / "out", rows=[])
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_cli_checks_rows_before_building_a_checkpoint(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from qwen35_onnx.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "--rows", "ort int4,foo", "--work-dir", str(tmp_path)])
+    assert result.exit_code != 0 and "--rows 'ort int4,foo': bench rows" in result.output and "unknown ['foo']" in result.output
+    assert not any(tmp_path.iterdir())

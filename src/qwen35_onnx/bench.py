@@ -493,6 +493,20 @@ def _is_cached(folder: Path, options) -> bool:
         __version__, options.capacity, tuple(options.prefill_buckets), options.ops, options.quantize)
 
 
+def check_rows(rows) -> tuple[str, ...]:
+    """The rows to measure: ``rows`` as a tuple (names from :data:`ROWS`), or every row for None.
+
+    Raises:
+        ValueError: no row, or a name that is not a row, naming it and the choices.
+    """
+    rows = tuple(ROWS if rows is None else rows)
+    unknown = [r for r in rows if r not in ROWS]
+    if not rows or unknown:
+        raise ValueError(f"bench rows {list(rows)}: {'unknown ' + repr(unknown) if unknown else 'none given'}; "
+                         f"choices: {', '.join(ROWS)}")
+    return rows
+
+
 def target_lines(results: list[PeerResult]) -> list[str]:
     """Markdown lines comparing the decode of each :data:`TARGETS` pair at every length."""
     by_name = {r.name: r for r in results}
@@ -516,10 +530,7 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
     from .contract import read_manifest
     from .export.exporter import ExportOptions, export
 
-    rows = tuple(ROWS if rows is None else rows)
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise ValueError(f"unknown bench rows {unknown}; choices: {', '.join(ROWS)}")
+    rows = check_rows(rows)
     work_dir.mkdir(parents=True, exist_ok=True)
     capacity = max(lengths) + 256
     buckets = tuple(sorted(set(lengths)))  # the capacity itself needs no bucket here

@@ -167,8 +167,9 @@ DEMO_SEED = 23
 
 _FORMAT_VERSION = 1
 _MARKER = ".qwen35_onnx_demo"
-_REQUIRED_FILES = (  # and the weights: model.safetensors, or shards with model.safetensors.index.json
+_REQUIRED_FILES = (  # one weights file: save_pretrained shards above 50 GB only (the 9B preset is 18.8 GB)
     "config.json",
+    "model.safetensors",
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -552,8 +553,7 @@ def _is_complete(path: Path, seed: int, preset: str = "tiny") -> bool:
         marker = json.loads((path / _MARKER).read_text())
     except (OSError, ValueError):
         return False
-    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
-    return marker == _marker(seed, preset) and weights and all((path / name).is_file() for name in _REQUIRED_FILES)
+    return marker == _marker(seed, preset) and all((path / name).is_file() for name in _REQUIRED_FILES)
 
 
 def _write_checkpoint(folder: Path, seed: int, preset: str = "tiny") -> None:

@@ -183,7 +183,7 @@ def bench(
     ),
 ) -> None:
     """Speed side by side: this project's variants, transformers, onnxruntime-genai, the floor."""
-    from .bench import ROWS, run_bench
+    from .bench import check_rows, run_bench
     from .checkpoints import PRESETS, build_demo_checkpoint, demo_checkpoint_dir
 
     if preset not in PRESETS:
@@ -194,10 +194,10 @@ def bench(
         _fail(ValueError(f"--lengths {lengths!r} must be comma-separated integers"))
     if not parsed or min(parsed) < 1:
         _fail(ValueError(f"--lengths {lengths!r} must be positive"))
-    chosen = None if rows.strip() == "all" else tuple(r.strip() for r in rows.split(",") if r.strip())
-    unknown = [r for r in chosen or () if r not in ROWS]
-    if chosen == () or unknown:
-        _fail(ValueError(f"--rows {rows!r}: unknown or empty {unknown or ''}; choices: all, {', '.join(ROWS)}"))
+    try:
+        chosen = check_rows(None if rows.strip() == "all" else [r.strip() for r in rows.split(",") if r.strip()])
+    except ValueError as exc:
+        _fail(ValueError(f"--rows {rows!r}: {exc} (or all)"))
     if preset == "tiny":
         checkpoint = build_demo_checkpoint(demo_checkpoint_dir())
     else:

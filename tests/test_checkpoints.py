@@ -283,7 +283,7 @@ def test_published_larger_presets(preset, text_sizes, heads, vision, tied, billi
 
 def test_published_preset_checkpoint_is_stored_in_bf16(tmp_path, monkeypatch):
     """A published-size checkpoint is built and saved in bf16 and reloads as such (checked on a
-    shrunken copy of the 0.8B preset: 2 layers, so it builds in seconds)."""
+    shrunken copy of the 0.8B preset: 4 layers and the demo vocabulary, so it builds in seconds)."""
     import copy
 
     from qwen35_onnx import checkpoints

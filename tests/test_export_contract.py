@@ -307,6 +307,13 @@ def test_decode_graph_with_an_extra_input_or_another_element_type_is_refused(fix
     half = replace(decode, types={**decode.types, "past_recurrent_states": "tensor(float16)"})
     with pytest.raises(ContractError, match=r"decode input past_recurrent_states element type is 'tensor\(float16\)' but the manifest says 'tensor\(float\)'"):
         check_decode(contract, half)
+    # an fp16 manifest: conv states fp16 as it says, the KV cache left fp32 (the KV follows the dtype ...)
+    fp16_conv = replace(decode, types={**decode.types, "past_conv_states": "tensor(float16)", "present_conv_states": "tensor(float16)"})
+    with pytest.raises(ContractError, match=r"decode input past_kv_cache element type is 'tensor\(float\)' but the manifest says 'tensor\(float16\)'"):
+        check_decode(replace(contract, dtype="fp16"), fp16_conv)
+    half_logits = replace(decode, types={**decode.types, "logits": "tensor(float16)"})  # ... the logits never do
+    with pytest.raises(ContractError, match=r"decode output logits element type is 'tensor\(float16\)' but the contract keeps host-facing tensors fp32"):
+        check_decode(contract, half_logits)
 
 
 @pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])

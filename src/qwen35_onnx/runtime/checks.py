@@ -30,7 +30,8 @@ HOST_FP32 = (("vision", "input", "pixel_values"), ("vision", "output", "image_em
 def _check_host_types(graph: "GraphSpec", kind: str) -> None:
     for graph_kind, io, name in HOST_FP32:
         if graph_kind == kind:
-            _expect(f"{graph.name} {io} {name} element type", graph.types.get(name), ONNX_TYPES["fp32"])
+            _expect(f"{graph.name} {io} {name} element type", graph.types.get(name), ONNX_TYPES["fp32"],
+                    "the contract keeps host-facing tensors fp32 in every dtype:")
 
 
 @dataclass
@@ -71,9 +72,9 @@ def check_export_files(root: Path, contract: ShapeContract) -> None:
             raise ContractError(f"{key} graph {str(path)!r} is missing or empty: the export is incomplete")
 
 
-def _expect(what: str, actual, expected) -> None:
+def _expect(what: str, actual, expected, source: str = "the manifest says") -> None:
     if actual != expected:
-        raise ContractError(f"{what} is {actual!r} but the manifest says {expected!r}")
+        raise ContractError(f"{what} is {actual!r} but {source} {expected!r}")
 
 
 def check_metadata(contract: ShapeContract, graph: GraphSpec) -> None:

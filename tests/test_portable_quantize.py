@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qwen35_onnx.contract import read_manifest
-from qwen35_onnx.export.quantize import DQ_OPSET, quantize_blocks, quantize_dq, to_dq_opset
+from qwen35_onnx.export.quantize import DQ_OPSET, quantize_blocks, quantize_model
 
 from .conftest import CAPACITY, PROMPT, split_margin
 from .onnx_graphs import all_nodes
@@ -35,6 +35,15 @@ def _matmul_model(weights: dict[str, np.ndarray], k: int, opset: int = 18) -> on
         [numpy_helper.from_array(w, name) for name, w in weights.items()],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _quantized(model: onnx.ModelProto, bits: int, ops: str = "portable") -> tuple[onnx.ModelProto, int]:
+    """``model`` through the exporter's quantizer (ONNX IR, lazy tensors), serialized back."""
+    import onnx_ir as ir
+
+    ir_model = ir.from_proto(model)
+    count = quantize_model(ir_model, f"int{bits}", BLOCK, ops=ops)
+    return ir.to_proto(ir_model), count
 
 
 def _logger_levels():
@@ -88,6 +97,45 @@ def test_int8_blocks_equal_matmulnbits():
     np.testing.assert_array_equal(scale, tensors["w_scales"].reshape(24, 2).T)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matmulnbits_equal_onnxruntime_tool(bits, dtype):
+    """--ops ort: the exporter quantizes one tensor at a time, and writes the MatMulNBits nodes,
+    packed codes and scales that ONNX Runtime's ``MatMulNBitsQuantizer`` writes for the whole
+    graph (K = 80: a partial last block)."""
+    levels = _logger_levels()
+    rng = np.random.default_rng(bits)
+    weights = {"w0": rng.standard_normal((80, 48)).astype(dtype), "w1": rng.standard_normal((48, 24)).astype(dtype)}
+    model = _matmul_model(weights, 80)
+    if dtype == np.float16:
+        for value in [*model.graph.input, *model.graph.output]:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        quantizer = MatMulNBitsQuantizer(onnx.ModelProto.FromString(model.SerializeToString()), bits=bits,
+                                         block_size=BLOCK, is_symmetric=True, accuracy_level=4)
+        quantizer.process()
+    finally:
+        _restore(levels)
+    theirs = quantizer.model.model
+    ours, count = _quantized(model, bits, ops="ort")
+    assert count == 2
+    for graph in (ours, theirs):
+        assert [n.op_type for n in graph.graph.node] == ["MatMulNBits", "MatMulNBits"]
+
+    def described(graph):
+        tensors = {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer}
+        return [({a.name: helper.get_attribute_value(a) for a in n.attribute}, [tensors[i] for i in n.input[1:]])
+                for n in graph.graph.node]
+
+    for (our_attrs, our_tensors), (their_attrs, their_tensors) in zip(described(ours), described(theirs)):
+        assert our_attrs == their_attrs
+        for a, b in zip(our_tensors, their_tensors):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dequantize_linear_transform(bits, tmp_path):
     """A weight shared by two MatMuls gets one DequantizeLinear; a weight also read by a Gather keeps
@@ -111,8 +159,8 @@ def test_dequantize_linear_transform(bits, tmp_path):
     g.output.extend([helper.make_tensor_value_info("y3", TensorProto.FLOAT, [2, 16]),
                      helper.make_tensor_value_info("rows", TensorProto.FLOAT, [2, 16])])
 
-    model = to_dq_opset(model)
-    assert quantize_dq(model, bits, BLOCK) == 3
+    model, count = _quantized(model, bits)
+    assert count == 3
     path = tmp_path / "q.onnx"
     onnx.save(model, str(path))
     onnx.checker.check_model(str(path), full_check=True)
@@ -153,8 +201,8 @@ def test_dequantize_linear_keeps_the_weight_dtype(dtype, tmp_path):
         [helper.make_tensor_value_info("x", onnx_type, [2, 256])], [helper.make_tensor_value_info("y", onnx_type, [2, 64])],
         [numpy_helper.from_array(weight, "w")],
     ), opset_imports=[helper.make_opsetid("", 18)])
-    model = to_dq_opset(model)
-    assert quantize_dq(model, 4, BLOCK) == 1
+    model, count = _quantized(model, 4)
+    assert count == 1
     path = tmp_path / "q.onnx"
     onnx.save(model, str(path))
     onnx.checker.check_model(str(path), full_check=True)

@@ -259,8 +259,7 @@ class Pipeline:
 
     @property
     def graphs(self) -> GraphSet:
-        """The loaded, cross-checked graphs (``.vision``, ``.decode``, ``.prefill(bucket)``,
-        ``.unload_prefill()``)."""
+        """The loaded, cross-checked graphs (``.vision``, ``.decode``, ``.prefill(bucket)``)."""
         return self.backend.graphs
 
     @property

@@ -44,6 +44,7 @@ from ..contract import (
     read_manifest,
     write_manifest,
 )
+from .weight_source import CheckpointWeights, WeightsError, peak_rss_bytes
 from .weights import SharedWeights
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,8 @@ def torch_dtype(name: str):
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
 TEXT_DIR = "text"
 """Folder of the prefill and decode graphs and of their shared weights file."""
-EXTERNAL_DATA_THRESHOLD = 256 * 1024 * 1024
-"""Graphs whose weights exceed this many bytes keep them in a ``model.onnx.data`` file."""
+VISION_DATA = "model.onnx.data"
+"""External-data file of the vision graph (its tensors of 1 KiB or more)."""
 PROCESSOR_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -433,12 +434,18 @@ def io_names(kind: str, contract: ShapeContract) -> tuple[list[str], list[str]]:
     return DECODE_INPUTS[: -len(STATE_NAMES)] + past, TEXT_OUTPUTS[: -len(STATE_NAMES)] + present
 
 
-def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dummy_seq_len: int) -> Path:
-    """Trace one graph with ``torch.onnx.export`` (dynamo) into ``root / job.path``, with the
-    contract in its ``metadata_props``. Returns the ONNX file path."""
+def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dummy_seq_len: int,
+                 source: CheckpointWeights, writer: SharedWeights) -> Path:
+    """Trace one graph of the empty ``model`` (:func:`.weight_source.empty_model`) with
+    ``torch.onnx.export`` (dynamo) and write it to ``root / job.path`` with the contract in its
+    ``metadata_props``, its weights read from ``source`` one tensor at a time into
+    ``writer``'s file: lazy initializers (:mod:`.lazy_weights`), weight transposes folded
+    lazily, onnxscript's optimizer, weight-only quantization of the text graphs
+    (:func:`.quantize.quantize_model`). Returns the ONNX file path."""
     import torch
 
     from .fused import TRANSLATIONS
+    from .lazy_weights import attach_weights, fold_weight_transposes
 
     module = graph_module(job.kind, model, contract).eval()
     inputs, outputs = io_names(job.kind, contract)
@@ -454,22 +461,22 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
             output_names=outputs,
             dynamic_shapes=dynamic_shapes(job, contract),
             custom_translation_table=TRANSLATIONS,
-            optimize=True,
+            optimize=False,
             verbose=False,
             report=False,
         )
-    program.model.metadata_props[METADATA_KEY] = contract.to_json()
-    program.model.metadata_props["qwen35_onnx.graph"] = job.key
-    weight_bytes = sum(
-        int(v.const_value.nbytes) for v in program.model.graph.initializers.values() if v.const_value is not None
-    )
-    external = weight_bytes > EXTERNAL_DATA_THRESHOLD
-    program.save(str(path), external_data=external)
+        attach_weights(program.model, module, source, model)
+        fold_weight_transposes(program.model)
+        program.optimize()
+    ir_model = program.model
+    ir_model.metadata_props[METADATA_KEY] = contract.to_json()
+    ir_model.metadata_props["qwen35_onnx.graph"] = job.key
     if contract.quantize != "none" and job.kind != "vision":
-        from .quantize import quantize_graph
+        from .quantize import quantize_model
 
-        quantize_graph(path, contract.quantize, contract.quant_block_size, external, ops=contract.ops,
+        quantize_model(ir_model, contract.quantize, contract.quant_block_size, ops=contract.ops,
                        accuracy_level=contract.quant_accuracy_level)
+    writer.add_model(ir_model, path)
     return path
 
 
@@ -499,19 +506,21 @@ def load_config(model_id: str | Path):
     return config, generation_config
 
 
-def load_weights(model_id: str | Path, dtype: str = "fp32"):
-    """``Qwen3_5ForConditionalGeneration`` of a local folder in ``dtype`` (a contract dtype: the
-    weights are converted while loading, whatever the checkpoint stores), eval mode.
+def open_weights(model_id: str | Path, config, dtype: str = "fp32"):
+    """The empty model of ``config`` in ``dtype`` (:func:`.weight_source.empty_model`) and the
+    checkpoint's weights, read one tensor at a time in that dtype.
 
     Raises:
         ExportError: missing or unreadable weight files.
     """
-    from transformers import Qwen3_5ForConditionalGeneration
+    from .weight_source import empty_model
 
+    model = empty_model(config, torch_dtype(dtype))
     try:
-        return Qwen3_5ForConditionalGeneration.from_pretrained(Path(model_id), dtype=torch_dtype(dtype)).eval()
-    except Exception as exc:  # OSError, safetensors' SafetensorError, ...: a bad checkpoint
-        raise ExportError(f"--model-id {str(model_id)!r}: the weights cannot be loaded: {exc}") from exc
+        source = CheckpointWeights(Path(model_id), torch_dtype(dtype))
+    except WeightsError as exc:
+        raise ExportError(f"--model-id {str(model_id)!r}: {exc}") from exc
+    return model, source
 
 
 def copy_processor_files(src: Path, dst: Path) -> None:
@@ -652,34 +661,42 @@ def export(
         raise ExportError(f"--output-dir {str(out)!r} cannot be created: {exc}") from exc
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an export is ordinary data
     try:
-        model = load_weights(model_dir, contract.dtype)
+        model, source = open_weights(model_dir, config, contract.dtype)
         if options.component != "all":
             keep = {job.path.split("/")[0] for job in graph_jobs(contract) if job.kind != options.component}
             for name in sorted(keep):
                 if (out / name).is_dir():
                     shutil.copytree(out / name, tmp / name)
-        shared = None
+        text = None
         if any(job.kind != "vision" for job in jobs):
             (tmp / TEXT_DIR).mkdir(exist_ok=True)
-            shared = SharedWeights(tmp / TEXT_DIR)
+            text = SharedWeights(tmp / TEXT_DIR)
             exporting = {job.key for job in jobs}
             for key, path in contract.graphs.items():  # text graphs kept from the existing export
                 if key != "vision" and key not in exporting:
-                    shared.add(tmp / path)
+                    text.add(tmp / path)
         bar = tqdm(jobs, desc="export", unit="graph", disable=not show_progress, file=sys.stderr)
         for job in bar:
             bar.set_postfix_str(job.key)
-            path = export_graph(job, model, contract, tmp, options.trace_len)
-            if job.kind != "vision":
-                shared.add(path)
-        if shared is not None:
-            shared.finish()
+            if job.kind == "vision":
+                (tmp / job.path).parent.mkdir(parents=True, exist_ok=True)
+                vision = SharedWeights((tmp / job.path).parent, data_name=VISION_DATA)
+                export_graph(job, model, contract, tmp, options.trace_len, source, vision)
+                vision.finish()
+            else:
+                export_graph(job, model, contract, tmp, options.trace_len, source, text)
+        if text is not None:
+            text.finish()
         copy_processor_files(model_dir, tmp)
         write_manifest(tmp, contract)
         _swap_into_place(tmp, out)
+    except WeightsError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"--model-id {str(model_dir)!r}: {exc}") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    log.info("export peak resident memory %.2f GB", peak_rss_bytes() / 1e9)
     return contract
 
 

@@ -22,6 +22,8 @@ decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_con
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +55,29 @@ MERGED_PROJECTIONS = {
     "attn_in": ("full_attention", "self_attn", ("q_proj", "k_proj", "v_proj")),
     "mlp_in": (None, "mlp", ("gate_proj", "up_proj")),
 }
+
+
+Recipe = Callable[[Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+"""How a constant of a graph is computed from the model's parameters: called with ``load``,
+which gives a parameter's value (the parameter itself when the model holds real weights, the
+checkpoint's tensor when it was built empty, see :mod:`.weight_source`)."""
+
+
+def register_derived(module: nn.Module, name: str, recipe: Recipe) -> None:
+    """Register the buffer ``name`` of ``module`` as ``recipe`` applied to the module's own
+    parameters and keep the recipe in ``module.recipes[name]``, so that the export computes
+    the value when it writes the weights. With ``empty`` (an export traces a model whose
+    parameters hold no values, see :mod:`.weight_source`), the buffer is an uninitialized
+    tensor of the recipe's shape and dtype (found on the ``meta`` device: nothing is computed
+    or touched)."""
+    with torch.no_grad():
+        if getattr(module, "empty", False):
+            shape = recipe(lambda parameter: torch.empty_like(parameter, device="meta"))
+            value = torch.empty(shape.shape, dtype=shape.dtype)
+        else:
+            value = recipe(lambda parameter: parameter.detach())
+    module.register_buffer(name, value, persistent=False)
+    module.recipes[name] = recipe
 
 
 def _rms_scale(norm: nn.Module) -> torch.Tensor:
@@ -89,10 +114,17 @@ class VisionGraph(nn.Module):
                 align_corners=visual.interpolation_align_corners,
                 spatial_merge_size=visual.config.spatial_merge_size,
             )
-            pos_embeds = (visual.pos_embed(idx) * weights[:, :, None]).sum(1)
             position_ids = get_vision_position_ids(grid, visual.spatial_merge_size)
-            cos, sin = visual.rotary_pos_emb(pos_embeds, position_ids)
-        self.register_buffer("pos_embeds", pos_embeds, persistent=False)
+            # the rotary tables depend on the grid only (x gives the device: real, whatever the weights)
+            cos, sin = visual.rotary_pos_emb(torch.empty(0), position_ids)
+        self.empty = getattr(visual, "empty_weights", False)
+
+        def pos_embeds(load):
+            table = load(visual.pos_embed.weight)
+            return (F.embedding(idx.to(table.device), table) * weights.to(table.device)[:, :, None]).sum(1)
+
+        self.recipes: dict[str, Recipe] = {}
+        register_derived(self, "pos_embeds", pos_embeds)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -128,11 +160,13 @@ class _TextGraph(nn.Module):
         self.contract = contract
         self.linear_ids = [i for i, t in enumerate(contract.layer_types) if t == "linear_attention"]
         self.full_ids = [i for i, t in enumerate(contract.layer_types) if t == "full_attention"]
+        self.empty = getattr(model, "empty_weights", False)
+        self.recipes: dict[str, Recipe] = {}
         if contract.quantize != "none":
             # lm_head as MatMul(hidden, W^T) with W^T a constant [hidden, V], so that weight-only
-            # quantization finds it (the plain export feeds the MatMul from a Transpose node,
-            # which the quantizer skips: the largest matrix of a tied model would stay fp32).
-            self.register_buffer("lm_head_t", self.lm_head.weight.detach().t().contiguous(), persistent=False)
+            # quantization finds it (a tied W also feeds the embedding's Gather, so the plain
+            # export keeps Transpose(W), one copy of the table, which the quantizer would skip)
+            register_derived(self, "lm_head_t", lambda load: load(self.lm_head.weight).t().contiguous())
         self.merged_sizes: dict[tuple[int, str], list[int]] = {}
         if self.fused:
             self._merge_projections()
@@ -154,8 +188,11 @@ class _TextGraph(nn.Module):
                 linears = [getattr(getattr(layer, owner), name) for name in names]
                 if any(linear.bias is not None for linear in linears):
                     continue
-                weight = torch.cat([linear.weight.detach() for linear in linears], dim=0).t().contiguous()
-                self.register_buffer(f"{group}_t_{i}", weight, persistent=False)
+
+                def merged(load, linears=linears):
+                    return torch.cat([load(linear.weight) for linear in linears], dim=0).t().contiguous()
+
+                register_derived(self, f"{group}_t_{i}", merged)
                 self.merged_sizes[(i, group)] = [linear.out_features for linear in linears]
 
     def projections(self, i: int, group: str, hidden: torch.Tensor) -> list[torch.Tensor]:

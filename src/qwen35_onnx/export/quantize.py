@@ -7,9 +7,10 @@ the same numbers in either format.
 
 The format follows ``--ops``:
 
-- ``ort``: ONNX Runtime's own tool
-  (``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer``) replaces the MatMul
-  by a ``com.microsoft`` ``MatMulNBits`` node with the export's ``--quant-accuracy-level`` as its
+- ``ort``: the MatMul becomes a ``com.microsoft`` ``MatMulNBits`` node, packed by ONNX Runtime's
+  own kernels (``quantize_matmul_4bits`` / ``quantize_matmul_8bits``, what its
+  ``MatMulNBitsQuantizer`` tool calls; a test checks the nodes and tensors are the tool's, bit
+  for bit), one weight at a time, with the export's ``--quant-accuracy-level`` as its
   ``accuracy_level`` (default 4: activations quantized to int8 per block inside the kernel, ONNX
   Runtime's fast CPU path; 0 computes in the input's type).
 - ``portable``: standard ONNX weight quantization, readable by any ONNX runtime and NPU
@@ -19,7 +20,7 @@ The format follows ``--ops``:
   symmetric) whose output is the MatMul's weight. Blocked quantization (the ``block_size``
   attribute, a scale of the input's rank) and the INT4 type arrive in opset 21 (ONNX operator
   spec, DequantizeLinear-21), so the graph's default-domain opset is converted from the
-  exporter's 18 to 21 with ``onnx.version_converter`` (the operators of our graphs only gained
+  exporter's 18 to 21 with onnxscript's version converter (the operators of our graphs only gained
   types between 18 and 21) and the IR version raised to 10. ONNX Runtime's graph optimizer fuses
   each DequantizeLinear + MatMul pair back into MatMulNBits (``DQMatMulToMatMulNBits``, weights
   kept packed); OpenVINO 2026.4 reads the graph and keeps the weights compressed. ONNX Runtime's
@@ -42,35 +43,27 @@ ONNX Runtime's.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 
 from ..contract import DEFAULT_QUANT_ACCURACY_LEVEL
+from .lazy_weights import SourcedTensor, numpy_tensor
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
 DQ_OPSET = 21
 """Default-domain opset of portable quantized graphs: the first with blocked DequantizeLinear and INT4."""
 DQ_IR_VERSION = 10
 """First IR version with the INT4 / UINT4 types (the one opset 21 goes with)."""
-FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 """Weight types quantized (the scales keep the weight's type, which the MatMul computes in)."""
 _CHUNK = 1 << 24
 """Weights quantized per slice of at most this many elements (bounds the temporaries at 0.8B)."""
+MS_DOMAIN = "com.microsoft"
 
 
-def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool, ops: str = "ort",
-                   accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL) -> int:
-    """Quantize the graph at ``path`` in place; returns the number of quantized MatMuls
-    (``MatMulNBits`` nodes for ``ops='ort'``, ``DequantizeLinear`` nodes for ``ops='portable'``).
-
-    ``accuracy_level`` (see :data:`~qwen35_onnx.contract.QUANT_ACCURACY_LEVELS`) is written into
-    each MatMulNBits node (``ops='ort'``); a portable graph has no place for it (ONNX Runtime
-    reads it from the manifest when it fuses the graph, see ``runtime.sessions``).
-    Metadata (the contract) is kept. The weights are saved as the graph was (inline, or in its
-    own ``<name>.data`` file with ``external_data``); the exporter then moves them into the
-    shared weights file of the text graphs.
+def check_scheme(scheme: str, block_size: int, ops: str) -> int:
+    """The bit width of ``scheme``.
 
     Raises:
         ValueError: unknown scheme or ops, or a block size that is not a power of two from 16 to 256.
@@ -79,71 +72,162 @@ def quantize_graph(path: Path, scheme: str, block_size: int, external_data: bool
         raise ValueError(f"quantization {scheme!r} must be one of {', '.join(QUANTIZE_BITS)}")
     if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
         raise ValueError(f"quantization block size {block_size} must be a power of two from 16 to 256")
-    if ops == "portable":
-        model = onnx.load(str(path), load_external_data=False)
-        model = to_dq_opset(model)
-        onnx.load_external_data_for_model(model, str(path.parent))
-        count = quantize_dq(model, QUANTIZE_BITS[scheme], block_size)
-    elif ops == "ort":
-        model, count = _quantize_nbits(onnx.load(str(path)), QUANTIZE_BITS[scheme], block_size, accuracy_level)
-    else:
+    if ops not in ("ort", "portable"):
         raise ValueError(f"ops {ops!r} must be 'portable' or 'ort'")
-    for old in path.parent.glob(path.name + ".data"):
-        old.unlink()
-    onnx.save_model(
-        model,
-        str(path),
-        save_as_external_data=external_data,
-        all_tensors_to_one_file=True,
-        location=path.name + ".data",
-    )
-    return count
+    return QUANTIZE_BITS[scheme]
 
 
-# ----------------------------------------------------------------------------------------
-# --ops ort: MatMulNBits
-# ----------------------------------------------------------------------------------------
-def _quantize_nbits(model: onnx.ModelProto, bits: int, block_size: int, accuracy_level: int) -> tuple[onnx.ModelProto, int]:
-    # the quantizer and onnx_ir log every step at INFO level, and importing the quantizer
-    # sets the root logger to INFO: levels are saved before the import and restored after
-    loggers = [logging.getLogger(name) for name in ("onnxruntime.quantization", "onnx_ir", "")]
-    levels = [lg.level for lg in loggers]
-    try:
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+class _Parts:
+    """The quantization of one weight, computed once when its first part is read and dropped
+    once every part was read (each part is a lazy tensor of the graph)."""
 
-        for lg in loggers:
-            lg.setLevel(logging.WARNING)
-        quantizer = MatMulNBitsQuantizer(
-            model,
-            bits=bits,
-            block_size=block_size,
-            is_symmetric=True,
-            accuracy_level=accuracy_level,
+    def __init__(self, weight: ir.TensorProtocol, quantize, n_parts: int):
+        self.weight, self.quantize, self.n_parts = weight, quantize, n_parts
+        self.result, self.taken = None, set()
+
+    def get(self, i: int) -> np.ndarray:
+        if self.result is None:
+            self.result, self.taken = self.quantize(self.weight.numpy()), set()
+        part = self.result[i]
+        self.taken.add(i)
+        if len(self.taken) == self.n_parts:
+            self.result = None
+        return part
+
+    def tensor(self, i: int, name: str, dtype: ir.DataType, shape, tag: str) -> ir.Value:
+        key = getattr(self.weight, "key", None)
+        value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
+        value.const_value = SourcedTensor(
+            lambda: numpy_tensor(self.get(i), dtype), dtype, shape,
+            None if key is None else (key, tag), name,
         )
-        quantizer.process()
-        quantized = quantizer.model.model
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-    return quantized, sum(node.op_type == "MatMulNBits" for node in quantized.graph.node)
+        return value
+
+
+def _weights(graph: ir.Graph):
+    """(MatMul node, weight value) for every MatMul whose second input is a 2-D float initializer."""
+    for node in list(graph):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        weight = node.inputs[1]
+        tensor = weight.const_value if weight is not None and weight.is_initializer() else None
+        if tensor is not None and len(tensor.shape) == 2 and tensor.dtype in FLOAT_TYPES:
+            yield node, weight
+
+
+def quantize_model(model: ir.Model, scheme: str, block_size: int, ops: str = "ort",
+                   accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL) -> int:
+    """Quantize every MatMul of ``model`` (main graph) whose weight is a 2-D float initializer,
+    in place; returns the number of quantized weights. The quantized tensors are lazy: each
+    weight is read and quantized when the graph is written (:mod:`.weights`), one at a time.
+
+    ``ops='ort'``: each MatMul becomes a ``com.microsoft`` ``MatMulNBits`` with
+    ``accuracy_level`` (packed codes and scales as ONNX Runtime's ``MatMulNBitsQuantizer``
+    writes them, computed by the same kernels, ``quantize_matmul_4bits`` / ``_8bits``).
+    ``ops='portable'``: the weight becomes an INT4/INT8 initializer and scales in the weight's
+    dtype feeding a blocked ``DequantizeLinear`` (axis 0); the model's default-domain opset is
+    raised to :data:`DQ_OPSET` first (onnxscript's version converter; the operators of our
+    graphs keep their meaning from 18 to 21, they only gain types) and the IR version to
+    :data:`DQ_IR_VERSION`. A portable graph has no place for ``accuracy_level`` (ONNX Runtime
+    reads it from the manifest when it fuses the graph, see ``runtime.sessions``).
+
+    Raises:
+        ValueError: see :func:`check_scheme`.
+    """
+    bits = check_scheme(scheme, block_size, ops)
+    graph = model.graph
+    if ops == "portable":
+        from onnxscript import version_converter
+
+        if model.opset_imports.get("", 0) < DQ_OPSET:
+            version_converter.convert_version(model, DQ_OPSET)
+        model.ir_version = max(model.ir_version or 0, DQ_IR_VERSION)
+    else:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    replaced: dict[str, list[ir.Value]] = {}
+    for node, weight in _weights(graph):
+        tensor = weight.const_value
+        k, n = (int(d) for d in tensor.shape)
+        name = weight.name
+        if name not in replaced:
+            blocks = -(-k // block_size)
+            if ops == "ort":
+                parts = _Parts(tensor, lambda w: nbits_blocks(w, bits, block_size), 2)
+                blob = block_size * bits // 8
+                replaced[name] = [
+                    parts.tensor(0, f"{name}_Q{bits}", ir.DataType.UINT8, [n, blocks, blob], "nbits"),
+                    parts.tensor(1, f"{name}_scales", tensor.dtype, [n, blocks], "nbits-scales"),
+                ]
+                for value in replaced[name]:
+                    graph.register_initializer(value)
+            else:
+                parts = _Parts(tensor, lambda w: _dq_blocks(w, bits, block_size), 2)
+                qtype = ir.DataType.INT4 if bits == 4 else ir.DataType.INT8
+                q = parts.tensor(0, f"{name}_q{bits}", qtype, [k, n], f"dq{bits}")
+                scale = parts.tensor(1, f"{name}_scale", tensor.dtype, [blocks, n], f"dq{bits}-scale")
+                graph.register_initializer(q)
+                graph.register_initializer(scale)
+                dq = ir.Node("", "DequantizeLinear", [q, scale], attributes=[
+                    ir.AttrInt64("axis", 0), ir.AttrInt64("block_size", block_size),
+                ], name=f"{node.name or name}_dq")
+                dq.outputs[0].name = f"{name}_dq"
+                graph.insert_before(node, dq)
+                replaced[name] = [dq.outputs[0]]
+        if ops == "ort":
+            attributes = [ir.AttrInt64("K", k), ir.AttrInt64("N", n), ir.AttrInt64("bits", bits),
+                          ir.AttrInt64("block_size", block_size)]
+            if accuracy_level:
+                attributes.append(ir.AttrInt64("accuracy_level", accuracy_level))
+            new = ir.Node(MS_DOMAIN, "MatMulNBits", [node.inputs[0], *replaced[name]], attributes=attributes,
+                          name=f"{node.name}_Q{bits}" if node.name else None)
+            ir.convenience.replace_nodes_and_values(graph, node, [node], [new], node.outputs, new.outputs)
+        else:
+            node.replace_input_with(1, replaced[name][0])
+    for name in replaced:
+        value = graph.initializers.get(name)
+        if value is not None and not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(name)
+    return len(replaced)
+
+
+def nbits_blocks(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``MatMulNBits`` codes and scales of ``weight`` ``[K, N]`` (fp32 or fp16; bf16 is computed
+    in fp32 and its scales stored in bf16), symmetric, with ONNX Runtime's kernels.
+
+    Returns:
+        ``(packed, scales)``: ``packed`` ``[N, ceil(K / block_size), block_size * bits / 8]``
+        uint8, ``scales`` ``[N, ceil(K / block_size)]`` in the weight's dtype.
+    """
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    k, n = weight.shape
+    dtype = weight.dtype
+    if dtype not in (np.float32, np.float16):
+        weight = weight.astype(np.float32)
+    blocks = -(-k // block_size)
+    if blocks * block_size != k:
+        weight = np.pad(weight, ((0, blocks * block_size - k), (0, 0)))
+    weight = np.ascontiguousarray(weight)
+    packed = np.zeros((n, blocks, block_size * bits // 8), np.uint8)
+    scales = np.zeros((n, blocks), weight.dtype)
+    zero_points = np.zeros((n, -(-blocks * bits // 8)), np.uint8)
+    (quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits)(
+        packed, weight, scales, zero_points, block_size, n, k, True
+    )
+    return packed, scales.astype(dtype, copy=False)
+
+
+def _dq_blocks(weight: np.ndarray, bits: int, block_size: int):
+    import ml_dtypes
+
+    q, scale = quantize_blocks(weight, bits, block_size, scale_dtype=weight.dtype)
+    # ml_dtypes (an onnx dependency) gives ONNX's INT4 packing: two per byte, low nibble first
+    return (q.astype(ml_dtypes.int4) if bits == 4 else q), scale
 
 
 # ----------------------------------------------------------------------------------------
 # --ops portable: blocked DequantizeLinear (opset 21)
 # ----------------------------------------------------------------------------------------
-def to_dq_opset(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with its default-domain opset converted to :data:`DQ_OPSET` (``onnx.version_converter``)
-    and IR version at least :data:`DQ_IR_VERSION`. Initializers stored as external data stay references,
-    so a graph loaded without its weights converts whatever its size (protobuf's 2 GB limit)."""
-    from onnx import version_converter
-
-    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if current is None or current < DQ_OPSET:
-        model = version_converter.convert_version(model, DQ_OPSET)
-    model.ir_version = max(model.ir_version, DQ_IR_VERSION)
-    return model
-
-
 def quantize_blocks(weight: np.ndarray, bits: int, block_size: int, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric blocked quantization of ``weight`` ``[K, N]`` along K (ONNX Runtime's rule, see the
     module docstring), the codes rounded with the scale as stored in ``scale_dtype`` (fp32, or the
@@ -172,89 +256,3 @@ def quantize_blocks(weight: np.ndarray, bits: int, block_size: int, scale_dtype=
         q[:, c : c + step] = qc.reshape(blocks * block_size, -1)[:k]
         scale[:, c : c + step] = s
     return q, scale
-
-
-def _node_subgraphs(node: onnx.NodeProto):
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
-def _subgraphs(graph: onnx.GraphProto):
-    for node in graph.node:
-        yield from _node_subgraphs(node)
-
-
-def _used_names(graph: onnx.GraphProto) -> set[str]:
-    """Names read by the nodes of ``graph`` and of its subgraphs, and its outputs."""
-    used = {o.name for o in graph.output}
-    for node in graph.node:
-        used.update(node.input)
-    for sub in _subgraphs(graph):
-        used |= _used_names(sub)
-    return used
-
-
-def quantize_dq(model: onnx.ModelProto, bits: int, block_size: int) -> int:
-    """Put a blocked ``DequantizeLinear`` (int4 or int8 weights, scales in the weight's dtype, axis
-    0) in front of every MatMul of ``model`` whose weight (second input) is a 2-D fp32, fp16 or
-    bf16 initializer, in place
-    (subgraphs included; a weight feeding several MatMuls gets one DequantizeLinear). The model
-    must already be at opset :data:`DQ_OPSET` (:func:`to_dq_opset`). Returns the number of
-    DequantizeLinear nodes added."""
-    import ml_dtypes
-
-    replaced: set[str] = set()
-
-    def visit(graph: onnx.GraphProto, outer: dict[str, onnx.TensorProto]) -> int:
-        weights = {**outer, **{t.name: t for t in graph.initializer}}
-        done: dict[str, str] = {}  # weight name -> DequantizeLinear output, in this graph
-        nodes, count = [], 0
-        for node in graph.node:
-            for sub in _node_subgraphs(node):
-                count += visit(sub, weights)
-            tensor = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-            if tensor is not None and len(tensor.dims) == 2 and tensor.data_type in FLOAT_TYPES:
-                name = tensor.name
-                if name not in done:
-                    weight = onnx.numpy_helper.to_array(tensor)
-                    # the scale keeps the weight's dtype: DequantizeLinear's output type is its scale's
-                    q, scale = quantize_blocks(weight, bits, block_size, scale_dtype=weight.dtype)
-                    # ml_dtypes (an onnx dependency) gives ONNX's INT4 packing: two per byte, low nibble first
-                    q_tensor = onnx.numpy_helper.from_array(q.astype(ml_dtypes.int4) if bits == 4 else q, f"{name}_q{bits}")
-                    graph.initializer.extend([q_tensor, onnx.numpy_helper.from_array(scale, f"{name}_scale")])
-                    done[name] = f"{name}_dq"
-                    nodes.append(
-                        onnx.helper.make_node(
-                            "DequantizeLinear",
-                            [q_tensor.name, f"{name}_scale"],
-                            [done[name]],
-                            name=f"{node.name or name}_dq",
-                            axis=0,
-                            block_size=block_size,
-                        )
-                    )
-                    replaced.add(name)
-                    count += 1
-                node.input[1] = done[name]
-            nodes.append(node)
-        graph.ClearField("node")
-        graph.node.extend(nodes)
-        return count
-
-    count = visit(model.graph, {})
-    used = _used_names(model.graph)
-
-    def drop(graph: onnx.GraphProto) -> None:
-        keep = [t for t in graph.initializer if t.name not in replaced or t.name in used]
-        if len(keep) != len(graph.initializer):
-            graph.ClearField("initializer")
-            graph.initializer.extend(keep)
-        for sub in _subgraphs(graph):
-            drop(sub)
-
-    drop(model.graph)
-    return count
-

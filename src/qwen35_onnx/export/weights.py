@@ -1,59 +1,73 @@
-"""One weights file for all text graphs of an export.
+"""One weights file for all text graphs of an export, written one tensor at a time.
 
 Every prefill bucket graph and the decode graph hold the same text weights. Saved one by one,
 each graph would carry its own copy (for Qwen3.5-0.8B in fp32, 3.4 GB per graph).
-:class:`SharedWeights` moves every initializer of at least ``min_bytes`` bytes of each graph,
-as soon as the graph is written, into one external-data file next to the graphs, storing each
-distinct tensor (same dtype, shape and bytes) once; the graphs keep only references (ONNX
-external data: location, offset, length). Tensors of 64 KiB or more start at 64 KiB offsets,
-so ONNX Runtime can memory-map them and the sessions of several buckets share pages.
+:class:`SharedWeights` writes every initializer of at least ``min_bytes`` bytes of each graph
+into one external-data file next to the graphs, storing each distinct tensor once; the graphs
+keep only references (ONNX external data: location, offset, length). Tensors of 64 KiB or more
+start at 64 KiB offsets, so ONNX Runtime can memory-map them.
+
+Memory: a tensor is materialized only while it is written (lazy weights read from the
+checkpoint, see :mod:`.lazy_weights`); a tensor whose ``key`` was written already (the same
+checkpoint weight in another bucket's graph) is not computed again. Other tensors are told
+apart by dtype, shape and SHA-256 of their bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx.external_data_helper import set_external_data
+import onnx_ir as ir
 
 ALIGN = 64 * 1024
 """Alignment (bytes) of tensors of at least this size in the shared file."""
 
 
-def _initializers(graph: onnx.GraphProto):
+def _proto_initializers(graph: onnx.GraphProto):
     """Initializers of ``graph`` and of every subgraph (e.g. a Scan body)."""
     yield from graph.initializer
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _initializers(attr.g)
+                yield from _proto_initializers(attr.g)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
-                    yield from _initializers(sub)
+                    yield from _proto_initializers(sub)
 
 
-def _data_files(model: onnx.ModelProto, folder: Path) -> set[Path]:
-    """External-data files the initializers of ``model`` (stored in ``folder``) reference."""
-    names = set()
-    for tensor in _initializers(model.graph):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            names |= {e.value for e in tensor.external_data if e.key == "location"}
-    return {folder / name for name in names}
+def _read_external(tensor: onnx.TensorProto, folder: Path) -> bytes:
+    """The bytes of one externally stored tensor (only this tensor is read)."""
+    info = {e.key: e.value for e in tensor.external_data}
+    with open(folder / info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        return f.read(int(info["length"])) if "length" in info else f.read()
+
+
+def _buffer(tensor: ir.TensorProtocol) -> bytes | memoryview:
+    """The bytes of ``tensor`` as ONNX stores them (little-endian), without a copy where the
+    tensor's numpy array already has that layout (sub-byte types are packed by ``tobytes``)."""
+    if tensor.dtype.bitwidth < 8 or sys.byteorder != "little":
+        return tensor.tobytes()
+    array = np.ascontiguousarray(tensor.numpy())
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 class SharedWeights:
-    """Collects graphs of one folder into one shared weights file ``data_name``.
+    """Writes graphs of one folder with their large initializers in one shared file ``data_name``.
 
-    :meth:`add` reads a graph (inline weights or its own external-data files, which are
-    deleted once read unless they are a previous shared file), appends its tensors not
-    stored yet to a staging file and keeps the graph, without weights, in memory;
-    :meth:`finish` puts the staging file in place (replacing a previous shared file) and
-    rewrites the graphs. Meant to run inside the export's temporary folder: an interrupted
-    export is discarded whole.
+    :meth:`add_model` writes a traced graph (ONNX IR, weights possibly lazy); :meth:`add`
+    rewrites a graph file already in the folder (a graph kept from a previous export: its
+    tensors are read one at a time from its old data file, which is deleted unless it is the
+    shared file); :meth:`finish` puts the file in place. Meant to run inside the export's
+    temporary folder: an interrupted export is discarded whole.
 
-    Raises (:meth:`add`):
+    Raises (:meth:`add`, :meth:`add_model`):
         ValueError: a graph outside the folder.
     """
 
@@ -61,49 +75,104 @@ class SharedWeights:
         self.folder, self.data_name, self.min_bytes = Path(folder), data_name, min_bytes
         self.staging = self.folder / (data_name + ".tmp")
         self.out = open(self.staging, "wb")
-        self.index: dict[tuple, tuple[int, int]] = {}
-        self.graphs: list[tuple[Path, onnx.ModelProto]] = []
+        self.index: dict[object, tuple[int, int]] = {}
+        self.graphs = 0
         self.references = 0
 
-    def add(self, path: Path) -> None:
-        """Move the large initializers of the graph at ``path`` into the shared file."""
+    def _check(self, path: Path) -> Path:
         path = Path(path)
         if path.parent != self.folder:
             raise ValueError(f"graph {str(path)!r} is not in {str(self.folder)!r}")
+        return path
+
+    def _store(self, dtype: int, dims: tuple, key, produce: Callable[[], bytes | memoryview]) -> tuple[int, int]:
+        """Offset and length of a tensor in the shared file, writing it when new."""
+        if key is not None and key in self.index:
+            return self.index[key]
+        raw = produce()
+        content = (dtype, dims, hashlib.sha256(raw).digest())
+        if content not in self.index:
+            align = ALIGN if len(raw) >= ALIGN else 64
+            self.out.write(b"\0" * (-self.out.tell() % align))
+            self.index[content] = (self.out.tell(), len(raw))
+            self.out.write(raw)
+        if key is not None:
+            self.index[key] = self.index[content]
+        self.references += 1
+        return self.index[content]
+
+    def add_model(self, model: ir.Model, path: Path,
+                  convert: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None) -> None:
+        """Write the initializers of ``model`` of at least ``min_bytes`` into the shared file
+        (materializing one at a time; a tensor with a ``key`` attribute seen before is not
+        computed again) and save the graph at ``path`` referencing them. ``convert`` is applied
+        to the serialized graph (weights already external) before it is saved."""
+        path = self._check(path)
+        for graph in model.graphs():
+            for value in graph.initializers.values():
+                tensor = value.const_value
+                if tensor is None or tensor.nbytes < self.min_bytes:
+                    continue
+                dims = tuple(int(d) for d in tensor.shape)
+                offset, length = self._store(int(tensor.dtype), dims, getattr(tensor, "key", None),
+                                             lambda tensor=tensor: _buffer(tensor))
+                value.const_value = ir.ExternalTensor(
+                    self.data_name, offset, length, tensor.dtype, shape=tensor.shape, name=value.name,
+                    base_dir=self.folder,
+                )
+        proto = ir.to_proto(model)
+        if convert is not None:
+            proto = convert(proto)
+        onnx.save_model(proto, str(path))
+        self.graphs += 1
+
+    def add(self, path: Path) -> None:
+        """Move the large initializers of the graph file at ``path`` into the shared file,
+        one tensor at a time, and rewrite the graph."""
+        path = self._check(path)
         model = onnx.load(str(path), load_external_data=False)
-        own_files = _data_files(model, self.folder)
-        onnx.load_external_data_for_model(model, str(self.folder))
-        for tensor in _initializers(model.graph):
-            if not tensor.HasField("raw_data") or len(tensor.raw_data) < self.min_bytes:
+        old_files = set()
+        for tensor in _proto_initializers(model.graph):
+            external = tensor.data_location == onnx.TensorProto.EXTERNAL
+            size = int(next((e.value for e in tensor.external_data if e.key == "length"), 0)) if external else len(tensor.raw_data)
+            if (not external and not tensor.HasField("raw_data")) or size < self.min_bytes:
+                if external:  # a small tensor kept outside: bring it inline
+                    tensor.raw_data = _read_external(tensor, self.folder)
+                    old_files |= {e.value for e in tensor.external_data if e.key == "location"}
+                    del tensor.external_data[:]
+                    tensor.data_location = onnx.TensorProto.DEFAULT
                 continue
-            raw = tensor.raw_data
-            key = (tensor.data_type, tuple(tensor.dims), hashlib.sha256(raw).digest())
-            if key not in self.index:
-                align = ALIGN if len(raw) >= ALIGN else 64
-                self.out.write(b"\0" * (-self.out.tell() % align))
-                self.index[key] = (self.out.tell(), len(raw))
-                self.out.write(raw)
-            offset, length = self.index[key]
-            set_external_data(tensor, location=self.data_name, offset=offset, length=length)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
+            if external:
+                old_files |= {e.value for e in tensor.external_data if e.key == "location"}
+
+                def produce(tensor=tensor):
+                    return _read_external(tensor, self.folder)
+            else:
+                def produce(tensor=tensor):
+                    return tensor.raw_data
+            offset, length = self._store(tensor.data_type, tuple(tensor.dims), None, produce)
             tensor.ClearField("raw_data")
-            self.references += 1
-        for old in own_files - {self.folder / self.data_name}:
-            old.unlink(missing_ok=True)
-        self.graphs.append((path, model))
+            del tensor.external_data[:]
+            for key, value in (("location", self.data_name), ("offset", offset), ("length", length)):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+        tmp = path.with_name(path.name + ".tmp")
+        onnx.save_model(model, str(tmp))
+        os.replace(tmp, path)
+        for name in old_files - {self.data_name}:
+            (self.folder / name).unlink(missing_ok=True)
+        self.graphs += 1
 
     def finish(self) -> dict[str, int]:
-        """Put the shared file in place and rewrite every added graph.
+        """Put the shared file in place (replacing a previous one).
 
         Returns:
-            ``{"graphs": ..., "tensors": ..., "unique": ..., "bytes": ...}``: graphs rewritten,
+            ``{"graphs": ..., "tensors": ..., "unique": ..., "bytes": ...}``: graphs written,
             references written, distinct tensors stored, size of the shared file in bytes.
         """
         size = self.out.tell()
         self.out.close()
         os.replace(self.staging, self.folder / self.data_name)
-        for path, model in self.graphs:
-            tmp = path.with_name(path.name + ".tmp")
-            onnx.save_model(model, str(tmp))
-            os.replace(tmp, path)
-        return {"graphs": len(self.graphs), "tensors": self.references, "unique": len(self.index), "bytes": size}
+        unique = len({v for v in self.index.values()})
+        return {"graphs": self.graphs, "tensors": self.references, "unique": unique, "bytes": size}

@@ -82,11 +82,6 @@ class GraphSet(abc.ABC):
         check(self.contract, graph)
         return self._prepare(graph)
 
-    def unload_prefill(self) -> None:
-        """Drop the loaded prefill graphs (each holds its own copy of the text weights in
-        memory); they load again on next use."""
-        self._prefill.clear()
-
     def prefill(self, bucket: int | None) -> GraphSpec:
         """The prefill graph for ``bucket`` tokens (``None``: the dynamic-length graph)."""
         if bucket not in self._prefill:

@@ -169,6 +169,12 @@ class OpenVinoGraphSet(GraphSet):
         graph.request = graph.compiled.create_infer_request()
         return graph
 
+    def unload_prefill(self) -> None:
+        """Drop the compiled prefill graphs; they compile again on next use. Each compiled graph
+        holds its own weights (portable int4 at 0.8B on CPU: about 0.6 GB more proportional
+        resident memory per bucket), unlike ONNX Runtime's sessions, which share them."""
+        self._prefill.clear()
+
 
 def _run(request: ov.InferRequest) -> None:
     """Run synchronously without building an output dictionary (``InferRequest.infer`` copies

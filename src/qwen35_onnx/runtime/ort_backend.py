@@ -17,7 +17,9 @@ from .state import NP_DTYPES, BoundDecoder, HostDecoder
 
 
 class OrtBackend(Backend):
-    """ONNX Runtime on ``device`` ('cpu' or 'cuda').
+    """ONNX Runtime on ``device`` ('cpu' or 'cuda'). On CPU the text graphs share one copy of the
+    text weights (see :mod:`.shared_weights`); ``share_weights=False`` gives every session its
+    own, as ONNX Runtime does by default (for comparison).
 
     Raises:
         ValueError: unknown device, or an onnxruntime without its provider.
@@ -28,10 +30,10 @@ class OrtBackend(Backend):
     precision = "f32"  # no precision hint: the graphs compute in their exported dtype
 
     def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0,
-                 host_state_roundtrip: bool = False):
+                 host_state_roundtrip: bool = False, share_weights: bool = True):
         providers_for(device)  # a bad device fails before any graph loads
         self.contract, self.device, self.host_state_roundtrip = contract, device, host_state_roundtrip
-        self.graphs = GraphSet(root, contract, device=device, threads=threads)
+        self.graphs = GraphSet(root, contract, device=device, threads=threads, share_weights=share_weights)
         if contract.dtype not in NP_DTYPES:  # a provider loaded the graphs, but numpy cannot hold the states
             raise ContractError(
                 f"the export at {str(root)!r} is {contract.dtype}: this runtime's ONNX Runtime path keeps decode states "

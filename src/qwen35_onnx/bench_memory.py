@@ -1,0 +1,205 @@
+"""Resident memory of a Pipeline with every graph of an export loaded, against the budget of one
+weight copy (``qwen35-onnx bench --memory EXPORT``; ONNX Runtime, CPU; no torch).
+
+Prints: the weight bytes (text and vision external-data files), the decode state buffers, the
+process's resident memory (``VmRSS``, split into file-backed and anonymous pages, and ``Pss``)
+after loading vision, decode and every prefill bucket and again after running each graph once,
+the budget ``1.2 x weights + states + 0.5 GB``, and decode ms/token with the shared weights and
+with a decode session that holds its own copy (ONNX Runtime's default), side by side: the two
+decoders start from copies of one prefill's states and take turns (see :data:`BLOCK`; median of
+``steps`` steps after 3 warm-ups each). GB are 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+BUDGET_FACTOR, BUDGET_SLACK = 1.2, 0.5e9
+"""The budget: ``BUDGET_FACTOR x weight bytes + state bytes + BUDGET_SLACK`` bytes."""
+WARMUP = 3
+BLOCK, SWITCH_PAUSE_S = 5, 0.05
+"""Decode timing: each decoder runs ``BLOCK`` steps in turn, after a pause of ``SWITCH_PAUSE_S``
+seconds. Alternating every single step lets the idle worker threads of the session that just ran
+(ONNX Runtime spins them for a while) compete with the other on the cores, which measured
+differences of up to 15 % between identical sessions on 2 cores; in blocks they agree within 0.5 %."""
+
+
+def resident() -> dict[str, int]:
+    """This process's memory in bytes: ``VmRSS``, ``RssAnon``, ``RssFile`` (``/proc/self/status``)
+    and ``Pss`` (``/proc/self/smaps_rollup``: shared pages divided among their mappings).
+
+    Raises:
+        OSError: no ``/proc`` (not Linux).
+    """
+    out = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                key, _, value = line.partition(":")
+                if key == "Pss":
+                    out["Pss"] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def weight_bytes(root: Path, graphs: dict[str, str]) -> dict[str, int]:
+    """Bytes of the external-data files the graphs of an export read, per kind: ``{'text': ...,
+    'vision': ...}`` (each file counted once; ``graphs``: manifest key -> path under ``root``)."""
+    from .runtime.onnx_edit import read_model
+
+    files: dict[Path, str] = {}
+    for key, rel in graphs.items():
+        path = Path(root) / rel
+        for tensor in read_model(path.read_bytes()).initializers.values():
+            if tensor.location is not None:
+                files.setdefault((path.parent / tensor.location).resolve(), "vision" if key == "vision" else "text")
+    out = {"text": 0, "vision": 0}
+    for path, kind in files.items():
+        out[kind] += path.stat().st_size
+    return out
+
+
+def state_bytes(contract) -> int:
+    """Bytes of the decode state buffers of :class:`~.runtime.state.BoundDecoder`: two sets of
+    conv and recurrent states and logits (A/B), the KV cache at capacity once (updated in place,
+    ``--ops ort``) or twice."""
+    from .contract import STATE_NAMES
+
+    itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}
+    sizes = {s: int(np.prod(contract.state_shape(s))) * itemsize[contract.state_dtype(s)] for s in STATE_NAMES}
+    kv_sets = 1 if contract.kv_in_place else 2
+    return 2 * (sizes["conv_states"] + sizes["recurrent_states"] + 4 * contract.vocab_size) + kv_sets * sizes["kv_cache"]
+
+
+@dataclass
+class MemoryReport:
+    """What :func:`measure_memory` found; bytes, milliseconds."""
+
+    weights: dict[str, int]
+    states: int
+    baseline: dict[str, int]
+    loaded: dict[str, int]
+    ran: dict[str, int]
+    decode_ms: dict[str, float] = field(default_factory=dict)
+    tokens_identical: bool | None = None
+    shared: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def budget(self) -> float:
+        return BUDGET_FACTOR * sum(self.weights.values()) + self.states + BUDGET_SLACK
+
+    def lines(self) -> list[str]:
+        gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+        mem = lambda m: (f"VmRSS {gb(m['VmRSS'])} (file {gb(m['RssFile'])}, anonymous {gb(m['RssAnon'])})"  # noqa: E731
+                         + (f", Pss {gb(m['Pss'])}" if "Pss" in m else ""))
+        w = self.weights
+        out = [
+            f"weights: {gb(sum(w.values()))} (text {gb(w['text'])}, vision {gb(w['vision'])})",
+            f"decode state buffers: {gb(self.states)}",
+            f"before loading: {mem(self.baseline)}",
+            f"vision + decode + every prefill bucket loaded: {mem(self.loaded)}",
+            f"after running vision, the smallest prefill bucket and decode: {mem(self.ran)}",
+        ]
+        if self.shared:
+            out.append(f"shared text weights: {gb(self.shared['mapped'])} mapped once, "
+                       f"{gb(self.shared['transposed'])} of them held transposed")
+        out.append(f"budget 1.2 x weights + states + 0.5 GB: {gb(self.budget)}; loaded: "
+                   f"{'within' if self.loaded['VmRSS'] <= self.budget else 'OVER'}, after running: "
+                   f"{'within' if self.ran['VmRSS'] <= self.budget else 'OVER'}")
+        if len(self.decode_ms) == 2:
+            own, shared = self.decode_ms["own copy"], self.decode_ms["shared"]
+            out.append(f"decode ms/token (median, alternating steps): shared {shared:.2f}, own copy {own:.2f} "
+                       f"(shared / own {shared / own:.3f}); greedy tokens identical: {self.tokens_identical}")
+        return out
+
+
+def _prompt(pipe, length: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, min(pipe.contract.vocab_size, 1000), size=(1, length)).astype(np.int64)
+
+
+def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=print) -> MemoryReport:
+    """Load the export at ``export_dir`` with every graph, measure resident memory, then (with
+    ``compare``) decode ``steps`` tokens alternately with the pipeline's decoder and one whose
+    decode session holds its own weights (this loads that session: its copy adds to memory after
+    the memory figures were taken).
+
+    Raises:
+        ContractError / ValueError: see :meth:`~qwen35_onnx.pipeline.Pipeline.from_exported`.
+        OSError: no ``/proc`` (not Linux).
+    """
+    import onnxruntime as ort
+
+    from .pipeline import Pipeline
+    from .runtime.masks import advance_mask, prepare_decode_mask
+    from .runtime.positions import decode_position_ids
+    from .runtime.sessions import GraphSession, session_config
+    from .runtime.state import BoundDecoder
+
+    gc.collect()
+    baseline = resident()
+    start = time.perf_counter()
+    pipe = Pipeline.from_exported(export_dir)
+    contract = pipe.contract
+    for bucket in contract.prefill_buckets or [None]:
+        pipe.graphs.prefill(bucket)
+    gc.collect()
+    loaded = resident()
+    log(f"[memory] loaded vision, decode and {len(contract.prefill_buckets or [None])} prefill graph(s) "
+        f"in {time.perf_counter() - start:.1f} s")
+    zeros = np.zeros((contract.n_image_rows, contract.image_embed_dim), dtype=np.float32)
+    pipe.backend.run_vision(np.zeros((contract.n_patches, contract.patch_dim), dtype=np.float32))
+    prepared = pipe.prepare_ids(_prompt(pipe, min(20, contract.capacity - 1)))  # the smallest bucket
+    logits, states = pipe.run_prefill(prepared, zeros)
+    copies = {k: ort.OrtValue.ortvalue_from_numpy(np.array(v.numpy(), copy=True)) for k, v in states.items()}
+    decoders = {"shared": pipe.decoder(states)}
+    _, prompt_mask, _ = pipe.padded_prompt(prepared)
+    mask = prepare_decode_mask(prompt_mask, contract.capacity, contract.capacity)
+    decoders["shared"].step(np.array([[int(np.argmax(logits))]], dtype=np.int64), mask,
+                            decode_position_ids(advance_mask(mask), prepared.rope_deltas))
+    decoders = {"shared": pipe.decoder({k: ort.OrtValue.ortvalue_from_numpy(np.array(v.numpy(), copy=True))
+                                        for k, v in copies.items()})}
+    gc.collect()
+    ran = resident()
+    weights = pipe.graphs.weights
+    report = MemoryReport(weight_bytes(export_dir, contract.graphs), state_bytes(contract), baseline, loaded, ran,
+                          shared={"mapped": weights.mapped_bytes(), "transposed": weights.transposed_bytes()}
+                          if weights else {})
+    if not compare:
+        return report
+    own = GraphSession.load("decode", Path(export_dir) / contract.graphs["decode"], config=session_config(contract),
+                            dtype=contract.dtype)
+    decoders["own copy"] = BoundDecoder(own, contract, copies, "cpu")
+    runs = {name: {"mask": prepare_decode_mask(prompt_mask, contract.capacity, contract.capacity),
+                   "token": int(np.argmax(logits)), "tokens": [], "ms": []} for name in decoders}
+    order = list(decoders)
+    while min(len(r["ms"]) for r in runs.values()) < steps:
+        if max(int(r["mask"].sum()) for r in runs.values()) + BLOCK >= contract.capacity:
+            break
+        for name in order:
+            time.sleep(SWITCH_PAUSE_S)  # the other session's idle threads stop spinning
+            r = runs[name]
+            for _ in range(BLOCK):
+                t0 = time.perf_counter()
+                pos = advance_mask(r["mask"])
+                out = decoders[name].step(np.array([[r["token"]]], dtype=np.int64), r["mask"],
+                                          decode_position_ids(pos, prepared.rope_deltas))
+                r["token"] = int(np.argmax(out[0, -1]))
+                if len(r["tokens"]) >= WARMUP:
+                    r["ms"].append(1000 * (time.perf_counter() - t0))
+                r["tokens"].append(r["token"])
+        order.reverse()  # who goes first alternates
+    report.decode_ms = {name: statistics.median(r["ms"]) for name, r in runs.items() if r["ms"]}
+    report.tokens_identical = runs["shared"]["tokens"] == runs["own copy"]["tokens"]
+    return report

@@ -1,0 +1,172 @@
+"""One copy of the text weights for all ONNX Runtime sessions of an export (issue 9 item 4).
+
+- Memory: on an export whose text weights (214 MB) dominate the noise, loading and running
+  more prefill buckets adds far less than one weight set of resident memory, while one more
+  session loaded the ONNX Runtime default way (its own copy) adds most of a weight set. Measured
+  in a fresh process (``/proc/self/status`` VmRSS).
+- Results: logits (the wide export) and greedy tokens (fp32 portable, fp32 and int4 ort) are
+  those of sessions that each hold their own weights.
+- The wire-format graph editor keeps an unedited model byte for byte and writes graphs the
+  ``onnx`` package reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qwen35_onnx.pipeline import Pipeline
+from qwen35_onnx.runtime.ort_backend import OrtBackend
+
+from .conftest import MAX_NEW_TOKENS, PROMPT, export_to
+
+
+def unshared(pipe: Pipeline) -> Pipeline:
+    """The same export with every session holding its own weights (ONNX Runtime's default)."""
+    return Pipeline(pipe.root, pipe.contract, OrtBackend(pipe.root, pipe.contract, share_weights=False),
+                    pipe.preprocessor)
+
+
+@pytest.fixture(scope="module")
+def wide_export(checkpoint, tmp_path_factory) -> Path:
+    """The demo architecture widened to 214 MB of fp32 text weights (hidden 512, MLP 4096, tied
+    embeddings as in the published Qwen3.5-0.8B), ``--ops ort``, buckets 32 / 64 / 128."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("ckpt") / "wide"
+    shutil.copytree(checkpoint, folder, ignore=shutil.ignore_patterns("model*.safetensors*", "config.json"))
+    config = Qwen3_5Config.from_pretrained(checkpoint)
+    config.text_config.hidden_size = config.vision_config.out_hidden_size = 512
+    config.text_config.intermediate_size = 4096
+    config.text_config.initializer_range = 0.02
+    config.text_config.tie_word_embeddings = config.tie_word_embeddings = True
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(folder)
+    return export_to(folder, tmp_path_factory.mktemp("exp") / "wide", ops="ort", prefill_buckets=(32, 64, 128))
+
+
+MEASURE = r"""
+import json, sys
+import numpy as np
+from pathlib import Path
+from qwen35_onnx.bench_memory import resident
+from qwen35_onnx.pipeline import Pipeline
+from qwen35_onnx.runtime.sessions import GraphSession, session_config
+
+pipe = Pipeline.from_exported(sys.argv[1])
+c = pipe.contract
+zeros = np.zeros((c.n_image_rows, c.image_embed_dim), dtype=np.float32)
+rng = np.random.default_rng(0)
+rss = []
+for bucket in c.prefill_buckets:  # load, then run: prefill reads every text weight
+    prepared = pipe.prepare_ids(rng.integers(0, 1000, size=(1, bucket - 4)))
+    logits, states = pipe.run_prefill(prepared, zeros)
+    if not rss:
+        decoder = pipe.decoder(states)  # decode's buffers too, before the first figure
+    rss.append(resident()["VmRSS"])
+key = c.prefill_graph_key(c.prefill_buckets[-1])
+own = GraphSession.load(key, Path(sys.argv[1]) / c.graphs[key], config=session_config(c), dtype=c.dtype)
+padded = pipe.padded_prompt(prepared)
+own.session.run(None, dict(zip(("input_ids", "attention_mask", "position_ids"), padded), image_embeds=zeros))
+rss.append(resident()["VmRSS"])
+print(json.dumps({"rss": rss, "weights": pipe.graphs.weights.mapped_bytes()}))
+"""
+
+
+def test_more_buckets_add_far_less_than_a_weight_set(wide_export):
+    """Buckets 64 and 128 loaded and run after bucket 32 add < 10 % of the text weights each;
+    a session of the same graph with its own weights (the control) adds > 50 %."""
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(wide_export)], capture_output=True, text=True,
+                          check=True)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    rss, weights = found["rss"], found["weights"]
+    assert weights == (wide_export / "text" / "weights.data").stat().st_size > 200e6
+    steps = np.diff(rss)
+    report = f"resident memory after each bucket, then the control: {[round(r / 1e6) for r in rss]} MB; weights {weights / 1e6:.0f} MB"
+    assert all(step < 0.1 * weights for step in steps[:-1]), report
+    assert steps[-1] > 0.5 * weights, report
+
+
+def test_wide_export_logits_and_relayout(wide_export):
+    """The shared, re-laid-out sessions give the logits of sessions with their own weights; the
+    narrow weights (the MLP's down projections among them) and the tied lm_head are held
+    transposed, once however many buckets load."""
+    from qwen35_onnx.runtime.masks import advance_mask, prepare_decode_mask
+    from qwen35_onnx.runtime.positions import decode_position_ids
+
+    pipe = Pipeline.from_exported(wide_export)
+    weights = pipe.graphs.weights
+    assert weights.relayout
+    c = pipe.contract
+    down_and_lm_head = 4 * ((c.n_linear + c.n_full) * 4096 * 512 + c.vocab_size * 512)
+    transposed = weights.transposed_bytes()
+    assert down_and_lm_head <= transposed < 0.8 * weights.mapped_bytes()
+    own = unshared(pipe)
+    zeros = np.zeros((c.n_image_rows, c.image_embed_dim), dtype=np.float32)
+    prepared = pipe.prepare_ids(np.random.default_rng(1).integers(0, 1000, size=(1, 50)))
+    a, states_a = pipe.run_prefill(prepared, zeros)
+    b, states_b = own.run_prefill(prepared, zeros)
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+    token = np.array([[int(np.argmax(b))]])
+    mask = prepare_decode_mask(pipe.padded_prompt(prepared)[1], c.capacity, c.capacity)
+    positions = decode_position_ids(advance_mask(mask), prepared.rope_deltas)
+    step_a = pipe.decoder(states_a).step(token, mask, positions)
+    step_b = own.decoder(states_b).step(token, mask, positions)
+    np.testing.assert_allclose(step_a, step_b, rtol=1e-4, atol=1e-4 * float(np.abs(step_b).max()))
+    for bucket in c.prefill_buckets:
+        pipe.graphs.prefill(bucket)
+    assert weights.transposed_bytes() == transposed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["portable fp32", "ort fp32", "ort int4"])
+def test_tokens_unchanged_by_sharing(kind, fixed_export, trained_export, photo):
+    """Greedy tokens of the demo prompt with the shared weights equal those of sessions that hold
+    their own weights (fp32: unpacked and re-laid-out against pre-packed; int4: pre-packed both).
+    The ort exports are the trained checkpoint's (shared with the quantization tests)."""
+    exports = {"portable fp32": lambda: fixed_export, "ort fp32": lambda: trained_export("ort"),
+               "ort int4": lambda: trained_export("ort", quantize="int4")}
+    pipe = Pipeline.from_exported(exports[kind]())
+    assert pipe.graphs.weights.relayout == ("fp32" in kind)
+    prepared = pipe.prepare(photo, PROMPT)
+    shared = pipe.generate_prepared(prepared, max_new_tokens=MAX_NEW_TOKENS).token_ids
+    own = unshared(pipe).generate_prepared(prepared, max_new_tokens=MAX_NEW_TOKENS).token_ids
+    assert shared == own
+    assert len(shared) > 10
+
+
+def test_graph_editor_round_trip(fixed_export):
+    """An unedited model is written back byte for byte; an edited one (a MatMul replaced, an
+    initializer dropped and one added, a domain imported) is a valid model for ``onnx``."""
+    import onnx
+
+    from qwen35_onnx.runtime.onnx_edit import Initializer, Node, read_model, write_model
+
+    path = fixed_export / "text" / "decode.onnx"
+    data = path.read_bytes()
+    model = read_model(data)
+    assert write_model(model) == data
+    index, node = next((i, n) for i, n in enumerate(model.nodes) if n.op_type == "MatMul"
+                       and model.initializers.get(n.inputs[1]) and model.initializers[n.inputs[1]].location)
+    weight = model.initializers[node.inputs[1]]
+    added = Initializer("w_t", weight.dims[::-1], weight.data_type, weight.location, weight.offset, weight.length)
+    edited = write_model(model, {index: Node("FusedMatMul", [node.inputs[0], "w_t"], node.outputs, node.name,
+                                             "com.microsoft", {"transB": [1]})},
+                         drop={weight.name}, add=[added], domains={"com.microsoft": 1})
+    proto = onnx.load_from_string(edited)
+    assert proto.graph.node[index].op_type == "FusedMatMul"
+    assert proto.graph.node[index].attribute[0].name == "transB" and proto.graph.node[index].attribute[0].i == 1
+    names = {t.name for t in proto.graph.initializer}
+    assert "w_t" in names and weight.name not in names
+    assert {o.domain for o in proto.opset_import} >= {"", "com.microsoft"}
+    new = next(t for t in proto.graph.initializer if t.name == "w_t")
+    assert list(new.dims) == list(weight.dims[::-1])
+    assert {e.key: e.value for e in new.external_data}["offset"] == str(weight.offset)

@@ -67,6 +67,7 @@ def export(
     """Export a Qwen3.5 checkpoint to fixed-shape ONNX graphs."""
     try:
         from .export.exporter import ExportOptions, export as run_export
+        from .export.weight_source import peak_rss_bytes
     except ImportError as exc:  # torch / onnx missing
         _fail(ValueError(f"export needs the 'export' extra (torch, onnx, onnxscript): {exc}"))
     given = {
@@ -98,13 +99,6 @@ def export(
         f"{contract.n_image_tokens} image tokens); peak resident memory {peak_rss_bytes() / 2**30:.2f} GiB",
         err=True,
     )
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process, bytes (see :func:`qwen35_onnx.export.weight_source.peak_rss_bytes`)."""
-    from .export.weight_source import peak_rss_bytes as peak
-
-    return peak()
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .onnx_scan import OnnxScanError, _varint
+from .onnx_scan import OnnxScanError, _entries, _varint  # noqa: F401
 
 FLOAT = 1
 """``TensorProto.DataType`` of fp32."""
@@ -71,30 +71,6 @@ class Model:
     graph_span: tuple[int, int] = (0, 0)
     node_spans: list[tuple[int, int]] = field(default_factory=list)
     initializer_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-
-def _entries(buf, start: int = 0, end: int | None = None):
-    """Yield ``(number, wire, value, entry_start, entry_end)``: like ``onnx_scan._fields`` plus the
-    byte span of the whole entry (key included); length-delimited values as ``(start, end)``."""
-    end = len(buf) if end is None else end
-    pos = start
-    while pos < end:
-        entry = pos
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            value = (pos, pos + length)
-            pos += length
-        elif wire in (1, 5):
-            value, pos = None, pos + (8 if wire == 1 else 4)
-        else:
-            raise OnnxScanError(f"unsupported protobuf wire type {wire} at byte {pos}")
-        if pos > end:
-            raise OnnxScanError(f"field {number} runs past the end of its message (byte {pos} > {end})")
-        yield number, wire, value, entry, pos
 
 
 def _text(buf, span) -> str:

@@ -38,11 +38,14 @@ class GraphScan:
         return sorted(f"{domain}.{op}" for domain, op in self.operators if domain not in STANDARD_DOMAINS)
 
 
-def _fields(buf: memoryview, start: int = 0, end: int | None = None):
-    """Yield ``(field_number, wire_type, value)``; length-delimited values as ``(start, end)``."""
+def _entries(buf, start: int = 0, end: int | None = None):
+    """Yield ``(number, wire, value, entry_start, entry_end)`` for the protobuf fields of
+    ``buf[start:end]``: length-delimited values as ``(start, end)``, and the byte span of the whole
+    entry (key included), which :mod:`.onnx_edit` needs to rewrite a message."""
     end = len(buf) if end is None else end
     pos = start
     while pos < end:
+        entry = pos
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
         if wire == 0:
@@ -51,14 +54,18 @@ def _fields(buf: memoryview, start: int = 0, end: int | None = None):
             length, pos = _varint(buf, pos)
             value = (pos, pos + length)
             pos += length
-        elif wire == 1:
-            value, pos = None, pos + 8
-        elif wire == 5:
-            value, pos = None, pos + 4
+        elif wire in (1, 5):
+            value, pos = None, pos + (8 if wire == 1 else 4)
         else:
             raise OnnxScanError(f"unsupported protobuf wire type {wire} at byte {pos}")
         if pos > end:
             raise OnnxScanError(f"field {number} runs past the end of its message (byte {pos} > {end})")
+        yield number, wire, value, entry, pos
+
+
+def _fields(buf: memoryview, start: int = 0, end: int | None = None):
+    """Yield ``(field_number, wire_type, value)``; length-delimited values as ``(start, end)``."""
+    for number, wire, value, _, _ in _entries(buf, start, end):
         yield number, wire, value
 
 

@@ -106,6 +106,8 @@ class PeerResult:
     decode_ms: dict[int, float] = field(default_factory=dict)
     e2e_tokens_per_s: float | None = None
     decode_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    """Peak resident memory (bytes) of the process that ran the peer, while it ran."""
     note: str = ""
 
 
@@ -195,10 +197,15 @@ def bench_export(name: str, export_dir: Path, prompts: dict[int, np.ndarray], ru
         gc.collect()
 
 
+#: (operator, input) pairs that index a table by token: one row is read per decode step.
+GATHERED = {("Gather", 0), ("GatherBlockQuantized", 0), ("GatherBlockQuantized", 2)}
+
+
 def decode_weight_bytes(path: Path) -> int:
     """Bytes of weights one decode step reads from the ONNX graph at ``path``: every initializer
-    (inline or external data) except tables that are only indexed by Gather (the token
-    embedding: one row per token)."""
+    (inline or external data) except tables that are only indexed by Gather or
+    GatherBlockQuantized (the token embedding: one row per token), each stored tensor counted
+    once (a tied model's quantized embedding and lm_head are one tensor under two names)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -206,16 +213,16 @@ def decode_weight_bytes(path: Path) -> int:
     for node in model.graph.node:
         for i, name in enumerate(node.input):
             uses.setdefault(name, set()).add((node.op_type, i))
-    total = 0
+    stored: dict[tuple, int] = {}
     for tensor in model.graph.initializer:
-        if uses.get(tensor.name) == {("Gather", 0)}:
+        if uses.get(tensor.name, set()) <= GATHERED and tensor.name in uses:
             continue
         external = {e.key: e.value for e in tensor.external_data}
         if "length" in external:
-            total += int(external["length"])
+            stored[(external.get("location"), external.get("offset", "0"))] = int(external["length"])
         else:
-            total += onnx.numpy_helper.to_array(tensor).nbytes
-    return total
+            stored[("inline", tensor.name)] = onnx.numpy_helper.to_array(tensor).nbytes
+    return sum(stored.values())
 
 
 # ---- transformers -------------------------------------------------------------------------
@@ -359,6 +366,7 @@ def bench_ovgenai(name: str, python: Path, model_dir: Path, prompts: dict[int, n
     # one row read per token)
     result.decode_bytes = (model_dir / "openvino_language_model.bin").stat().st_size
     result.note = json.dumps({k: out[k] for k in ("input_tokens", "tpot_ms", "versions")})
+    result.peak_rss_bytes = out.get("peak_rss_bytes")  # the peer's own process
     return result
 
 
@@ -425,6 +433,8 @@ def ovgenai_peer(spec: dict) -> dict:
     start = time.perf_counter()
     metrics = generate(text, E2E_TOKENS).perf_metrics
     out["e2e_tokens_per_s"] = metrics.get_num_generated_tokens() / (time.perf_counter() - start)
+    with open("/proc/self/status") as status:  # VmHWM: this process's peak resident memory (kB)
+        out["peak_rss_bytes"] = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")), None)
     return out
 
 
@@ -437,12 +447,13 @@ def report(results: list[PeerResult], bandwidth_gbps: float, out_dir: Path, stat
     lines += [
         "Times in ms (prefill: whole prompt; decode: per token). `decode {last}/{first}`: flatness in "
         "context length. floor: bytes of weights and states one decode step reads / read bandwidth; "
-        "`x floor`: decode at {first} over it.".format(first=first, last=last),
+        "`x floor`: decode at {first} over it. peak RSS: the most resident memory of the process that "
+        "ran the peer while it ran (its load, every length, the end-to-end run; GB = 1e9 bytes).".format(first=first, last=last),
         "",
     ]
     head = "| peer | " + " | ".join(f"prefill {n}" for n in lengths) + " | " + " | ".join(
-        f"decode {n}" for n in lengths) + f" | decode {last}/{first} | e2e tok/s | floor ms/tok @{first} | x floor |"
-    lines += [head, "|" + "---|" * (1 + 2 * len(lengths) + 4)]
+        f"decode {n}" for n in lengths) + f" | decode {last}/{first} | e2e tok/s | floor ms/tok @{first} | x floor | peak RSS GB |"
+    lines += [head, "|" + "---|" * (1 + 2 * len(lengths) + 5)]
     for r in results:
         floor = (r.decode_bytes + state_bytes.get(first, 0)) / (bandwidth_gbps * 1e9) * 1000 if r.decode_bytes else None
         row = [r.name] + [f"{r.prefill_ms.get(n, float('nan')):.1f}" for n in lengths]
@@ -450,6 +461,7 @@ def report(results: list[PeerResult], bandwidth_gbps: float, out_dir: Path, stat
         row += [f"{r.decode_ms[last] / r.decode_ms[first]:.2f}"]
         row += [f"{r.e2e_tokens_per_s:.1f}" if r.e2e_tokens_per_s else "-", f"{floor:.3f}" if floor else "-"]
         row += [f"{r.decode_ms[first] / floor:.1f}" if floor else "-"]
+        row += [f"{r.peak_rss_bytes / 1e9:.2f}" if r.peak_rss_bytes else "-"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", f"Decode ms/token at {first} tokens, ratio row/column (> 1: the column peer is faster):", ""]
     lines.append("| | " + " | ".join(r.name for r in results) + " |")
@@ -528,6 +540,7 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
     :data:`ROWS`; None: all), write the report. A peer that cannot run (a package missing, a
     failed export of OpenVINO's own pipeline) is skipped with its reason, logged and written
     under the tables."""
+    from .bench_memory import reset_peak, resident
     from .contract import read_manifest
     from .export.exporter import ExportOptions, export
 
@@ -558,6 +571,9 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
     results, skipped = [], []
     optimum = None
     for row in rows:
+        gc.collect()
+        reset_peak()
+        done = len(results)
         if row in PIPELINE_ROWS:
             export_name, runtime, precision = PIPELINE_ROWS[row]
             log(f"[bench] {row} ({export_name} export, {runtime}, precision {precision})")
@@ -574,7 +590,17 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
                 continue
             precision = row.split()[1]
             log(f"[bench] onnxruntime-genai {precision}")
-            folder = build_genai(checkpoint, work_dir / f"genai-{precision}", precision)
+            try:
+                folder = build_genai(checkpoint, work_dir / f"genai-{precision}", precision)
+            except subprocess.CalledProcessError as exc:  # its builder failed: the row is skipped, not the bench
+                tail = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
+                skipped.append(f"{row}: onnxruntime-genai's model builder exited with {exc.returncode}: {' / '.join(tail)}")
+                log(f"[bench] skipped {skipped[-1]}")
+                continue
+            import resource
+
+            log(f"[bench] onnxruntime-genai {precision} model in {folder} (builder's peak resident memory, if it "
+                f"ran now: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6:.2f} GB)")
             results.append(bench_genai(row, folder, prompts))
         else:  # OpenVINO's own pipeline
             log(f"[bench] {row} (optimum-intel + openvino-genai VLMPipeline)")
@@ -586,6 +612,8 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
             except (RuntimeError, OSError, ValueError) as exc:
                 skipped.append(f"{row}: {exc}")
                 log(f"[bench] skipped {skipped[-1]}")
+        if len(results) > done and results[-1].peak_rss_bytes is None:
+            results[-1].peak_rss_bytes = resident().get("VmHWM")
     markdown = report(results, bandwidth, work_dir, state_bytes)
     extra = target_lines(results) + (["", "Not measured:", ""] + [f"- {s}" for s in skipped] if skipped else [])
     if extra:

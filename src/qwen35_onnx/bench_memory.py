@@ -31,8 +31,9 @@ differences of up to 15 % between identical sessions on 2 cores; in blocks they 
 
 
 def resident() -> dict[str, int]:
-    """This process's memory in bytes: ``VmRSS``, ``RssAnon``, ``RssFile`` (``/proc/self/status``)
-    and ``Pss`` (``/proc/self/smaps_rollup``: shared pages divided among their mappings).
+    """This process's memory in bytes: ``VmRSS``, ``VmHWM`` (the peak of VmRSS, see
+    :func:`reset_peak`), ``RssAnon``, ``RssFile`` (``/proc/self/status``) and ``Pss``
+    (``/proc/self/smaps_rollup``: shared pages divided among their mappings).
 
     Raises:
         OSError: no ``/proc`` (not Linux).
@@ -41,7 +42,7 @@ def resident() -> dict[str, int]:
     with open("/proc/self/status") as status:
         for line in status:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[key] = int(value.split()[0]) * 1024
     try:
         with open("/proc/self/smaps_rollup") as rollup:
@@ -52,6 +53,18 @@ def resident() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def reset_peak() -> bool:
+    """Reset this process's ``VmHWM`` to its current resident memory (Linux ``clear_refs`` value 5,
+    ``proc(5)``), so that :func:`resident` then gives the peak of what follows. Returns False
+    where the kernel does not allow it (the peak then covers the whole process life)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def weight_bytes(root: Path, graphs: dict[str, str]) -> dict[str, int]:

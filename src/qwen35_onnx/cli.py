@@ -61,6 +61,12 @@ def export(
              "4 int8 activations (fastest on CPU). Written into --ops ort graphs, read from the manifest for "
              "--ops portable. [default: 4]",
     ),
+    quantize_embedding: Optional[bool] = typer.Option(
+        None, "--quantize-embedding/--no-quantize-embedding",
+        help="Quantize the token-embedding table with the text weights (GatherBlockQuantized with the export's "
+             "bits for --ops ort, sharing a tied lm_head's bytes; int8 Gather + DequantizeLinear for --ops portable). "
+             "[default: on when --quantize is int4 or int8]",
+    ),
     max_images: Optional[int] = typer.Option(None, "--max-images", help="Images per prompt the prefill graphs take (each adds its image tokens to the prompt). [default: 1]"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export in --output-dir."),
 ) -> None:
@@ -81,6 +87,7 @@ def export(
         "quantize": quantize,
         "quant_block_size": quant_block_size,
         "quant_accuracy_level": quant_accuracy_level,
+        "quantize_embedding": quantize_embedding,
         "max_images": max_images,
     }
     try:

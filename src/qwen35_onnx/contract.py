@@ -206,6 +206,7 @@ class ShapeContract:
     exporter_version: str
     max_images: int = 1
     quant_accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL
+    quantize_embedding: bool = False
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
@@ -291,6 +292,18 @@ class ShapeContract:
         return "MatMulNBits" if self.ops == "ort" else "DequantizeLinear"
 
     @property
+    def embedding_format(self) -> str:
+        """How the token-embedding table is stored (derived from :attr:`quantize_embedding`,
+        :attr:`quantize` and :attr:`ops`, written to the manifest's ``derived`` section):
+        ``'float'`` (the export's dtype); ``'GatherBlockQuantized'`` (``--ops ort``: ONNX
+        Runtime's ``com.microsoft`` operator over the export's int4/int8 blocks, the bytes of a
+        tied model's lm_head); ``'DequantizeLinear int8'`` (``--ops portable``: Gather of int8
+        codes and scales, then a blocked DequantizeLinear, standard ONNX)."""
+        if not self.quantize_embedding:
+            return "float"
+        return "GatherBlockQuantized" if self.ops == "ort" else "DequantizeLinear int8"
+
+    @property
     def kv_in_place(self) -> bool:
         """True for ``--ops ort`` with fixed KV: the decode graph takes and returns every state
         one entry at a time (see :meth:`decode_state_names`), so the runtime binds each entry by
@@ -347,6 +360,7 @@ class ShapeContract:
             "kv_shape": list(self.kv_shape()) if self.kv_mode == "fixed" else "dynamic",
             "state_dtypes": self.state_dtypes,
             "quant_format": self.quant_format,
+            "embedding_format": self.embedding_format,
         }
         return d
 
@@ -369,8 +383,9 @@ class ShapeContract:
                 "re-export the model with this version of qwen35-onnx"
             )
         names = {f.name for f in dataclasses.fields(cls)}
-        # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0
-        optional = ("graphs", "format_version", "max_images", "quant_accuracy_level")
+        # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0;
+        # quantize_embedding: False before 0.6.0
+        optional = ("graphs", "format_version", "max_images", "quant_accuracy_level", "quantize_embedding")
         missing = sorted(n for n in names if n not in data and n not in optional)
         if missing:
             raise ContractError(f"contract is missing fields: {', '.join(missing)}")
@@ -433,6 +448,10 @@ class ShapeContract:
             raise ContractError(f"quantize {self.quantize!r} is not one of {QUANTIZATIONS}")
         if self.quant_accuracy_level not in QUANT_ACCURACY_LEVELS:
             raise ContractError(f"quant_accuracy_level {self.quant_accuracy_level!r} is not one of {QUANT_ACCURACY_LEVELS}")
+        if not isinstance(self.quantize_embedding, bool):
+            raise ContractError(f"quantize_embedding must be true or false, got {self.quantize_embedding!r}")
+        if self.quantize_embedding and self.quantize == "none":
+            raise ContractError("quantize_embedding needs a quantized export (quantize is 'none')")
         if self.prefill_logits not in PREFILL_LOGITS:
             raise ContractError(f"prefill_logits {self.prefill_logits!r} is not one of {PREFILL_LOGITS}")
         try:

@@ -106,6 +106,7 @@ class ExportOptions:
     quantize: str = "none"
     quant_block_size: int = 32
     quant_accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL
+    quantize_embedding: bool | None = None
     max_images: int = 1
     overwrite: bool = False
 
@@ -139,6 +140,10 @@ class ExportOptions:
             )
         if level != DEFAULT_QUANT_ACCURACY_LEVEL and self.quantize == "none":
             raise ExportError(f"--quant-accuracy-level {level} applies to quantized exports only (add --quantize int4|int8)")
+        if self.quantize_embedding is not None and not isinstance(self.quantize_embedding, bool):
+            raise ExportError(f"--quantize-embedding must be true or false, got {self.quantize_embedding!r}")
+        if self.quantize_embedding and self.quantize == "none":
+            raise ExportError("--quantize-embedding applies to quantized exports only (add --quantize int4|int8)")
         if self.dtype == "bf16" and self.ops == "ort":
             raise ExportError(
                 "--dtype bf16 needs --ops portable: ONNX Runtime's fused operators (--ops ort) take fp32 and fp16 "
@@ -165,6 +170,12 @@ class ExportOptions:
         if self.kv_mode != "fixed":
             return ()
         return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
+
+    @property
+    def embedding_quantized(self) -> bool:
+        """Whether the token-embedding table is quantized: ``quantize_embedding``, by default
+        (None) whenever the text weights are."""
+        return self.quantize != "none" and self.quantize_embedding is not False
 
     @property
     def trace_len(self) -> int:
@@ -300,6 +311,7 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
         quantize=options.quantize,
         quant_block_size=options.quant_block_size,
         quant_accuracy_level=options.quant_accuracy_level,
+        quantize_embedding=options.embedding_quantized,
         image_token_id=config.image_token_id,
         vision_start_token_id=config.vision_start_token_id,
         vision_end_token_id=config.vision_end_token_id,
@@ -475,7 +487,8 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
         from .quantize import quantize_model
 
         quantize_model(ir_model, contract.quantize, contract.quant_block_size, ops=contract.ops,
-                       accuracy_level=contract.quant_accuracy_level)
+                       accuracy_level=contract.quant_accuracy_level,
+                       embedding_ids="input_ids" if contract.quantize_embedding else None)
     writer.add_model(ir_model, path)
     return path
 
@@ -541,6 +554,7 @@ CONTRACT_OPTIONS = {
     "quantize": "--quantize",
     "quant_block_size": "--quant-block-size",
     "quant_accuracy_level": "--quant-accuracy-level",
+    "quantize_embedding": "--quantize-embedding",
     "max_images": "--max-images",
 }
 """Options that shape the contract: a single-component export takes them from the existing export."""
@@ -565,6 +579,7 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
         "quantize": existing.quantize,
         "quant_block_size": existing.quant_block_size,
         "quant_accuracy_level": existing.quant_accuracy_level,
+        "quantize_embedding": existing.quantize_embedding,
         "max_images": existing.max_images,
     }
     defaults = ExportOptions()

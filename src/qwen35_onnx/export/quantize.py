@@ -116,7 +116,7 @@ def _weights(graph: ir.Graph):
 
 
 def quantize_model(model: ir.Model, scheme: str, block_size: int, ops: str = "ort",
-                   accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL) -> int:
+                   accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL, embedding_ids: str | None = None) -> int:
     """Quantize every MatMul of ``model`` (main graph) whose weight is a 2-D float initializer,
     in place; returns the number of quantized weights. The quantized tensors are lazy: each
     weight is read and quantized when the graph is written (:mod:`.weights`), one at a time.
@@ -131,8 +131,12 @@ def quantize_model(model: ir.Model, scheme: str, block_size: int, ops: str = "or
     :data:`DQ_IR_VERSION`. A portable graph has no place for ``accuracy_level`` (ONNX Runtime
     reads it from the manifest when it fuses the graph, see ``runtime.sessions``).
 
+    ``embedding_ids``: the name of the token-ids graph input; the embedding table it gathers is
+    quantized too (:func:`_quantize_embedding`; None keeps it in its float type).
+
     Raises:
-        ValueError: see :func:`check_scheme`.
+        ValueError: see :func:`check_scheme`; an embedding whose hidden size is not a multiple
+            of ``block_size`` with ``ops='ort'``.
     """
     bits = check_scheme(scheme, block_size, ops)
     graph = model.graph
@@ -183,11 +187,83 @@ def quantize_model(model: ir.Model, scheme: str, block_size: int, ops: str = "or
             ir.convenience.replace_nodes_and_values(graph, node, [node], [new], node.outputs, new.outputs)
         else:
             node.replace_input_with(1, replaced[name][0])
+    if embedding_ids is not None:
+        replaced.update(_quantize_embedding(graph, embedding_ids, bits, block_size, ops))
     for name in replaced:
         value = graph.initializers.get(name)
         if value is not None and not value.uses() and not value.is_graph_output():
             graph.initializers.pop(name)
     return len(replaced)
+
+
+def _quantize_embedding(graph: ir.Graph, ids_name: str, bits: int, block_size: int, ops: str) -> dict[str, list]:
+    """Quantize the token-embedding table: the 2-D float initializer gathered (axis 0) by the
+    graph input ``ids_name``. Returns ``{table name: new values}`` (empty when the graph has none).
+
+    ``ort``: ``com.microsoft`` ``GatherBlockQuantized`` (``gather_axis=0``, ``quantize_axis=1``)
+    over the table's rows quantized as ``MatMulNBits`` quantizes its weight columns, with the
+    export's bits: the same bytes as the quantized lm_head of a tied model, which the weights file
+    then stores once. ``portable``: ``Gather`` of int8 codes and of their scales, then a blocked
+    ``DequantizeLinear`` along the hidden axis, standard ONNX (opset 21 has no INT4 ``Gather``,
+    hence 8 bits whatever the export's bits).
+    """
+    ids = next((v for v in graph.inputs if v.name == ids_name), None)
+    found = {}
+    for node in [] if ids is None else list(ids.uses()):
+        gather = node.node
+        if gather.op_type != "Gather" or gather.domain not in ("", "ai.onnx") or node.idx != 1:
+            continue
+        axis = gather.attributes.get("axis")
+        table = gather.inputs[0]
+        tensor = table.const_value if table.is_initializer() else None
+        if (axis is not None and axis.as_int() != 0) or tensor is None or len(tensor.shape) != 2 \
+                or tensor.dtype not in FLOAT_TYPES:
+            continue
+        vocab, hidden = (int(d) for d in tensor.shape)
+        blocks = -(-hidden // block_size)
+        name = table.name
+        if name not in found:
+            if ops == "ort":
+                if hidden % block_size:
+                    raise ValueError(f"the embedding's hidden size {hidden} is not a multiple of the quantization "
+                                     f"block size {block_size}, which GatherBlockQuantized needs")
+                parts = _Parts(tensor, lambda w: _rows(w, lambda c: nbits_blocks(c.T, bits, block_size)), 2)
+                found[name] = [
+                    parts.tensor(0, f"{name}_Q{bits}", ir.DataType.UINT8, [vocab, hidden * bits // 8], "nbits-rows"),
+                    parts.tensor(1, f"{name}_scales", tensor.dtype, [vocab, blocks], "nbits-rows-scales"),
+                ]
+            else:
+                parts = _Parts(tensor, lambda w: _rows(w, lambda c: tuple(
+                    a.T for a in quantize_blocks(c.T, 8, block_size, scale_dtype=w.dtype))), 2)
+                found[name] = [
+                    parts.tensor(0, f"{name}_q8", ir.DataType.INT8, [vocab, hidden], "dq8-rows"),
+                    parts.tensor(1, f"{name}_scale", tensor.dtype, [vocab, blocks], "dq8-rows-scale"),
+                ]
+            for value in found[name]:
+                graph.register_initializer(value)
+        if ops == "ort":
+            new = [ir.Node(MS_DOMAIN, "GatherBlockQuantized", [found[name][0], ids, found[name][1]], attributes=[
+                ir.AttrInt64("gather_axis", 0), ir.AttrInt64("quantize_axis", 1),
+                ir.AttrInt64("block_size", block_size), ir.AttrInt64("bits", bits),
+            ], name=f"{gather.name or name}_Q{bits}")]
+        else:
+            codes = ir.Node("", "Gather", [found[name][0], ids], name=f"{gather.name or name}_codes")
+            scales = ir.Node("", "Gather", [found[name][1], ids], name=f"{gather.name or name}_scales")
+            new = [codes, scales, ir.Node("", "DequantizeLinear", [codes.outputs[0], scales.outputs[0]], attributes=[
+                ir.AttrInt64("axis", -1), ir.AttrInt64("block_size", block_size),
+            ], name=f"{gather.name or name}_dq")]
+        ir.convenience.replace_nodes_and_values(graph, gather, [gather], new, gather.outputs, new[-1].outputs)
+    return found
+
+
+def _rows(table: np.ndarray, quantize) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize`` (a function of a slice of rows giving ``(codes, scales)`` with one row per
+    table row) applied to ``table [V, H]`` a slice of rows at a time (bounded temporaries), the
+    results concatenated: the row-wise quantization of an embedding table."""
+    step = max(1, _CHUNK // max(1, table.shape[1]))
+    codes, scales = zip(*(quantize(np.ascontiguousarray(table[r : r + step])) for r in range(0, len(table), step)))
+    rows = len(table)
+    return np.concatenate(codes).reshape(rows, -1), np.concatenate(scales).reshape(rows, -1)
 
 
 def nbits_blocks(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:

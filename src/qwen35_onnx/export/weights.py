@@ -85,12 +85,13 @@ class SharedWeights:
             raise ValueError(f"graph {str(path)!r} is not in {str(self.folder)!r}")
         return path
 
-    def _store(self, dtype: int, dims: tuple, key, produce: Callable[[], bytes | memoryview]) -> tuple[int, int]:
+    def _store(self, dtype: int, key, produce: Callable[[], bytes | memoryview]) -> tuple[int, int]:
         """Offset and length of a tensor in the shared file, writing it when new."""
         if key is not None and key in self.index:
             return self.index[key]
         raw = produce()
-        content = (dtype, dims, hashlib.sha256(raw).digest())
+        # bytes, not shapes: a tied model's int4 embedding rows and lm_head blocks are one tensor
+        content = (dtype, hashlib.sha256(raw).digest())
         if content not in self.index:
             align = ALIGN if len(raw) >= ALIGN else 64
             self.out.write(b"\0" * (-self.out.tell() % align))
@@ -113,8 +114,7 @@ class SharedWeights:
                 tensor = value.const_value
                 if tensor is None or tensor.nbytes < self.min_bytes:
                     continue
-                dims = tuple(int(d) for d in tensor.shape)
-                offset, length = self._store(int(tensor.dtype), dims, getattr(tensor, "key", None),
+                offset, length = self._store(int(tensor.dtype), getattr(tensor, "key", None),
                                              lambda tensor=tensor: _buffer(tensor))
                 value.const_value = ir.ExternalTensor(
                     self.data_name, offset, length, tensor.dtype, shape=tensor.shape, name=value.name,
@@ -150,7 +150,7 @@ class SharedWeights:
             else:
                 def produce(tensor=tensor):
                     return tensor.raw_data
-            offset, length = self._store(tensor.data_type, tuple(tensor.dims), None, produce)
+            offset, length = self._store(tensor.data_type, None, produce)
             tensor.ClearField("raw_data")
             del tensor.external_data[:]
             for key, value in (("location", self.data_name), ("offset", offset), ("length", length)):

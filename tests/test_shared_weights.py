@@ -170,3 +170,46 @@ def test_graph_editor_round_trip(fixed_export):
     new = next(t for t in proto.graph.initializer if t.name == "w_t")
     assert list(new.dims) == list(weight.dims[::-1])
     assert {e.key: e.value for e in new.external_data}["offset"] == str(weight.offset)
+
+
+def test_prefill_sessions_that_pack_their_own_weights_are_bounded(checkpoint, tmp_path, photo, monkeypatch):
+    """A quantized export's prefill sessions each hold their own pre-packed weights: at most
+    ``max_prefill_sessions`` stay loaded, and under memory pressure (``MemAvailable`` below one
+    more session's weights) the least recently used go first; a dropped bucket loads again and
+    gives the same logits."""
+    from qwen35_onnx.runtime import sessions
+
+    out = export_to(checkpoint, tmp_path / "int4", ops="ort", quantize="int4", prefill_buckets=(32, 64, 128))
+    base = Pipeline.from_exported(out)
+    contract, preprocessor = base.contract, base.preprocessor
+    zeros = np.zeros((contract.n_image_rows, contract.image_embed_dim), dtype=np.float32)
+    rng = np.random.default_rng(0)
+    prompts = {b: rng.integers(0, 1000, size=(1, b - 4)) for b in (32, 64, 128)}
+
+    def logits(pipe, bucket):
+        return pipe.run_prefill(pipe.prepare_ids(prompts[bucket]), zeros)[0]
+
+    pipe = Pipeline(out, contract, OrtBackend(out, contract, max_prefill_sessions=2), preprocessor)
+    graphs = pipe.graphs
+    assert graphs.packs_per_session and graphs.session_cost() > 0
+    first = logits(pipe, 32)
+    logits(pipe, 64)
+    logits(pipe, 32)  # 32 is now the most recently used
+    logits(pipe, 128)
+    assert list(graphs._prefill) == [32, 128]  # 64 was dropped
+    logits(pipe, 64)
+    assert list(graphs._prefill) == [128, 64]
+    np.testing.assert_array_equal(logits(pipe, 32), first)  # loaded again, same result
+
+    # no fixed bound, but no memory for one more session: only the new one stays
+    monkeypatch.setattr(sessions, "available_memory", lambda: graphs.session_cost())
+    unbounded = Pipeline(out, contract, OrtBackend(out, contract), preprocessor)
+    for bucket in (32, 64, 128):
+        logits(unbounded, bucket)
+        assert list(unbounded.graphs._prefill) == [bucket]
+    with pytest.raises(ValueError, match="max_prefill_sessions must be None or an integer >= 1, got 0"):
+        OrtBackend(out, contract, max_prefill_sessions=0)
+
+    # fp32 exports share the mapped weights: nothing to bound
+    assert not Pipeline.from_exported(export_to(checkpoint, tmp_path / "fp32", ops="ort",
+                                                prefill_buckets=(32,))).graphs.packs_per_session

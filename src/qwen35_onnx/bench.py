@@ -542,6 +542,7 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
     under the tables."""
     from .bench_memory import reset_peak, resident
     from .contract import read_manifest
+    from .runtime.sessions import release_freed_memory
     from .export.exporter import ExportOptions, export
 
     rows = check_rows(rows)
@@ -571,7 +572,7 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
     results, skipped = [], []
     optimum = None
     for row in rows:
-        gc.collect()
+        release_freed_memory()  # what the previous row freed leaves the process (and the next row's peak)
         reset_peak()
         done = len(results)
         if row in PIPELINE_ROWS:

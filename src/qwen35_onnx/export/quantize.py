@@ -28,6 +28,12 @@ The format follows ``--ops``:
   logs an error and leaves the MatMul in fp32; hence the small transform here, which gives
   bit-identical int4 weights and scales (a test checks it).
 
+The token-embedding table (the Gather of ``input_ids``) is quantized too unless the export says
+otherwise (``--no-quantize-embedding``): row by row along the hidden axis, which is how
+``MatMulNBits`` quantizes the lm_head's columns, as ``GatherBlockQuantized`` (``ort``; a tied
+lm_head's bytes, stored once) or as int8 ``Gather`` + ``DequantizeLinear`` (``portable``), see
+:func:`_quantize_embedding`; the README gives the accuracy measured for the choice.
+
 Measured (``tests/test_portable_quantize.py`` checks the structure, the fusion, the agreement
 with ``--ops ort`` and with OpenVINO): on the demo checkpoint trained 200 steps
 (``checkpoints.train_checkpoint``), last-logit cosine against fp32 is the same in both formats,

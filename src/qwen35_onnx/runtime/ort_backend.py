@@ -19,7 +19,8 @@ from .state import NP_DTYPES, BoundDecoder, HostDecoder
 class OrtBackend(Backend):
     """ONNX Runtime on ``device`` ('cpu' or 'cuda'). On CPU the text graphs share one copy of the
     text weights (see :mod:`.shared_weights`); ``share_weights=False`` gives every session its
-    own, as ONNX Runtime does by default (for comparison).
+    own, as ONNX Runtime does by default (for comparison). ``max_prefill_sessions``: see
+    :class:`~.sessions.GraphSet` (prefill sessions that pack their own weights are bounded).
 
     Raises:
         ValueError: unknown device, or an onnxruntime without its provider.
@@ -30,10 +31,12 @@ class OrtBackend(Backend):
     precision = "f32"  # no precision hint: the graphs compute in their exported dtype
 
     def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0,
-                 host_state_roundtrip: bool = False, share_weights: bool = True):
+                 host_state_roundtrip: bool = False, share_weights: bool = True,
+                 max_prefill_sessions: int | None = None):
         providers_for(device)  # a bad device fails before any graph loads
         self.contract, self.device, self.host_state_roundtrip = contract, device, host_state_roundtrip
-        self.graphs = GraphSet(root, contract, device=device, threads=threads, share_weights=share_weights)
+        self.graphs = GraphSet(root, contract, device=device, threads=threads, share_weights=share_weights,
+                               max_prefill_sessions=max_prefill_sessions)
         if contract.dtype not in NP_DTYPES:  # a provider loaded the graphs, but numpy cannot hold the states
             raise ContractError(
                 f"the export at {str(root)!r} is {contract.dtype}: this runtime's ONNX Runtime path keeps decode states "

@@ -598,10 +598,6 @@ def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, 
                 skipped.append(f"{row}: onnxruntime-genai's model builder exited with {exc.returncode}: {' / '.join(tail)}")
                 log(f"[bench] skipped {skipped[-1]}")
                 continue
-            import resource
-
-            log(f"[bench] onnxruntime-genai {precision} model in {folder} (builder's peak resident memory, if it "
-                f"ran now: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6:.2f} GB)")
             results.append(bench_genai(row, folder, prompts))
         else:  # OpenVINO's own pipeline
             log(f"[bench] {row} (optimum-intel + openvino-genai VLMPipeline)")

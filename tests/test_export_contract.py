@@ -190,6 +190,7 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
         (dict(quant_accuracy_level=0), r"--quant-accuracy-level 0 applies to quantized exports only"),
         (dict(quantize_embedding=True), r"--quantize-embedding applies to quantized exports only"),
         (dict(quantize="int4", quantize_embedding=1), r"--quantize-embedding must be true or false, got 1"),
+        (dict(quantize="int4", quant_block_size=256), r"hidden size 128 is not a multiple of --quant-block-size 256"),
         (dict(dtype="bf16", ops="ort"), r"--dtype bf16 needs --ops portable"),
         (dict(dtype="fp8"), r"--dtype 'fp8' is not supported; supported: fp32, fp16, bf16"),
     ],

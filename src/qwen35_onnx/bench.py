@@ -215,7 +215,7 @@ def decode_weight_bytes(path: Path) -> int:
             uses.setdefault(name, set()).add((node.op_type, i))
     stored: dict[tuple, int] = {}
     for tensor in model.graph.initializer:
-        if uses.get(tensor.name, set()) <= GATHERED and tensor.name in uses:
+        if tensor.name in uses and uses[tensor.name] <= GATHERED:
             continue
         external = {e.key: e.value for e in tensor.external_data}
         if "length" in external:

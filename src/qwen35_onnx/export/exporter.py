@@ -276,6 +276,12 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
         check_max_images(options.max_images, n_image_tokens, options.capacity)
     except ValueError as exc:
         raise ExportError(str(exc)) from exc
+    if options.embedding_quantized and options.ops == "ort" and text.hidden_size % options.quant_block_size:
+        raise ExportError(
+            f"the model's hidden size {text.hidden_size} is not a multiple of --quant-block-size "
+            f"{options.quant_block_size}, which the quantized embedding (GatherBlockQuantized) needs; "
+            "choose a smaller block size or add --no-quantize-embedding"
+        )
     max_positions = getattr(text, "max_position_embeddings", None)
     if max_positions and options.capacity > max_positions:
         raise ExportError(

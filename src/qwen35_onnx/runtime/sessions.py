@@ -131,8 +131,9 @@ class GraphSet(backend.GraphSet):
         self.device, self.threads = device, threads
         relayout = relayout_for(contract.dtype, contract.quantize)
         self.weights = SharedWeights(relayout) if share_weights and device == "cpu" else None
-        self.packs_per_session = self.weights is None or not relayout
-        """Whether every session holds its own copy of the (pre-packed) weights."""
+        self.packs_per_session = device == "cpu" and (self.weights is None or not relayout)
+        """Whether every session holds its own copy of the (pre-packed) weights in host memory
+        (the bound below reads the host's available memory; a GPU's is its provider's)."""
         self.max_prefill_sessions = max_prefill_sessions
         super().__init__(root, contract)
 

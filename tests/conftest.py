@@ -15,6 +15,22 @@ MAX_NEW_TOKENS = 40
 PROMPT = "Describe this image."
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prepacked_cache_dir(tmp_path_factory) -> Path:
+    """ONNX Runtime's pre-packed weights caches of this session's exports go to a temporary folder
+    (``QWEN35_ONNX_PREPACKED_CACHE``, inherited by subprocesses), not the user's cache."""
+    import os
+
+    folder = tmp_path_factory.mktemp("ort-prepacked")
+    before = os.environ.get("QWEN35_ONNX_PREPACKED_CACHE")
+    os.environ["QWEN35_ONNX_PREPACKED_CACHE"] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop("QWEN35_ONNX_PREPACKED_CACHE", None)
+    else:
+        os.environ["QWEN35_ONNX_PREPACKED_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     from qwen35_onnx.checkpoints import build_demo_checkpoint
@@ -35,6 +51,28 @@ def export_to(checkpoint: Path, out: Path, **options) -> Path:
 
     export(checkpoint, out, ExportOptions(capacity=CAPACITY, **options))
     return out
+
+
+@pytest.fixture(scope="session")
+def wide_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """The demo architecture widened to 214 MB of fp32 text weights (hidden 512, MLP 4096, tied
+    embeddings as in the published Qwen3.5-0.8B): weights large enough to measure their memory."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("ckpt") / "wide"
+    shutil.copytree(checkpoint, folder, ignore=shutil.ignore_patterns("model*.safetensors*", "config.json"))
+    config = Qwen3_5Config.from_pretrained(checkpoint)
+    config.text_config.hidden_size = config.vision_config.out_hidden_size = 512
+    config.text_config.intermediate_size = 4096
+    config.text_config.initializer_range = 0.02
+    config.text_config.tie_word_embeddings = config.tie_word_embeddings = True
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

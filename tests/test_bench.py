@@ -32,9 +32,13 @@ def test_report_has_ratios_flatness_and_floor(tmp_path: Path):
     # prefill x2, decode x2, flatness, e2e, floor (1 GB at 10 GB/s = 100 ms), x floor, peak RSS GB
     assert rows["slow"] == ["2.0", "16.0", "4.00", "8.00", "2.00", "200.0", "100.000", "0.0", "-"]
     assert rows["fast"][-1] == "2.50"
+    assert "Prefill: median of" not in markdown  # the reference protocol: not restated
     assert np.isclose(float(rows["fast"][4]), 1.1)
     assert "| slow | 4.00 | 1.00 |" in markdown  # ratio row/column
     assert (tmp_path / "bench.json").is_file() and (tmp_path / "bench.md").read_text() == markdown
+    sampled = PeerResult("ort int4", {32: 1.0}, {32: 1.0}, 9.0, decode_bytes=10**9, peak_rss_bytes=3 * 10**9,
+                         peak_sampled=True)
+    assert "| 3.00* |" in report([sampled], bandwidth_gbps=10.0, out_dir=tmp_path, state_bytes={32: 0})
 
 
 def test_target_lines_compare_our_openvino_int4_with_the_peer():
@@ -58,6 +62,8 @@ def test_run_bench_refuses_unknown_rows_before_any_export(tmp_path: Path):
         run_bench(tmp_path / "checkpoint", tmp_path / "out", rows=["openvino int3"])
     with pytest.raises(ValueError, match=r"bench rows \[\]: none given"):
         run_bench(tmp_path / "checkpoint", tmp_path / "out", rows=[])
+    with pytest.raises(ValueError, match=r"prefill_runs must be an integer >= 1, got 0"):
+        run_bench(tmp_path / "checkpoint", tmp_path / "out", prefill_runs=0)
     assert not (tmp_path / "out").exists()
 
 
@@ -68,4 +74,6 @@ def test_bench_cli_checks_rows_before_building_a_checkpoint(tmp_path: Path):
 
     result = CliRunner().invoke(app, ["bench", "--rows", "ort int4,foo", "--work-dir", str(tmp_path)])
     assert result.exit_code != 0 and "--rows 'ort int4,foo': bench rows" in result.output and "unknown ['foo']" in result.output
+    result = CliRunner().invoke(app, ["bench", "--prefill-runs", "0", "--work-dir", str(tmp_path)])
+    assert result.exit_code != 0 and "--prefill-runs 0 must be at least 1" in result.output
     assert not any(tmp_path.iterdir())

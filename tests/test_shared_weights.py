@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,23 +33,9 @@ def unshared(pipe: Pipeline) -> Pipeline:
 
 
 @pytest.fixture(scope="module")
-def wide_export(checkpoint, tmp_path_factory) -> Path:
-    """The demo architecture widened to 214 MB of fp32 text weights (hidden 512, MLP 4096, tied
-    embeddings as in the published Qwen3.5-0.8B), ``--ops ort``, buckets 32 / 64 / 128."""
-    import torch
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    folder = tmp_path_factory.mktemp("ckpt") / "wide"
-    shutil.copytree(checkpoint, folder, ignore=shutil.ignore_patterns("model*.safetensors*", "config.json"))
-    config = Qwen3_5Config.from_pretrained(checkpoint)
-    config.text_config.hidden_size = config.vision_config.out_hidden_size = 512
-    config.text_config.intermediate_size = 4096
-    config.text_config.initializer_range = 0.02
-    config.text_config.tie_word_embeddings = config.tie_word_embeddings = True
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(folder)
-    return export_to(folder, tmp_path_factory.mktemp("exp") / "wide", ops="ort", prefill_buckets=(32, 64, 128))
+def wide_export(wide_checkpoint, tmp_path_factory) -> Path:
+    """The wide checkpoint (214 MB of fp32 text weights), ``--ops ort``, buckets 32 / 64 / 128."""
+    return export_to(wide_checkpoint, tmp_path_factory.mktemp("exp") / "wide", ops="ort", prefill_buckets=(32, 64, 128))
 
 
 MEASURE = r"""
@@ -130,12 +115,16 @@ def test_wide_export_logits_and_relayout(wide_export):
 @pytest.mark.parametrize("kind", ["portable fp32", "ort fp32", "ort int4"])
 def test_tokens_unchanged_by_sharing(kind, fixed_export, trained_export, photo):
     """Greedy tokens of the demo prompt with the shared weights equal those of sessions that hold
-    their own weights (fp32: unpacked and re-laid-out against pre-packed; int4: pre-packed both).
-    The ort exports are the trained checkpoint's (shared with the quantization tests)."""
+    their own weights (fp32: unpacked and re-laid-out against pre-packed; int4: the pre-packed
+    weights cache against each session's own packing). The ort exports are the trained
+    checkpoint's (shared with the quantization tests)."""
     exports = {"portable fp32": lambda: fixed_export, "ort fp32": lambda: trained_export("ort"),
                "ort int4": lambda: trained_export("ort", quantize="int4")}
     pipe = Pipeline.from_exported(exports[kind]())
-    assert pipe.graphs.weights.relayout == ("fp32" in kind)
+    if "fp32" in kind:
+        assert pipe.graphs.weights.relayout and pipe.graphs.prepacked is None
+    else:
+        assert pipe.graphs.weights is None and pipe.graphs.prepacked is not None
     prepared = pipe.prepare(photo, PROMPT)
     shared = pipe.generate_prepared(prepared, max_new_tokens=MAX_NEW_TOKENS).token_ids
     own = unshared(pipe).generate_prepared(prepared, max_new_tokens=MAX_NEW_TOKENS).token_ids
@@ -172,8 +161,10 @@ def test_graph_editor_round_trip(fixed_export):
     assert {e.key: e.value for e in new.external_data}["offset"] == str(weight.offset)
 
 
-def test_prefill_sessions_that_pack_their_own_weights_are_bounded(checkpoint, tmp_path, photo, monkeypatch):
-    """A quantized export's prefill sessions each hold their own pre-packed weights: at most
+def test_prefill_sessions_that_pack_their_own_weights_are_bounded(checkpoint, trained_export, tmp_path, photo,
+                                                                 monkeypatch):
+    """Without the pre-packed weights cache (or where it cannot be used), a quantized export's
+    prefill sessions each hold their own pre-packed weights: at most
     ``max_prefill_sessions`` stay loaded, and under memory pressure (``MemAvailable`` below one
     more session's weights) the least recently used go first; a dropped bucket loads again and
     gives the same logits."""
@@ -189,7 +180,8 @@ def test_prefill_sessions_that_pack_their_own_weights_are_bounded(checkpoint, tm
     def logits(pipe, bucket):
         return pipe.run_prefill(pipe.prepare_ids(prompts[bucket]), zeros)[0]
 
-    pipe = Pipeline(out, contract, OrtBackend(out, contract, max_prefill_sessions=2), preprocessor)
+    pipe = Pipeline(out, contract, OrtBackend(out, contract, max_prefill_sessions=2, prepacked_cache=False),
+                    preprocessor)
     graphs = pipe.graphs
     assert graphs.packs_per_session and graphs.session_cost() > 0
     first = logits(pipe, 32)
@@ -203,13 +195,13 @@ def test_prefill_sessions_that_pack_their_own_weights_are_bounded(checkpoint, tm
 
     # no fixed bound, but no memory for one more session: only the new one stays
     monkeypatch.setattr(sessions, "available_memory", lambda: graphs.session_cost())
-    unbounded = Pipeline(out, contract, OrtBackend(out, contract), preprocessor)
+    unbounded = Pipeline(out, contract, OrtBackend(out, contract, prepacked_cache=False), preprocessor)
     for bucket in (32, 64, 128):
         logits(unbounded, bucket)
         assert list(unbounded.graphs._prefill) == [bucket]
     with pytest.raises(ValueError, match="max_prefill_sessions must be None or an integer >= 1, got 0"):
         OrtBackend(out, contract, max_prefill_sessions=0)
+    assert not base.graphs.packs_per_session  # with the cache (the default) the sessions share their weights
 
     # fp32 exports share the mapped weights: nothing to bound
-    assert not Pipeline.from_exported(export_to(checkpoint, tmp_path / "fp32", ops="ort",
-                                                prefill_buckets=(32,))).graphs.packs_per_session
+    assert not Pipeline.from_exported(trained_export("ort")).graphs.packs_per_session

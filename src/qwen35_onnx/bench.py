@@ -108,6 +108,10 @@ class PeerResult:
     decode_bytes: int | None = None
     peak_rss_bytes: int | None = None
     """Peak resident memory (bytes) of the process that ran the peer, while it ran."""
+    peak_sampled: bool = False
+    """``peak_rss_bytes`` is the largest ``Pss`` sampled after each measurement instead of the
+    kernel's ``VmHWM``: for sessions that map the shared pre-packed weights, whose pages VmRSS
+    counts once per session (see :mod:`.runtime.prepacked`)."""
     note: str = ""
 
 
@@ -154,12 +158,21 @@ def bench_pipeline(name: str, pipe, prompts: dict[int, np.ndarray], decode_bytes
     from .runtime.masks import advance_mask, prepare_decode_mask
     from .runtime.positions import decode_position_ids
 
+    from .bench_memory import resident
+
     contract = pipe.contract
     result = PeerResult(name, decode_bytes=decode_bytes)
+    result.peak_sampled = getattr(pipe.graphs, "prepacked", None) is not None
+
+    def sample():
+        if result.peak_sampled:
+            result.peak_rss_bytes = max(result.peak_rss_bytes or 0, resident().get("Pss", 0))
+
     zeros = np.zeros((contract.n_image_rows, contract.image_embed_dim), dtype=np.float32)
     for length, ids in prompts.items():
         prepared = pipe.prepare_ids(ids)
         result.prefill_ms[length] = _median_ms(lambda: pipe.run_prefill(prepared, zeros), PREFILL_WARMUP, PREFILL_RUNS)
+        sample()
         logits, states = pipe.run_prefill(prepared, zeros)
         decoder = pipe.decoder(states)
         _, prompt_mask, _ = pipe.padded_prompt(prepared)
@@ -172,6 +185,7 @@ def bench_pipeline(name: str, pipe, prompts: dict[int, np.ndarray], decode_bytes
             token[0] = int(np.argmax(out[0, -1]))
 
         result.decode_ms[length] = _median_ms(step, DECODE_WARMUP, DECODE_RUNS)
+        sample()
         del decoder, states
         if pipe.runtime == "openvino":  # its compiled buckets do not share weights: one at a time
             pipe.graphs.unload_prefill()
@@ -180,6 +194,7 @@ def bench_pipeline(name: str, pipe, prompts: dict[int, np.ndarray], decode_bytes
     start = time.perf_counter()
     out = pipe.generate_prepared(prepared, max_new_tokens=E2E_TOKENS)
     result.e2e_tokens_per_s = len(out.token_ids) / (time.perf_counter() - start)
+    sample()
     return result
 
 
@@ -355,7 +370,7 @@ def build_optimum(python: Path, checkpoint: Path, out: Path, log=print) -> Path:
 def bench_ovgenai(name: str, python: Path, model_dir: Path, prompts: dict[int, np.ndarray], precision: str) -> PeerResult:
     """Run :func:`ovgenai_peer` in the peer's environment (this file as a script; ``-P``: its folder,
     which holds modules named like other packages', stays off ``sys.path``) and read its JSON."""
-    spec = {"model_dir": str(model_dir), "precision": precision,
+    spec = {"model_dir": str(model_dir), "precision": precision, "prefill": [PREFILL_WARMUP, PREFILL_RUNS],
             "prompts": {str(n): ids[0].tolist() for n, ids in prompts.items()}}
     done = _run([str(python), "-P", str(Path(__file__).resolve()), "--ovgenai-peer"], f"openvino-genai peer {name}",
                 input=json.dumps(spec))
@@ -410,14 +425,15 @@ def ovgenai_peer(spec: dict) -> dict:
 
     out = {"prefill_ms": {}, "decode_ms": {}, "tpot_ms": {}, "input_tokens": {},
            "versions": {"openvino_genai": og.__version__}}
+    warmup, runs = spec.get("prefill", [PREFILL_WARMUP, PREFILL_RUNS])
     for length, ids in spec["prompts"].items():
         # each run its own rotation of the ids: a repeated prompt would come from the pipeline's
         # prefix cache (on by default), its time to first token then that of one token
-        texts = [prompt_of(ids[i:] + ids[:i], int(length)) for i in range(PREFILL_WARMUP + PREFILL_RUNS + 1)]
+        texts = [prompt_of(ids[i:] + ids[:i], int(length)) for i in range(warmup + runs + 1)]
         ttft = []
-        for i in range(PREFILL_WARMUP + PREFILL_RUNS):
+        for i in range(warmup + runs):
             metrics = generate(texts[i], 1).perf_metrics
-            if i >= PREFILL_WARMUP:
+            if i >= warmup:
                 ttft.append(metrics.get_ttft().mean)
         metrics = generate(texts[-1], 1 + DECODE_WARMUP + DECODE_RUNS).perf_metrics
         # m_durations: microseconds between consecutive tokens (the first token's time is the TTFT)
@@ -443,12 +459,18 @@ def report(results: list[PeerResult], bandwidth_gbps: float, out_dir: Path, stat
     """Write bench.md / bench.json / bench.png; returns the Markdown."""
     lengths = sorted({n for r in results for n in r.decode_ms})
     lines = [f"Read bandwidth: {bandwidth_gbps:.1f} GB/s (measured in this run)", ""]
+    if (PREFILL_WARMUP, PREFILL_RUNS) != (2, 5):
+        lines += [f"Prefill: median of {PREFILL_RUNS} runs after {PREFILL_WARMUP} warm-up(s) "
+                  "(`--prefill-runs`; the reference protocol is 5 after 2).", ""]
     first, last = lengths[0], lengths[-1]
     lines += [
         "Times in ms (prefill: whole prompt; decode: per token). `decode {last}/{first}`: flatness in "
         "context length. floor: bytes of weights and states one decode step reads / read bandwidth; "
         "`x floor`: decode at {first} over it. peak RSS: the most resident memory of the process that "
-        "ran the peer while it ran (its load, every length, the end-to-end run; GB = 1e9 bytes).".format(first=first, last=last),
+        "ran the peer while it ran (its load, every length, the end-to-end run; GB = 1e9 bytes); marked *: "
+        "the largest Pss sampled after each length's prefill and decode and the end-to-end run (this "
+        "project's ONNX Runtime rows with shared pre-packed weights, whose pages VmRSS counts once per "
+        "session; transient activations between samples are not in it).".format(first=first, last=last),
         "",
     ]
     head = "| peer | " + " | ".join(f"prefill {n}" for n in lengths) + " | " + " | ".join(
@@ -461,7 +483,7 @@ def report(results: list[PeerResult], bandwidth_gbps: float, out_dir: Path, stat
         row += [f"{r.decode_ms[last] / r.decode_ms[first]:.2f}"]
         row += [f"{r.e2e_tokens_per_s:.1f}" if r.e2e_tokens_per_s else "-", f"{floor:.3f}" if floor else "-"]
         row += [f"{r.decode_ms[first] / floor:.1f}" if floor else "-"]
-        row += [f"{r.peak_rss_bytes / 1e9:.2f}" if r.peak_rss_bytes else "-"]
+        row += [f"{r.peak_rss_bytes / 1e9:.2f}{'*' if r.peak_sampled else ''}" if r.peak_rss_bytes else "-"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", f"Decode ms/token at {first} tokens, ratio row/column (> 1: the column peer is faster):", ""]
     lines.append("| | " + " | ".join(r.name for r in results) + " |")
@@ -535,11 +557,30 @@ def target_lines(results: list[PeerResult]) -> list[str]:
     return lines
 
 
-def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, log=print, rows=None) -> str:
+def run_bench(checkpoint: Path, work_dir: Path, lengths=LENGTHS, seed: int = 0, log=print, rows=None,
+              prefill_runs: int = PREFILL_RUNS) -> str:
     """Export the variants (cached in ``work_dir``), measure every peer of ``rows`` (names from
     :data:`ROWS`; None: all), write the report. A peer that cannot run (a package missing, a
     failed export of OpenVINO's own pipeline) is skipped with its reason, logged and written
-    under the tables."""
+    under the tables. ``prefill_runs``: timed prefill runs per length, after ``min(2, prefill_runs)``
+    warm-ups (the reference protocol: 5 after 2; fewer keep a 4B bench at 2048 tokens in reach:
+    onnxruntime-genai's prefill there takes minutes).
+
+    Raises:
+        ValueError: ``prefill_runs`` below 1.
+    """
+    global PREFILL_WARMUP, PREFILL_RUNS
+    if isinstance(prefill_runs, bool) or not isinstance(prefill_runs, int) or prefill_runs < 1:
+        raise ValueError(f"prefill_runs must be an integer >= 1, got {prefill_runs!r}")
+    saved = PREFILL_WARMUP, PREFILL_RUNS
+    PREFILL_WARMUP, PREFILL_RUNS = min(2, prefill_runs), prefill_runs
+    try:
+        return _run_bench(checkpoint, work_dir, lengths, seed, log, rows)
+    finally:
+        PREFILL_WARMUP, PREFILL_RUNS = saved
+
+
+def _run_bench(checkpoint: Path, work_dir: Path, lengths, seed: int, log, rows) -> str:
     from .bench_memory import reset_peak, resident
     from .contract import read_manifest
     from .runtime.sessions import release_freed_memory

@@ -380,18 +380,20 @@ def tiny_config():
 # ---------------------------------------------------------------------------
 
 
-def demo_checkpoint_dir() -> Path:
-    """Return the default folder of the demo checkpoint.
+def cache_root() -> Path:
+    """The project's cache folder: the environment variable ``QWEN35_ONNX_CACHE`` if it is set
+    and non-empty, else ``~/.cache/qwen35-onnx`` (absolute, ``~`` expanded; not created)."""
+    return Path(os.environ.get("QWEN35_ONNX_CACHE") or "~/.cache/qwen35-onnx").expanduser().absolute()
 
-    The folder is ``<cache>/demo-checkpoint`` where ``<cache>`` is the value of
-    the environment variable ``QWEN35_ONNX_CACHE`` if it is set and non-empty,
-    else ``~/.cache/qwen35-onnx``. Nothing is created or checked.
+
+def demo_checkpoint_dir() -> Path:
+    """Return the default folder of the demo checkpoint: ``<cache_root()>/demo-checkpoint``.
+    Nothing is created or checked.
 
     Returns:
         Path: absolute path (``~`` expanded) of the demo checkpoint folder.
     """
-    root = os.environ.get("QWEN35_ONNX_CACHE") or "~/.cache/qwen35-onnx"
-    return Path(root).expanduser().absolute() / "demo-checkpoint"
+    return cache_root() / "demo-checkpoint"
 
 
 def photo_path() -> Path:

@@ -189,6 +189,10 @@ def bench(
         "all", "--rows",
         help="Comma-separated rows to measure (names as in the table, e.g. 'ort int4,openvino int4 f32'), or all.",
     ),
+    prefill_runs: int = typer.Option(
+        5, "--prefill-runs",
+        help="Timed prefill runs per length, after min(2, N) warm-ups (reference protocol: 5 after 2).",
+    ),
     memory: Optional[Path] = typer.Option(
         None, "--memory",
         help="Instead: resident memory of a Pipeline with every graph of this export loaded, against "
@@ -217,6 +221,8 @@ def bench(
         _fail(ValueError(f"--lengths {lengths!r} must be comma-separated integers"))
     if not parsed or min(parsed) < 1:
         _fail(ValueError(f"--lengths {lengths!r} must be positive"))
+    if prefill_runs < 1:
+        _fail(ValueError(f"--prefill-runs {prefill_runs} must be at least 1"))
     try:
         chosen = check_rows(None if rows.strip() == "all" else [r.strip() for r in rows.split(",") if r.strip()])
     except ValueError as exc:
@@ -227,7 +233,8 @@ def bench(
         typer.echo(f"[bench] building the {preset} checkpoint (once, cached) ...", err=True)
         checkpoint = build_demo_checkpoint(demo_checkpoint_dir().parent / f"checkpoint-{preset}", preset=preset)
     try:
-        typer.echo(run_bench(checkpoint, work_dir / preset, parsed, log=lambda m: typer.echo(m, err=True), rows=chosen))
+        typer.echo(run_bench(checkpoint, work_dir / preset, parsed, log=lambda m: typer.echo(m, err=True), rows=chosen,
+                             prefill_runs=prefill_runs))
     except USER_ERRORS as exc:
         _fail(exc)
 

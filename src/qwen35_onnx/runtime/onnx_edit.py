@@ -39,6 +39,9 @@ class Initializer:
     location: str | None = None
     offset: int = 0
     length: int = 0
+    external: tuple[tuple[str, str], ...] = ()
+    """Every ``external_data`` entry (key, value) in file order, ONNX Runtime's ``prepacked_N``
+    entries included."""
 
 
 @dataclass
@@ -143,6 +146,7 @@ def _initializer(buf, span) -> Initializer:
         elif number == 13 and wire == 2:
             entry = {n: _text(buf, v) for n, w, v, _, _ in _entries(buf, *value) if w == 2}
             external[entry.get(1, "")] = entry.get(2, "")
+            tensor.external += ((entry.get(1, ""), entry.get(2, "")),)
     tensor.dims = tuple(dims)
     if location == _EXTERNAL:
         tensor.location = external.get("location")
@@ -238,11 +242,22 @@ def encode_initializer(tensor: Initializer) -> bytes:
     return out + _varint_field(14, _EXTERNAL)
 
 
+def _with_external(buf, span: tuple[int, int], entries) -> bytes:
+    """The TensorProto at ``span`` (an entry of the graph, key included) with its
+    ``external_data`` replaced by ``entries`` ((key, value) pairs); every other field as it was."""
+    _, _, value, _, _ = next(_entries(buf, *span))
+    kept = b"".join(bytes(buf[start:end]) for number, _, _, start, end in _entries(buf, *value) if number != 13)
+    return _bytes_field(5, kept + b"".join(_bytes_field(13, _str_field(1, k) + _str_field(2, v)) for k, v in entries))
+
+
 def write_model(model: Model, nodes: dict[int, Node | None] | None = None, drop: set[str] = frozenset(),
-                add: list[Initializer] = (), domains: dict[str, int] | None = None) -> bytes:
+                add: list[Initializer] = (), domains: dict[str, int] | None = None,
+                external: dict[str, list[tuple[str, str]]] | None = None) -> bytes:
     """The model with node ``i`` replaced by ``nodes[i]`` (None: dropped), the initializers named
-    in ``drop`` removed, ``add`` appended (external-data initializers) and an ``opset_import`` for
-    each domain of ``domains`` (``{domain: version}``) the model does not import yet.
+    in ``drop`` removed, ``add`` appended (external-data initializers), the ``external_data``
+    entries of the initializers named in ``external`` replaced by the given (key, value) pairs,
+    and an ``opset_import`` for each domain of ``domains`` (``{domain: version}``) the model does
+    not import yet.
 
     Raises:
         ValueError: an initializer of ``add`` without external data.
@@ -251,6 +266,8 @@ def write_model(model: Model, nodes: dict[int, Node | None] | None = None, drop:
     buf = model.data
     cuts = {span: (b"" if nodes[i] is None else _bytes_field(1, encode_node(nodes[i])))
             for i, span in enumerate(model.node_spans) if i in nodes}
+    cuts.update({model.initializer_spans[name]: _with_external(buf, model.initializer_spans[name], entries)
+                 for name, entries in (external or {}).items() if name not in drop})
     cuts.update({model.initializer_spans[name]: b"" for name in drop})
     parts, pos = [], model.graph_span[0]
     for start, end in sorted(cuts):

@@ -19,8 +19,10 @@ from .state import NP_DTYPES, BoundDecoder, HostDecoder
 class OrtBackend(Backend):
     """ONNX Runtime on ``device`` ('cpu' or 'cuda'). On CPU the text graphs share one copy of the
     text weights (see :mod:`.shared_weights`); ``share_weights=False`` gives every session its
-    own, as ONNX Runtime does by default (for comparison). ``max_prefill_sessions``: see
-    :class:`~.sessions.GraphSet` (prefill sessions that pack their own weights are bounded).
+    own, as ONNX Runtime does by default (for comparison). Quantized, fp16 and bf16 exports load
+    through the pre-packed weights cache (:mod:`.prepacked`; ``prepacked_cache``: True for its
+    default folder, a folder, or False: each session packs its own weights). ``max_prefill_sessions``:
+    see :class:`~.sessions.GraphSet` (prefill sessions that pack their own weights are bounded).
 
     Raises:
         ValueError: unknown device, or an onnxruntime without its provider.
@@ -32,11 +34,11 @@ class OrtBackend(Backend):
 
     def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0,
                  host_state_roundtrip: bool = False, share_weights: bool = True,
-                 max_prefill_sessions: int | None = None):
+                 max_prefill_sessions: int | None = None, prepacked_cache: bool | Path = True):
         providers_for(device)  # a bad device fails before any graph loads
         self.contract, self.device, self.host_state_roundtrip = contract, device, host_state_roundtrip
         self.graphs = GraphSet(root, contract, device=device, threads=threads, share_weights=share_weights,
-                               max_prefill_sessions=max_prefill_sessions)
+                               max_prefill_sessions=max_prefill_sessions, prepacked_cache=prepacked_cache)
         if contract.dtype not in NP_DTYPES:  # a provider loaded the graphs, but numpy cannot hold the states
             raise ContractError(
                 f"the export at {str(root)!r} is {contract.dtype}: this runtime's ONNX Runtime path keeps decode states "

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,9 @@ from ..contract import METADATA_KEY, ContractError, ShapeContract
 from . import backend
 from .checks import (  # noqa: F401  (re-exported: the checks used to live here)
     ONNX_TYPES, GraphSpec, check_decode, check_metadata, check_prefill, check_vision,
+)
+from .prepacked import (
+    PACKED, PrepackedCache, PrepackedCacheError, c_library, default_directory, mapped_starts, release_new_pages, warn_unavailable,
 )
 from .shared_weights import SharedWeights, relayout_for
 
@@ -50,14 +54,17 @@ class GraphSession(GraphSpec):
     @classmethod
     def load(cls, name: str, path: Path, device: str = "cpu", threads: int = 0,
              config: dict[str, str] | None = None, dtype: str = "fp32",
-             weights: SharedWeights | None = None, arena: bool = True) -> "GraphSession":
+             weights: SharedWeights | None = None, arena: bool = True,
+             save_to: tuple[Path, str] | None = None) -> "GraphSession":
         """Load ``path`` with the providers of ``device``; ``threads`` 0 lets ORT choose;
         ``config``: session config entries (``SessionOptions.add_session_config_entry``);
         ``dtype``: the export's dtype (named in the error when ONNX Runtime lacks a kernel);
         ``weights``: read the external data from these shared mappings (see
         :mod:`.shared_weights`; None: ONNX Runtime maps and copies it for this session alone);
         ``arena``: ONNX Runtime's CPU memory arena, which keeps the memory of a run's largest
-        activations for the next run (off: freed after each run).
+        activations for the next run (off: freed after each run); ``save_to``: ``(graph file, data
+        file name)``: also save the optimized graph there, its pre-packed weights in the data file
+        (for :mod:`.prepacked`).
 
         Raises:
             ContractError: the file is missing, unreadable, or carries no qwen35-onnx contract.
@@ -71,6 +78,12 @@ class GraphSession(GraphSpec):
             options.intra_op_num_threads = threads
         for key, value in (config or {}).items():
             options.add_session_config_entry(key, value)
+        if save_to is not None:
+            options.optimized_model_filepath = str(save_to[0])
+            options.add_session_config_entry("session.optimized_model_external_initializers_file_name", save_to[1])
+            options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+            options.log_severity_level = 3  # not the warning that a saved graph is specific to this machine
         providers = providers_for(device)
         try:
             if weights is None:
@@ -104,38 +117,59 @@ class GraphSession(GraphSpec):
 class GraphSet(backend.GraphSet):
     """The graphs of one export as ONNX Runtime sessions (see
     :class:`qwen35_onnx.runtime.backend.GraphSet`: vision and decode at once, prefill buckets on
-    first use, every graph cross-checked against the manifest). On CPU the text graphs (decode
-    and every prefill bucket) share one copy of the text weights (:attr:`weights`, see
-    :mod:`.shared_weights`); ``share_weights=False`` gives each session its own (for comparison).
-    Prefill sessions run without ONNX Runtime's memory arena: with it, each loaded bucket kept the
-    activation memory of its last run (0.8B: 0.2 / 0.9 / 1.7 / 3.8 GB for 32 / 512 / 1024 / 2048
-    tokens, summed over the buckets used), without it none, at the same prefill speed.
+    first use, every graph cross-checked against the manifest). On CPU every session of an export
+    reads one copy of the weights: fp32 exports share one map of the text weights
+    (:attr:`weights`, see :mod:`.shared_weights`); quantized, fp16 and bf16 exports load every
+    graph through the pre-packed weights cache (:attr:`prepacked`, see :mod:`.prepacked`;
+    ``prepacked_cache``: True for its default folder (``$QWEN35_ONNX_PREPACKED_CACHE``, ``off``
+    there turns it off), a folder, or False). ``share_weights=False`` gives each session its own
+    (for comparison). Prefill sessions run without ONNX Runtime's memory arena: with it, each
+    loaded bucket kept the activation memory of its last run (0.8B: 0.2 / 0.9 / 1.7 / 3.8 GB for
+    32 / 512 / 1024 / 2048 tokens, summed over the buckets used), without it none, at the same
+    prefill speed.
 
-    Where each session holds its own pre-packed weights (quantized, fp16 and bf16 exports, or
-    ``share_weights=False``: 4B int4 about 3 GB per prefill bucket, so four buckets and decode
-    reached 22 GB), loaded prefill sessions are bounded: at most ``max_prefill_sessions`` (None:
-    no fixed number), and before another one loads, the least recently used are dropped until
-    the system's available memory (``MemAvailable``) holds one more session's weights
-    (:meth:`session_cost`) plus :data:`MEMORY_RESERVE`. A dropped bucket loads again on its next
-    use (4B int4: about 8 s; 0.8B: about 1 s).
+    Where each session holds its own pre-packed weights (the cache off or unusable, e.g. too
+    little disk, which warns; or ``share_weights=False``: 4B int4 about 3.7 GB per prefill
+    bucket, so four buckets and decode reached 22 GB), loaded prefill sessions are bounded: at
+    most ``max_prefill_sessions`` (None: no fixed number), and before another one loads, the least
+    recently used are dropped until the system's available memory (``MemAvailable``) holds one
+    more session's weights (:meth:`session_cost`) plus :data:`MEMORY_RESERVE`. A dropped bucket
+    loads again on its next use (4B int4: about 8 s; 0.8B: about 1 s).
 
     Raises (constructor and :meth:`prefill`):
         ContractError: a graph is missing, or disagrees with the manifest.
-        ValueError: ``max_prefill_sessions`` below 1.
+        ValueError: ``max_prefill_sessions`` below 1, or ``prepacked_cache`` neither a bool nor a
+            folder.
     """
 
     def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0,
-                 share_weights: bool = True, max_prefill_sessions: int | None = None):
+                 share_weights: bool = True, max_prefill_sessions: int | None = None,
+                 prepacked_cache: bool | Path = True):
         if max_prefill_sessions is not None and (isinstance(max_prefill_sessions, bool) or max_prefill_sessions < 1):
             raise ValueError(f"max_prefill_sessions must be None or an integer >= 1, got {max_prefill_sessions!r}")
         self.device, self.threads = device, threads
         relayout = relayout_for(contract.dtype, contract.quantize)
-        self.weights = SharedWeights(relayout) if share_weights and device == "cpu" else None
-        self.packs_per_session = device == "cpu" and (self.weights is None or not relayout)
-        """Whether every session holds its own copy of the (pre-packed) weights in host memory
-        (the bound below reads the host's available memory; a GPU's is its provider's)."""
+        self.prepacked: PrepackedCache | None = None
+        """The pre-packed weights cache every graph loads through (quantized, fp16 and bf16
+        exports on CPU; see :mod:`.prepacked`), or None."""
+        if not isinstance(prepacked_cache, (bool, str, os.PathLike)):
+            raise ValueError(f"prepacked_cache must be True, False or a folder, got {prepacked_cache!r}")
+        folder = default_directory() if prepacked_cache is True else prepacked_cache or None
+        if share_weights and device == "cpu" and not relayout and folder is not None:
+            try:
+                self.prepacked = PrepackedCache(root, {"onnxruntime": ort.__version__, "config": session_config(contract)},
+                                                Path(folder), "int" if contract.quantize != "none" else "float16")
+            except PrepackedCacheError as exc:
+                warn_unavailable(exc)
+        self.weights = SharedWeights(relayout) if share_weights and device == "cpu" and not self.prepacked else None
         self.max_prefill_sessions = max_prefill_sessions
         super().__init__(root, contract)
+
+    @property
+    def packs_per_session(self) -> bool:
+        """Whether every session holds its own copy of the (pre-packed) weights in host memory
+        (the bound below reads the host's available memory; a GPU's is its provider's)."""
+        return self.device == "cpu" and (self.weights is None or not self.weights.relayout) and self.prepacked is None
 
     def session_cost(self) -> int:
         """Bytes one more prefill session is expected to hold: 1.5 x the text weights file for
@@ -165,9 +199,40 @@ class GraphSet(backend.GraphSet):
             release_freed_memory()
 
     def _read(self, key: str, path: Path) -> GraphSession:
+        arena = key in ("vision", "decode")
+        if self.prepacked is not None:
+            cache = self.prepacked
+            try:
+                return self._read_cached(key, path, arena)
+            except (PrepackedCacheError, ContractError) as exc:
+                # ContractError: ONNX Runtime failed while saving (e.g. a full disk), a damaged
+                # saved graph (forgotten: made again next time), or a graph that cannot load at
+                # all, which loading it the usual way below then reports
+                if isinstance(exc, ContractError):
+                    cache.forget(key)
+                self.prepacked, self.weights = None, SharedWeights(False)
+                graph = self._read(key, path)
+                warn_unavailable(exc)
+                return graph
         weights = None if key == "vision" else self.weights  # the vision graph has its own weights
         return GraphSession.load(key, path, self.device, self.threads, session_config(self.contract),
-                                 self.contract.dtype, weights, arena=key in ("vision", "decode"))
+                                 self.contract.dtype, weights, arena=arena)
+
+    def _read_cached(self, key: str, path: Path, arena: bool) -> GraphSession:
+        """Load ``key`` from the pre-packed weights cache (saving it there first if needed)."""
+        def save(target: Path, data_name: str) -> None:
+            GraphSession.load(key, path, self.device, self.threads, session_config(self.contract),
+                              self.contract.dtype, arena=arena, save_to=(target, data_name))
+            trim_heap()  # the packed weights of that session
+
+        saved = self.prepacked.graph(key, path, save)
+        packed = self.prepacked.path / PACKED
+        before = mapped_starts(packed)
+        graph = GraphSession.load(key, saved, self.device, self.threads, session_config(self.contract),
+                                  self.contract.dtype, arena=arena)
+        self.prepacked.released += release_new_pages(packed, before)
+        trim_heap()  # what loading allocated and freed (4B: about 0.17 GB per graph)
+        return graph
 
 
 MEMORY_RESERVE = 1 << 30
@@ -188,19 +253,22 @@ def available_memory() -> int:
 
 
 def release_freed_memory() -> None:
-    """Collect garbage and hand the C heap's freed memory back to the system (glibc
-    ``malloc_trim``; a no-op elsewhere). ONNX Runtime's pre-packed weights are many blocks below
-    glibc's mmap threshold, so a dropped session's memory otherwise stays resident (measured:
-    18 GB kept after a 4B int4 Pipeline was released)."""
-    import ctypes
-    import ctypes.util
+    """Collect garbage and hand the C heap's freed memory back to the system (see
+    :func:`trim_heap`): what a dropped session held."""
     import gc
 
     gc.collect()
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the C heap's freed memory back to the system (glibc ``malloc_trim``; a no-op
+    elsewhere). ONNX Runtime's pre-packed weights and what loading a graph allocates are many
+    blocks below glibc's mmap threshold, so freed, they otherwise stay resident (measured: 18 GB
+    kept after a 4B int4 Pipeline was released; 0.17 GB per loaded 4B graph)."""
+    libc = c_library()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def session_config(contract: ShapeContract) -> dict[str, str]:

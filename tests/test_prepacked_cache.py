@@ -30,6 +30,7 @@ from qwen35_onnx.runtime.ort_backend import OrtBackend
 from qwen35_onnx.runtime.sessions import GraphSession
 
 from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, export_to
+from .test_shared_weights import MEASURE
 
 
 @pytest.fixture(scope="module")
@@ -206,38 +207,6 @@ def test_prepacked_entry_rewrite():
     assert moved == "MatMulNBits+123|8192;100;0|16384;50;0"
     with pytest.raises(prepacked.PrepackedCacheError, match="unexpected pre-packed entry"):
         prepacked._replace_blobs("MatMulNBits+123|4096;100", lambda offset, length: offset)
-
-
-MEASURE = r"""
-import json, sys
-import numpy as np
-from pathlib import Path
-from qwen35_onnx.bench_memory import resident
-from qwen35_onnx.pipeline import Pipeline
-from qwen35_onnx.runtime.onnx_edit import read_model
-from qwen35_onnx.runtime.sessions import GraphSession, session_config
-
-pipe = Pipeline.from_exported(sys.argv[1])
-c = pipe.contract
-zeros = np.zeros((c.n_image_rows, c.image_embed_dim), dtype=np.float32)
-rng = np.random.default_rng(0)
-pss = []
-for bucket in c.prefill_buckets:  # load, then run: prefill reads every text weight
-    prepared = pipe.prepare_ids(rng.integers(0, 1000, size=(1, bucket - 4)))
-    logits, states = pipe.run_prefill(prepared, zeros)
-    if not pss:
-        decoder = pipe.decoder(states)
-    pss.append(resident()["Pss"])
-key = c.prefill_graph_key(c.prefill_buckets[-1])
-own = GraphSession.load(key, Path(sys.argv[1]) / c.graphs[key], config=session_config(c), dtype=c.dtype)
-padded = pipe.padded_prompt(prepared)
-own.session.run(None, dict(zip(("input_ids", "attention_mask", "position_ids"), padded), image_embeds=zeros))
-pss.append(resident()["Pss"])
-saved = read_model((pipe.graphs.prepacked.path / f"{key}.onnx").read_bytes())
-packed = sum(int(blob.split(";")[1]) for t in saved.initializers.values() for k, v in t.external
-             if k.startswith("prepacked") for blob in v.split("|")[1:])
-print(json.dumps({"pss": pss, "packed": packed}))
-"""
 
 
 @pytest.mark.slow

@@ -44,26 +44,35 @@ import numpy as np
 from pathlib import Path
 from qwen35_onnx.bench_memory import resident
 from qwen35_onnx.pipeline import Pipeline
+from qwen35_onnx.runtime.onnx_edit import read_model
 from qwen35_onnx.runtime.sessions import GraphSession, session_config
 
 pipe = Pipeline.from_exported(sys.argv[1])
 c = pipe.contract
 zeros = np.zeros((c.n_image_rows, c.image_embed_dim), dtype=np.float32)
 rng = np.random.default_rng(0)
-rss = []
+figures = []
 for bucket in c.prefill_buckets:  # load, then run: prefill reads every text weight
     prepared = pipe.prepare_ids(rng.integers(0, 1000, size=(1, bucket - 4)))
     logits, states = pipe.run_prefill(prepared, zeros)
-    if not rss:
+    if not figures:
         decoder = pipe.decoder(states)  # decode's buffers too, before the first figure
-    rss.append(resident()["VmRSS"])
+    figures.append(resident())
 key = c.prefill_graph_key(c.prefill_buckets[-1])
 own = GraphSession.load(key, Path(sys.argv[1]) / c.graphs[key], config=session_config(c), dtype=c.dtype)
 padded = pipe.padded_prompt(prepared)
 own.session.run(None, dict(zip(("input_ids", "attention_mask", "position_ids"), padded), image_embeds=zeros))
-rss.append(resident()["VmRSS"])
-print(json.dumps({"rss": rss, "weights": pipe.graphs.weights.mapped_bytes()}))
+figures.append(resident())
+found = {"rss": [f["VmRSS"] for f in figures], "pss": [f["Pss"] for f in figures]}
+if pipe.graphs.weights is not None:
+    found["weights"] = pipe.graphs.weights.mapped_bytes()
+if pipe.graphs.prepacked is not None:  # bytes of the packed blobs one session reads
+    saved = read_model((pipe.graphs.prepacked.path / f"{key}.onnx").read_bytes())
+    found["packed"] = sum(int(blob.split(";")[1]) for t in saved.initializers.values() for k, v in t.external
+                          if k.startswith("prepacked") for blob in v.split("|")[1:])
+print(json.dumps(found))
 """
+
 
 
 def test_more_buckets_add_far_less_than_a_weight_set(wide_export):

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..checkpoints import cache_root
+from ..contract import ContractError
 from .onnx_edit import read_model, write_model
 
 PACKED = "packed.data"
@@ -129,8 +130,12 @@ class PrepackedCache:
         self.export_root = Path(export_root).resolve()
         self.space_factor = SPACE_FACTOR[space]
         self.directory = Path(directory).expanduser().resolve()
+        try:
+            stamps = _file_stamps(self.export_root)
+        except OSError as exc:
+            raise PrepackedCacheError(f"cannot read the export {str(self.export_root)!r}: {exc}") from exc
         self.key = {"format": FORMAT, "export": str(self.export_root), "machine": machine_key(), **settings,
-                    "files": _file_stamps(self.export_root)}
+                    "files": stamps}
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = self.directory / f"{self.export_root.name[:40]}-{digest}"
         self.released = 0
@@ -214,17 +219,22 @@ class PrepackedCache:
                 return self.path / f"{name}.onnx"
         except OSError as exc:
             raise PrepackedCacheError(f"the pre-packed weights cache {str(self.path)!r} failed: {exc}") from exc
+        except ContractError:  # from ``save``: ONNX Runtime's own error, as it is
+            raise
         except ValueError as exc:  # a saved graph or pre-packed entry this cache cannot read
             raise PrepackedCacheError(f"{name}: cannot rewrite the graph ONNX Runtime saved: {exc}") from exc
 
     def forget(self, name: str) -> None:
         """Drop ``name`` from the index (its saved graph failed to load); it is saved again on
-        its next use."""
-        with open(self.path / "build.lock", "a+") as lock:
-            self._fcntl.flock(lock, self._fcntl.LOCK_EX)
-            index = self._read_index()
-            if not index.get("fresh") and index["graphs"].pop(name, None):
-                self._write_index(index)
+        its next use. Best effort: a cache that cannot be written is left as it is."""
+        try:
+            with open(self.path / "build.lock", "a+") as lock:
+                self._fcntl.flock(lock, self._fcntl.LOCK_EX)
+                index = self._read_index()
+                if not index.get("fresh") and index["graphs"].pop(name, None):
+                    self._write_index(index)
+        except OSError:
+            pass
 
     def _merge(self, index: dict, graph: Path, data: Path) -> bytes:
         """Move the blobs of the saved ``graph`` (data file ``data``) into ``packed.data``, each
@@ -296,24 +306,21 @@ class PrepackedCache:
 
     def _remove_stale(self) -> None:
         """Remove the caches (siblings of this one) that no process uses (``use.lock`` free) and
-        that are either of this export with another key (it changed, or another ONNX Runtime
-        version made them), or of this machine for an export that no longer exists."""
+        that this machine made either for this export with another key (it changed, or another
+        ONNX Runtime version made them) or for an export that no longer exists."""
         fcntl = self._fcntl
         for other in self.directory.iterdir():
             if other == self.path or not other.is_dir():
                 continue
             try:
                 key = json.loads((other / "index.json").read_text())["key"]
-                export, machine = key["export"], key["machine"]
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if not (export == self.key["export"] or (machine == self.key["machine"] and not Path(export).exists())):
-                continue
-            try:
+                export, machine = str(key["export"]), key["machine"]
+                if machine != self.key["machine"] or (export != self.key["export"] and Path(export).exists()):
+                    continue
                 with open(other / "use.lock", "a+") as lock:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     shutil.rmtree(other, ignore_errors=True)
-            except OSError:
+            except (OSError, ValueError, KeyError, TypeError):
                 continue
 
 

@@ -210,6 +210,7 @@ class GraphSet(backend.GraphSet):
                 # all, which loading it the usual way below then reports
                 if isinstance(exc, ContractError):
                     cache.forget(key)
+                self._prepacked_in_use = cache  # its sessions still map its files: keep use.lock held
                 self.prepacked, self.weights = None, SharedWeights(False)
                 graph = self._read(key, path)
                 warn_unavailable(exc)

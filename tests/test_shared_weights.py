@@ -211,6 +211,10 @@ def test_prefill_sessions_that_pack_their_own_weights_are_bounded(checkpoint, tr
     with pytest.raises(ValueError, match="max_prefill_sessions must be None or an integer >= 1, got 0"):
         OrtBackend(out, contract, max_prefill_sessions=0)
     assert not base.graphs.packs_per_session  # with the cache (the default) the sessions share their weights
+    cached = Pipeline(out, contract, OrtBackend(out, contract, max_prefill_sessions=1), preprocessor)
+    logits(cached, 32)
+    np.testing.assert_array_equal(logits(cached, 64), logits(pipe, 64))
+    assert list(cached.graphs._prefill) == [64]  # the fixed bound holds with the cache too
 
     # fp32 exports share the mapped weights: nothing to bound
     assert not Pipeline.from_exported(trained_export("ort")).graphs.packs_per_session

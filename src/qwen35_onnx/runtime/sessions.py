@@ -128,12 +128,13 @@ class GraphSet(backend.GraphSet):
     32 / 512 / 1024 / 2048 tokens, summed over the buckets used), without it none, at the same
     prefill speed.
 
-    Where each session holds its own pre-packed weights (the cache off or unusable, e.g. too
-    little disk, which warns; or ``share_weights=False``: 4B int4 about 3.7 GB per prefill
-    bucket, so four buckets and decode reached 22 GB), loaded prefill sessions are bounded: at
-    most ``max_prefill_sessions`` (None: no fixed number), and before another one loads, the least
-    recently used are dropped until the system's available memory (``MemAvailable``) holds one
-    more session's weights (:meth:`session_cost`) plus :data:`MEMORY_RESERVE`. A dropped bucket
+    Loaded prefill sessions are at most ``max_prefill_sessions`` (None: no fixed number; the least
+    recently used go first). Where each session holds its own pre-packed weights (the cache off
+    or unusable, e.g. too little disk, which warns; or ``share_weights=False``: 4B int4 about
+    3.7 GB per prefill bucket, so four buckets and decode reached 22 GB), they are also bounded by
+    memory: before another one loads, the least recently used are dropped until the system's
+    available memory (``MemAvailable``) holds one more session's weights (:meth:`session_cost`)
+    plus :data:`MEMORY_RESERVE`. A dropped bucket
     loads again on its next use (4B int4: about 8 s; 0.8B: about 1 s).
 
     Raises (constructor and :meth:`prefill`):
@@ -184,16 +185,16 @@ class GraphSet(backend.GraphSet):
         """The prefill session for ``bucket`` (see :class:`GraphSet` for which stay loaded)."""
         if bucket in self._prefill:
             self._prefill[bucket] = self._prefill.pop(bucket)  # most recently used last
-        elif self._prefill and self.packs_per_session:
+        elif self._prefill and (self.packs_per_session or self.max_prefill_sessions is not None):
             self._make_room()
         return super().prefill(bucket)
 
     def _make_room(self) -> None:
         """Drop least recently used prefill sessions for one more (see :class:`GraphSet`)."""
-        cost = self.session_cost()
+        cost = self.session_cost()  # 0 where sessions share their weights: only the fixed bound applies
         while self._prefill and (
             (self.max_prefill_sessions is not None and len(self._prefill) >= self.max_prefill_sessions)
-            or available_memory() < cost + MEMORY_RESERVE
+            or (cost > 0 and available_memory() < cost + MEMORY_RESERVE)
         ):
             del self._prefill[next(iter(self._prefill))]
             release_freed_memory()

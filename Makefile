@@ -1,12 +1,12 @@
 # `make demo`: set up, then the main job on the built-in demo checkpoint.
-# `make test`: set up, then the whole test suite (slow end-to-end tests included).
+# `make test`: set up, lint (ruff), then the whole test suite (slow end-to-end tests included).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # torch 2.13.0 is the CPU build this project is tested with (export and verification only).
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -20,15 +20,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/qwen35-onnx demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# The suite runs on two workers, each test file on one of them (session fixtures build shared
+# checkpoints and exports once for both: tests/conftest.py).
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+test: lint
+	$(PYTEST)
+
+test-fast: lint
+	$(PYTEST) -m "not slow"
 
 # Speed side by side (not a test): writes benchmarks/out/PRESET/bench.{md,json,png}. OpenVINO's own
 # pipeline (optimum-intel + openvino-genai) runs from benchmarks/out/.venv-optimum, which the bench
-# creates on its first run (pins in src/qwen35_onnx/bench.py).
+# creates on its first run (pins in src/qwen35_onnx/bench/peers.py).
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[export,bench]"
 	$(VENV)/bin/qwen35-onnx bench

@@ -65,6 +65,7 @@ def reference_greedy(checkpoint: Path, input_ids: list[int], n: int) -> list[int
     model = Qwen3_5ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
     ids = torch.tensor([input_ids])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False)
-    return out[0, len(input_ids):].tolist()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+    return out[0, len(input_ids) :].tolist()

@@ -1,11 +1,18 @@
-"""Shared fixtures: the demo checkpoint and its exports, built once per test session.
+"""Shared fixtures: the demo checkpoint and its exports, built once per test run.
 
 Exports use a small capacity (CAPACITY tokens) so that the suite stays fast; everything
 else is the real flow (`from_pretrained` on a local folder, `torch.onnx.export`, ORT).
+
+The suite runs on several workers (``pytest -n 2``, pytest-xdist, each test file on one
+worker): a session fixture that builds a checkpoint or an export builds it once for all of
+them (:func:`build_once`: a folder every worker sees, under a file lock).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,25 +38,81 @@ def prepacked_cache_dir(tmp_path_factory) -> Path:
         os.environ["QWEN35_ONNX_PREPACKED_CACHE"] = before
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """A folder of this test run that every xdist worker sees (the run's base temporary folder,
+    above the workers' own); the base temporary folder itself without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+
+
+def build_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """``shared_root / name``, made by ``build(path)`` by the first worker that asks for it; the
+    others wait for it (a file lock) and use it. A build that failed leaves nothing, and the next
+    worker tries again (and fails the same way, naming its own error)."""
+    from filelock import FileLock
+
+    root = shared_root(tmp_path_factory)
+    root.mkdir(parents=True, exist_ok=True)
+    path, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                build(path)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            done.touch()
+    return path
+
+
+def pytest_sessionfinish(session) -> None:
+    """The controller (or a run without xdist) removes the shared builds (some GB of exports)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None and session.testsfailed == 0:
+        shutil.rmtree(shared_root(factory), ignore_errors=True)
+
+
+#: What each of the first two xdist workers builds when the run starts, in order, before its first
+#: test (only what the run's tests use): the builds most test files wait for, on two workers at once
+#: instead of one worker building while the other waits for its lock.
+PREBUILD = {"gw0": ("fixed_export", "dynamic_export"), "gw1": ("trained_checkpoint", ("trained_export", "ort"))}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuild(request) -> None:
+    """Build this worker's share of :data:`PREBUILD` (see there); nothing without xdist."""
+    used = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    for wanted in PREBUILD.get(os.environ.get("PYTEST_XDIST_WORKER", ""), ()):
+        name, *args = (wanted,) if isinstance(wanted, str) else wanted
+        if name in used:
+            value = request.getfixturevalue(name)
+            if args:
+                value(*args)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
     from qwen35_onnx.checkpoints import build_demo_checkpoint
 
-    return build_demo_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo")
+    return build_once(tmp_path_factory, "checkpoint-demo", build_demo_checkpoint)
 
 
 @pytest.fixture(scope="session")
 def photo() -> Path:
-    from qwen35_onnx.checkpoints import photo_path
+    from qwen35_onnx.paths import photo_path
 
     return photo_path()
 
 
 def export_to(checkpoint: Path, out: Path, **options) -> Path:
-    """Export with capacity CAPACITY and ``options``; returns ``out``."""
-    from qwen35_onnx.export.exporter import ExportOptions, export
+    """Export with capacity CAPACITY (unless ``options`` say otherwise) and ``options``; returns ``out``."""
+    from qwen35_onnx.export.exporter import export
+    from qwen35_onnx.export.options import ExportOptions
 
-    export(checkpoint, out, ExportOptions(capacity=CAPACITY, **options))
+    export(checkpoint, out, ExportOptions(**{"capacity": CAPACITY, **options}))
     return out
 
 
@@ -62,38 +125,58 @@ def wide_checkpoint(checkpoint, tmp_path_factory) -> Path:
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    folder = tmp_path_factory.mktemp("ckpt") / "wide"
-    shutil.copytree(checkpoint, folder, ignore=shutil.ignore_patterns("model*.safetensors*", "config.json"))
-    config = Qwen3_5Config.from_pretrained(checkpoint)
-    config.text_config.hidden_size = config.vision_config.out_hidden_size = 512
-    config.text_config.intermediate_size = 4096
-    config.text_config.initializer_range = 0.02
-    config.text_config.tie_word_embeddings = config.tie_word_embeddings = True
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(folder)
-    return folder
+    def build(folder: Path) -> None:
+        shutil.copytree(checkpoint, folder, ignore=shutil.ignore_patterns("model*.safetensors*", "config.json"))
+        config = Qwen3_5Config.from_pretrained(checkpoint)
+        config.text_config.hidden_size = config.vision_config.out_hidden_size = 512
+        config.text_config.intermediate_size = 4096
+        config.text_config.initializer_range = 0.02
+        config.text_config.tie_word_embeddings = config.tie_word_embeddings = True
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            Qwen3_5ForConditionalGeneration(config).eval().save_pretrained(folder)
+
+    return build_once(tmp_path_factory, "checkpoint-wide", build)
+
+
+def shared_export(tmp_path_factory, checkpoint: Path, name: str, **options) -> Path:
+    """The export of ``checkpoint`` with capacity CAPACITY and ``options``, built once per run
+    (:func:`build_once`)."""
+    return build_once(tmp_path_factory, f"export-{name}", lambda out: export_to(checkpoint, out, **options))
+
+
+@pytest.fixture(scope="session")
+def wide_int4_export(wide_checkpoint, tmp_path_factory) -> Path:
+    """The wide checkpoint, ``--ops ort`` int4, buckets 32 / 64 / 128: quantized sessions large
+    enough to measure their memory (43 MB of packed text weights each)."""
+    return shared_export(
+        tmp_path_factory, wide_checkpoint, "wide-int4", ops="ort", quantize="int4", prefill_buckets=(32, 64, 128)
+    )
 
 
 @pytest.fixture(scope="session")
 def fixed_export(checkpoint, tmp_path_factory) -> Path:
     """Portable operators (the default --ops ort has its own fixture in test_fused_and_quantized)."""
-    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "fixed", kv_mode="fixed", ops="portable")
+    return shared_export(tmp_path_factory, checkpoint, "fixed", kv_mode="fixed", ops="portable")
 
 
 @pytest.fixture(scope="session")
 def dynamic_export(checkpoint, tmp_path_factory) -> Path:
-    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "dynamic", kv_mode="dynamic", ops="portable")
+    return shared_export(tmp_path_factory, checkpoint, "dynamic", kv_mode="dynamic", ops="portable")
 
 
 @pytest.fixture(scope="session")
 def small_export(checkpoint, tmp_path_factory) -> Path:
     """Half the capacity of `fixed_export` (to mix graphs of different capacities)."""
-    from qwen35_onnx.export.exporter import ExportOptions, export
+    return shared_export(
+        tmp_path_factory, checkpoint, "small", capacity=CAPACITY // 2, ops="portable", prefill_buckets=(32,)
+    )
 
-    out = tmp_path_factory.mktemp("exp") / "small"
-    export(checkpoint, out, ExportOptions(capacity=CAPACITY // 2, ops="portable"))
-    return out
+
+@pytest.fixture(scope="session")
+def chat_export(checkpoint, tmp_path_factory):
+    """Default operators (ort), fixed KV, room for two images per prompt."""
+    return shared_export(tmp_path_factory, checkpoint, "chat", max_images=2)
 
 
 @pytest.fixture(scope="session")
@@ -119,10 +202,10 @@ def reference_tokens(fixed_export, reference_model, photo) -> list[int]:
 def trained_checkpoint(checkpoint, tmp_path_factory) -> Path:
     """The demo checkpoint after 200 training steps, trained once per session for the quantization
     and the OpenVINO bf16 tests: random weights are a chaotic worst case for anything that
-    perturbs the computation (quantization, bf16), see ``checkpoints.train_checkpoint``."""
-    from qwen35_onnx.checkpoints import train_checkpoint
+    perturbs the computation (quantization, bf16), see ``tests/training.py``."""
+    from .training import train_checkpoint
 
-    return train_checkpoint(checkpoint, tmp_path_factory.mktemp("ckpt") / "trained", steps=200)
+    return build_once(tmp_path_factory, "checkpoint-trained", lambda out: train_checkpoint(checkpoint, out, steps=200))
 
 
 @pytest.fixture(scope="session")
@@ -130,17 +213,17 @@ def trained_export(trained_checkpoint, tmp_path_factory):
     """``trained_export(ops, dtype="fp32", **options) -> Path``: an export of the trained demo
     checkpoint with one prefill bucket of CAPACITY tokens, built on first request and shared by
     every test of the session (the quantization, dtype and OpenVINO tests compare the same
-    exports)."""
-    root = tmp_path_factory.mktemp("trained-exports")
-    built: dict[tuple, Path] = {}
+    exports; built once per run, see :func:`build_once`)."""
 
     def get(ops: str, dtype: str = "fp32", **options) -> Path:
-        key = (ops, dtype, *sorted(options.items()))
-        if key not in built:
-            name = "-".join([ops, dtype] + [f"{k}-{v}" for k, v in sorted(options.items())])
-            built[key] = export_to(trained_checkpoint, root / name, ops=ops, dtype=dtype,
-                                   prefill_buckets=(CAPACITY,), **options)
-        return built[key]
+        name = "-".join(["trained", ops, dtype] + [f"{k}-{v}" for k, v in sorted(options.items())])
+        return build_once(
+            tmp_path_factory,
+            name,
+            lambda out: export_to(
+                trained_checkpoint, out, ops=ops, dtype=dtype, prefill_buckets=(CAPACITY,), **options
+            ),
+        )
 
     return get
 
@@ -156,21 +239,14 @@ def random_prompt(pipe, length: int, seed: int):
 
 def forced_logits(pipe, prepared, tokens: list[int]) -> list:
     """The logits ``[V]`` (fp64 copies) ``pipe`` gives before each of ``tokens`` when they are fed
-    one after another (teacher forcing through the pipeline's own decode loop): entry ``i`` is
+    one after another (teacher forcing through the product's generation object): entry ``i`` is
     the prediction for ``tokens[i]`` after the prompt and ``tokens[:i]``."""
     import numpy as np
 
-    from qwen35_onnx.pipeline import GenerationStream
-    from qwen35_onnx.runtime.sampling import StopStrings
-
-    seen = []
-
-    def sampler(logits):
-        seen.append(np.array(logits, dtype=np.float64))
-        return tokens[len(seen) - 1]
-
-    for _ in pipe._generate(prepared, len(tokens), sampler, StopStrings(()), GenerationStream()):
-        pass
+    generation = pipe.generation(prepared)
+    seen = [np.array(generation.prefill(), dtype=np.float64)]
+    for token in tokens[:-1]:
+        seen.append(np.array(generation.step(token), dtype=np.float64))
     return seen
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from qwen35_onnx.bench import PeerResult, decode_weight_bytes, report
+from qwen35_onnx.bench.protocol import PeerResult, decode_weight_bytes
+from qwen35_onnx.bench.report import report
 from qwen35_onnx.contract import read_manifest
 
 
@@ -21,8 +22,9 @@ def test_decode_weight_bytes_skips_the_embedding_table(fixed_export):
 
 
 def test_report_has_ratios_flatness_and_floor(tmp_path: Path):
-    fast = PeerResult("fast", {32: 1.0, 2048: 8.0}, {32: 1.0, 2048: 1.1}, 900.0, decode_bytes=10**9,
-                      peak_rss_bytes=2_500_000_000)
+    fast = PeerResult(
+        "fast", {32: 1.0, 2048: 8.0}, {32: 1.0, 2048: 1.1}, 900.0, decode_bytes=10**9, peak_rss_bytes=2_500_000_000
+    )
     slow = PeerResult("slow", {32: 2.0, 2048: 16.0}, {32: 4.0, 2048: 8.0}, 200.0, decode_bytes=10**9)
     markdown = report([fast, slow], bandwidth_gbps=10.0, out_dir=tmp_path, state_bytes={32: 0})
     rows = {}
@@ -36,13 +38,14 @@ def test_report_has_ratios_flatness_and_floor(tmp_path: Path):
     assert np.isclose(float(rows["fast"][4]), 1.1)
     assert "| slow | 4.00 | 1.00 |" in markdown  # ratio row/column
     assert (tmp_path / "bench.json").is_file() and (tmp_path / "bench.md").read_text() == markdown
-    sampled = PeerResult("ort int4", {32: 1.0}, {32: 1.0}, 9.0, decode_bytes=10**9, peak_rss_bytes=3 * 10**9,
-                         peak_sampled=True)
+    sampled = PeerResult(
+        "ort int4", {32: 1.0}, {32: 1.0}, 9.0, decode_bytes=10**9, peak_rss_bytes=3 * 10**9, peak_sampled=True
+    )
     assert "| 3.00* |" in report([sampled], bandwidth_gbps=10.0, out_dir=tmp_path, state_bytes={32: 0})
 
 
 def test_target_lines_compare_our_openvino_int4_with_the_peer():
-    from qwen35_onnx.bench import target_lines
+    from qwen35_onnx.bench.report import target_lines
 
     ours = PeerResult("openvino int4 f32", {}, {32: 50.0, 512: 55.0}, None)
     peer = PeerResult("ov-genai int4 f32", {}, {32: 60.0, 512: 66.0}, None)
@@ -54,10 +57,15 @@ def test_target_lines_compare_our_openvino_int4_with_the_peer():
 def test_run_bench_refuses_unknown_rows_before_any_export(tmp_path: Path):
     import pytest
 
-    from qwen35_onnx.bench import ROWS, run_bench
+    from qwen35_onnx.bench.speed import ROWS, run_bench
 
-    assert {"openvino fp32 f32", "openvino fp32 bf16", "openvino int4 f32", "openvino int4 bf16",
-            "ov-genai int4 f32"} <= set(ROWS)
+    assert {
+        "openvino fp32 f32",
+        "openvino fp32 bf16",
+        "openvino int4 f32",
+        "openvino int4 bf16",
+        "ov-genai int4 f32",
+    } <= set(ROWS)
     with pytest.raises(ValueError, match=r"bench rows \['openvino int3'\]: unknown \['openvino int3'\]; choices: "):
         run_bench(tmp_path / "checkpoint", tmp_path / "out", rows=["openvino int3"])
     with pytest.raises(ValueError, match=r"bench rows \[\]: none given"):
@@ -73,7 +81,11 @@ def test_bench_cli_checks_rows_before_building_a_checkpoint(tmp_path: Path):
     from qwen35_onnx.cli import app
 
     result = CliRunner().invoke(app, ["bench", "--rows", "ort int4,foo", "--work-dir", str(tmp_path)])
-    assert result.exit_code != 0 and "--rows 'ort int4,foo': bench rows" in result.output and "unknown ['foo']" in result.output
+    assert (
+        result.exit_code != 0
+        and "--rows 'ort int4,foo': bench rows" in result.output
+        and "unknown ['foo']" in result.output
+    )
     result = CliRunner().invoke(app, ["bench", "--prefill-runs", "0", "--work-dir", str(tmp_path)])
     assert result.exit_code != 0 and "--prefill-runs 0 must be at least 1" in result.output
     assert not any(tmp_path.iterdir())

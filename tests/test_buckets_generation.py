@@ -42,9 +42,13 @@ def test_padded_prefill_equals_unpadded(reference_model, pipe):
         prepared = pipe.prepare_ids(random_prompt(pipe, length, seed=length))
         embeds = torch.zeros(contract.n_image_tokens, contract.image_embed_dim)
         with torch.no_grad():
-            plain = graph(torch.from_numpy(prepared.input_ids), torch.ones(1, length, dtype=torch.long),
-                          torch.from_numpy(prepared.position_ids), embeds)
-            ids, mask, positions = (torch.from_numpy(a) for a in pipe.padded_prompt(prepared))
+            plain = graph(
+                torch.from_numpy(prepared.input_ids),
+                torch.ones(1, length, dtype=torch.long),
+                torch.from_numpy(prepared.position_ids),
+                embeds,
+            )
+            ids, mask, positions = (torch.from_numpy(a) for a in prepared.padded(contract.pad_token_id))
             assert ids.shape[1] == prepared.bucket > length
             padded = graph(ids, mask, positions, embeds)
         for name, a, b in zip(("logits", "conv", "recurrent", "kv"), plain, padded):

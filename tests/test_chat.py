@@ -12,17 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from qwen35_onnx.pipeline import ChatInputError, Pipeline
+from qwen35_onnx.conversation.messages import ChatInputError
+from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import CAPACITY, export_to
+from .conftest import CAPACITY
 
 N_TOKENS = 32
-
-
-@pytest.fixture(scope="session")
-def chat_export(checkpoint, tmp_path_factory):
-    """Default operators (ort), fixed KV, room for two images per prompt."""
-    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "chat", max_images=2)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +50,8 @@ def reference_positions(model, prepared, grid):
     ids = torch.from_numpy(prepared.input_ids)
     with torch.no_grad():
         pos, deltas = model.model.get_rope_index(
-            ids, mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            ids,
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
             image_grid_thw=torch.tensor([list(grid)] * prepared.n_images),
         )
     return pos.numpy(), int(deltas.item())
@@ -81,10 +77,17 @@ def check_parity(pipe, reference_model, messages, n_images):
 
 @pytest.mark.slow
 def test_two_images_in_one_prompt_match_transformers(pipe, reference_model, images):
-    messages = [{"role": "user", "content": [
-        image_part(data_url(images[0])), {"type": "text", "text": "Compare this picture"},
-        image_part(data_url(images[1], "JPEG")), {"type": "text", "text": "with this one."},
-    ]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                image_part(data_url(images[0])),
+                {"type": "text", "text": "Compare this picture"},
+                image_part(data_url(images[1], "JPEG")),
+                {"type": "text", "text": "with this one."},
+            ],
+        }
+    ]
     check_parity(pipe, reference_model, messages, 2)
 
 
@@ -101,7 +104,7 @@ def test_image_in_turn_one_and_turn_three_match_transformers(pipe, reference_mod
     prepared = pipe.prepare_chat(messages)
     ids = prepared.input_ids[0]
     reply = pipe.preprocessor.tokenizer("A person in a white suit.", add_special_tokens=False)["input_ids"]
-    reply_at = next(i for i in range(len(ids)) if ids[i:i + len(reply)].tolist() == reply)
+    reply_at = next(i for i in range(len(ids)) if ids[i : i + len(reply)].tolist() == reply)
     image_at = np.flatnonzero(ids == pipe.contract.image_token_id)
     assert (image_at < reply_at).sum() == pipe.contract.n_image_tokens
     assert (image_at > reply_at).sum() == pipe.contract.n_image_tokens
@@ -116,16 +119,18 @@ def test_single_prompt_api_is_the_one_turn_chat(pipe, photo):
     np.testing.assert_array_equal(chat.pixel_values, single.pixel_values)
     text_only = pipe.prepare_chat([{"role": "user", "content": "Hi"}])
     np.testing.assert_array_equal(text_only.input_ids, pipe.prepare(None, "Hi").input_ids)
-    assert pipe.chat([{"role": "user", "content": "Hi"}], max_new_tokens=6).generation.token_ids == \
-        pipe.generate(None, "Hi", max_new_tokens=6).token_ids
+    assert (
+        pipe.chat([{"role": "user", "content": "Hi"}], max_new_tokens=6).generation.token_ids
+        == pipe.generate(None, "Hi", max_new_tokens=6).token_ids
+    )
 
 
 def test_more_images_than_exported_fails_before_any_graph(pipe, images, monkeypatch):
     def no_graphs(*args, **kwargs):
         raise AssertionError("a graph ran")
 
-    monkeypatch.setattr(pipe, "run_vision", no_graphs)
-    monkeypatch.setattr(pipe, "_prefill", no_graphs)
+    monkeypatch.setattr(pipe.backend, "run_vision", no_graphs)
+    monkeypatch.setattr(pipe.backend, "run_prefill", no_graphs)
     url = data_url(images[0])
     messages = [{"role": "user", "content": [image_part(url)] * 3 + [{"type": "text", "text": "Three?"}]}]
     with pytest.raises(ChatInputError, match=r"3 images, more than the 2 this export takes") as err:
@@ -144,7 +149,7 @@ def test_one_image_export_refuses_a_second_image(fixed_export, images):
 def test_prefill_graph_takes_rows_for_every_image(pipe, chat_export):
     c = pipe.contract
     assert c.max_images == 2 and c.n_image_rows == 2 * c.n_image_tokens
-    graph = pipe.graphs.prefill(c.prefill_buckets[0])
+    graph = pipe.backend.graphs.prefill(c.prefill_buckets[0])
     assert graph.inputs["image_embeds"] == [c.n_image_rows, c.image_embed_dim]
 
 
@@ -161,9 +166,12 @@ def test_manifest_without_max_images_reads_as_one(fixed_export, tmp_path):
 
 
 def test_export_refuses_more_image_tokens_than_capacity(checkpoint, tmp_path):
-    from qwen35_onnx.export.exporter import ExportError, ExportOptions, export
+    from qwen35_onnx.export.exporter import export
+    from qwen35_onnx.export.options import ExportError, ExportOptions
 
-    with pytest.raises(ExportError, match=r"--max-images 9 needs 9 x 16 = 144 image tokens, more than the capacity 128"):
+    with pytest.raises(
+        ExportError, match=r"--max-images 9 needs 9 x 16 = 144 image tokens, more than the capacity 128"
+    ):
         export(checkpoint, tmp_path / "x", ExportOptions(capacity=CAPACITY, max_images=9))
     with pytest.raises(ExportError, match=r"--max-images must be an integer >= 1, got 0"):
         export(checkpoint, tmp_path / "y", ExportOptions(capacity=CAPACITY, max_images=0))
@@ -180,25 +188,50 @@ def test_export_refuses_more_image_tokens_than_capacity(checkpoint, tmp_path):
         ([{"role": "user", "content": 5}], "messages[0].content", "got int"),
         ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type", "'audio' must be"),
         ([{"role": "user", "content": ["hi"]}], "messages[0].content[0].type", "'str' must be"),
-        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "messages[0].content[0].text", "must be a string"),
-        ([{"role": "assistant", "content": [image_part("data:image/png;base64,AAAA")]}],
-         "messages[0].content[0]", "user messages only"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
-         "messages[0].content[0].image_url.url", "non-empty string"),
-        ([{"role": "user", "content": [image_part("https://example.com/a.png")]}],
-         "messages[0].content[0].image_url.url", "are not fetched"),
-        ([{"role": "user", "content": [image_part("data:text/plain;base64,aGk=")]}],
-         "messages[0].content[0].image_url.url", "'text/plain' is not one of"),
-        ([{"role": "user", "content": [image_part("data:image/png;base64,not base64!")]}],
-         "messages[0].content[0].image_url.url", "not valid base64"),
-        ([{"role": "user", "content": [image_part("data:image/png;base64," + base64.b64encode(b"junk").decode())]}],
-         "messages[0].content[0].image_url.url", "not a readable image"),
-        ([{"role": "user", "content": [image_part("data:image/png,rawdata")]}],
-         "messages[0].content[0].image_url.url", "data:image/png;base64"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 3}]}],
+            "messages[0].content[0].text",
+            "must be a string",
+        ),
+        (
+            [{"role": "assistant", "content": [image_part("data:image/png;base64,AAAA")]}],
+            "messages[0].content[0]",
+            "user messages only",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            "messages[0].content[0].image_url.url",
+            "non-empty string",
+        ),
+        (
+            [{"role": "user", "content": [image_part("https://example.com/a.png")]}],
+            "messages[0].content[0].image_url.url",
+            "are not fetched",
+        ),
+        (
+            [{"role": "user", "content": [image_part("data:text/plain;base64,aGk=")]}],
+            "messages[0].content[0].image_url.url",
+            "'text/plain' is not one of",
+        ),
+        (
+            [{"role": "user", "content": [image_part("data:image/png;base64,not base64!")]}],
+            "messages[0].content[0].image_url.url",
+            "not valid base64",
+        ),
+        (
+            [{"role": "user", "content": [image_part("data:image/png;base64," + base64.b64encode(b"junk").decode())]}],
+            "messages[0].content[0].image_url.url",
+            "not a readable image",
+        ),
+        (
+            [{"role": "user", "content": [image_part("data:image/png,rawdata")]}],
+            "messages[0].content[0].image_url.url",
+            "data:image/png;base64",
+        ),
     ],
 )
 def test_bad_messages_name_the_field(messages, param, message):
-    from qwen35_onnx.runtime.chat import normalize_messages
+    from qwen35_onnx.conversation.messages import normalize_messages
 
     with pytest.raises(ChatInputError, match=message) as err:
         normalize_messages(messages)
@@ -206,7 +239,7 @@ def test_bad_messages_name_the_field(messages, param, message):
 
 
 def test_local_images_follow_the_policy(tmp_path, photo):
-    from qwen35_onnx.runtime.chat import ImagePolicy, normalize_messages
+    from qwen35_onnx.conversation.messages import ImagePolicy, normalize_messages
 
     allowed = tmp_path / "allowed"
     allowed.mkdir()
@@ -234,7 +267,7 @@ def test_local_images_follow_the_policy(tmp_path, photo):
 
 
 def test_image_formats_and_modes(images):
-    from qwen35_onnx.runtime.chat import normalize_messages
+    from qwen35_onnx.conversation.messages import normalize_messages
 
     rgba = images[1].convert("RGBA")
     for fmt, picture in (("PNG", rgba), ("JPEG", images[0]), ("WEBP", images[1]), ("GIF", images[1].convert("P"))):
@@ -255,8 +288,20 @@ def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, mo
         return original(messages, *args, **kwargs)
 
     monkeypatch.setattr(pipe, "stream_chat", spy)
-    lines = [f"/image {photo}\n", f"/image {photo}\n", f"/image {photo}\n", "three images\n",  # refused: max 2
-             "/image /no/such.png\n", "/frobnicate\n", "hello\n", "and again\n", "/reset\n", "fresh\n", "/quit\n", "ignored\n"]
+    lines = [
+        f"/image {photo}\n",
+        f"/image {photo}\n",
+        f"/image {photo}\n",
+        "three images\n",  # refused: max 2
+        "/image /no/such.png\n",
+        "/frobnicate\n",
+        "hello\n",
+        "and again\n",
+        "/reset\n",
+        "fresh\n",
+        "/quit\n",
+        "ignored\n",
+    ]
     out, err = _io.StringIO(), _io.StringIO()
     answered = run_chat(pipe, lines, out, err, system="Be brief.", max_new_tokens=4)
     assert answered == 3
@@ -271,11 +316,13 @@ def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, mo
 
 
 def test_huge_or_odd_images_are_refused_early(tmp_path):
-    from qwen35_onnx.runtime.chat import ImagePolicy, normalize_messages
+    from qwen35_onnx.conversation.messages import ImagePolicy, normalize_messages
 
     big = Image.new("L", (3000, 2000))  # small PNG, many pixels
     with pytest.raises(ChatInputError, match=r"3000x2000 = 6000000 pixels, more than the limit of 1000000"):
-        normalize_messages([{"role": "user", "content": [image_part(data_url(big))]}], ImagePolicy(max_image_pixels=10**6))
+        normalize_messages(
+            [{"role": "user", "content": [image_part(data_url(big))]}], ImagePolicy(max_image_pixels=10**6)
+        )
     policy = ImagePolicy(local_dir=tmp_path)
     for path in (str(tmp_path / "a\0b.png"), str(tmp_path / ("x" * 5000))):
         with pytest.raises(ChatInputError, match="not a usable file path|not found"):
@@ -301,12 +348,16 @@ def test_cancel_from_another_thread_stops_before_the_next_token(pipe):
     assert result.finish_reason is None
     assert len(result.generation.token_ids) < 60
     assert len(rest) <= 1  # at most the streamer's held-back tail
-    assert result.generation.token_ids == pipe.chat([{"role": "user", "content": "Tell me more."}],
-                                                    max_new_tokens=60).generation.token_ids[:len(result.generation.token_ids)]
+    assert (
+        result.generation.token_ids
+        == pipe.chat([{"role": "user", "content": "Tell me more."}], max_new_tokens=60).generation.token_ids[
+            : len(result.generation.token_ids)
+        ]
+    )
 
 
 def test_image_limits_are_exact_and_cover_local_files_and_bombs(tmp_path):
-    from qwen35_onnx.runtime.chat import ImagePolicy, ImageTooLarge, normalize_messages
+    from qwen35_onnx.conversation.messages import ImagePolicy, ImageTooLarge, normalize_messages
 
     def ask(url, policy):
         return normalize_messages([{"role": "user", "content": [image_part(url)]}], policy)

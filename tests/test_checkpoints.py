@@ -16,16 +16,9 @@ transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from qwen35_onnx import checkpoints  # noqa: E402
-from qwen35_onnx.checkpoints import (  # noqa: E402
-    DEMO_SEED,
-    SPECIAL_TOKENS,
-    TINY_PRESET,
-    build_demo_checkpoint,
-    demo_checkpoint_dir,
-    photo_path,
-    preset_config,
-    tiny_config,
-)
+from qwen35_onnx.checkpoints import DEMO_SEED, build_demo_checkpoint  # noqa: E402
+from qwen35_onnx.paths import demo_checkpoint_dir, photo_path  # noqa: E402
+from qwen35_onnx.presets import SPECIAL_TOKENS, TINY_PRESET, preset_config, tiny_config  # noqa: E402
 
 DEMO_MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
 DEMO_PROMPT = (
@@ -215,11 +208,16 @@ def test_photo_is_a_small_jpeg():
 
 def test_published_0_8b_preset_sizes():
     """The Qwen3.5-0.8B preset has the published sizes (853 M parameters, tied embeddings)."""
-    from qwen35_onnx.checkpoints import PRESETS, preset_config
+    from qwen35_onnx.presets import PRESETS, preset_config
 
     config = preset_config("qwen3.5-0.8b")
     text = config.text_config
-    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size) == (1024, 24, 3584, 248320)
+    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size) == (
+        1024,
+        24,
+        3584,
+        248320,
+    )
     assert text.layer_types.count("full_attention") == 6 and text.layer_types[3] == "full_attention"
     assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (8, 2, 256)
     assert (text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim) == (16, 16, 128)
@@ -229,14 +227,16 @@ def test_published_0_8b_preset_sizes():
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
     assert 850e6 < sum(p.numel() for p in model.parameters()) < 856e6
     assert PRESETS["tiny"] is TINY_PRESET
-    with pytest.raises(ValueError, match="preset .huge. is not one of tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b"):
+    with pytest.raises(
+        ValueError, match="preset .huge. is not one of tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b"
+    ):
         preset_config("huge")
     with pytest.raises(ValueError, match="preset 'huge'"):
         build_demo_checkpoint(Path("/nonexistent/x"), preset="huge")
 
 
 def test_train_checkpoint_rejects_bad_arguments(demo_dir, tmp_path):
-    from qwen35_onnx.checkpoints import train_checkpoint
+    from .training import train_checkpoint
 
     with pytest.raises(ValueError, match="steps 0 must be >= 1"):
         train_checkpoint(demo_dir, tmp_path / "t", steps=0)
@@ -262,15 +262,25 @@ def test_train_checkpoint_rejects_bad_arguments(demo_dir, tmp_path):
 def test_published_larger_presets(preset, text_sizes, heads, vision, tied, billions):
     """The 2B, 4B and 9B presets have the published sizes (heads of 256, Gated DeltaNet heads of
     128, vocabulary 248320, full attention every fourth layer) and are stored in bf16."""
-    from qwen35_onnx.checkpoints import _marker, preset_dtype
+    from qwen35_onnx.checkpoints import _marker
+    from qwen35_onnx.presets import preset_dtype
 
     config = preset_config(preset)
     text = config.text_config
     hidden, layers, full, mlp = text_sizes
-    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size) == (hidden, layers, mlp, 248320)
+    assert (text.hidden_size, text.num_hidden_layers, text.intermediate_size, text.vocab_size) == (
+        hidden,
+        layers,
+        mlp,
+        248320,
+    )
     assert text.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * full
-    assert (text.num_attention_heads, text.num_key_value_heads, text.linear_num_key_heads,
-            text.linear_num_value_heads) == heads
+    assert (
+        text.num_attention_heads,
+        text.num_key_value_heads,
+        text.linear_num_key_heads,
+        text.linear_num_value_heads,
+    ) == heads
     assert (text.head_dim, text.linear_key_head_dim, text.linear_value_head_dim) == (256, 128, 128)
     v = config.vision_config
     assert (v.depth, v.hidden_size, v.out_hidden_size, v.num_heads) == (*vision, 16)
@@ -286,13 +296,16 @@ def test_published_preset_checkpoint_is_stored_in_bf16(tmp_path, monkeypatch):
     shrunken copy of the 0.8B preset: 4 layers and the demo vocabulary, so it builds in seconds)."""
     import copy
 
-    from qwen35_onnx import checkpoints
+    from qwen35_onnx import presets
 
-    small = copy.deepcopy(checkpoints.QWEN35_0_8B_PRESET)
-    small["text_config"].update(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                                vocab_size=checkpoints.TINY_PRESET["text_config"]["vocab_size"])
+    small = copy.deepcopy(presets.QWEN35_0_8B_PRESET)
+    small["text_config"].update(
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        vocab_size=presets.TINY_PRESET["text_config"]["vocab_size"],
+    )
     small["vision_config"].update(depth=1)
-    monkeypatch.setitem(checkpoints.PRESETS, "qwen3.5-0.8b", small)
+    monkeypatch.setitem(presets.PRESETS, "qwen3.5-0.8b", small)
     path = build_demo_checkpoint(tmp_path / "ckpt", preset="qwen3.5-0.8b")
     model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -16,14 +16,41 @@ pytestmark = pytest.mark.slow
 
 
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``qwen35-onnx ARGS`` in a new process, as a user runs it."""
     return subprocess.run(
         [sys.executable, "-m", "qwen35_onnx.cli", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
+def invoke_cli(*args: str) -> subprocess.CompletedProcess:
+    """``qwen35-onnx ARGS`` in this process (typer's test runner: the same code as :func:`run_cli`
+    without a new interpreter); an exception the command let escape is written to stderr as the
+    traceback a user would see."""
+    import traceback
+
+    from typer.testing import CliRunner
+
+    from qwen35_onnx.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, stderr)
+
+
 def test_generate_streams_text_and_reports_timings(fixed_export, photo):
-    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(photo),
-                   "--prompt", "Describe this image.", "--max-new-tokens", "10")
+    proc = run_cli(
+        "generate",
+        "--model",
+        str(fixed_export),
+        "--image",
+        str(photo),
+        "--prompt",
+        "Describe this image.",
+        "--max-new-tokens",
+        "10",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     for word in ("vision", "prefill", "ms/token", "tokens/s", "[length] 10 tokens"):
@@ -40,42 +67,44 @@ def _assert_clean_error(proc, *fragments):
 
 def test_missing_image(fixed_export, tmp_path):
     missing = tmp_path / "nope.jpg"
-    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(missing), "--prompt", "hi")
+    proc = invoke_cli("generate", "--model", str(fixed_export), "--image", str(missing), "--prompt", "hi")
     _assert_clean_error(proc, str(missing))
 
 
 def test_corrupt_image(fixed_export, tmp_path):
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg")
-    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(bad), "--prompt", "hi")
+    proc = invoke_cli("generate", "--model", str(fixed_export), "--image", str(bad), "--prompt", "hi")
     _assert_clean_error(proc, str(bad))
 
 
 def test_model_folder_that_is_not_an_export(tmp_path, photo):
-    proc = run_cli("generate", "--model", str(tmp_path), "--image", str(photo), "--prompt", "hi")
+    proc = invoke_cli("generate", "--model", str(tmp_path), "--image", str(photo), "--prompt", "hi")
     _assert_clean_error(proc, "manifest.json", "not a complete qwen35-onnx export")
 
 
 def test_prompt_longer_than_capacity(fixed_export, photo):
-    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(photo), "--prompt", "word " * CAPACITY)
+    proc = invoke_cli("generate", "--model", str(fixed_export), "--image", str(photo), "--prompt", "word " * CAPACITY)
     _assert_clean_error(proc, "prompt is", f"capacity {CAPACITY}")
 
 
 def test_bad_max_new_tokens(fixed_export, photo):
-    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(photo), "--prompt", "hi",
-                   "--max-new-tokens", "0")
+    proc = invoke_cli(
+        "generate", "--model", str(fixed_export), "--image", str(photo), "--prompt", "hi", "--max-new-tokens", "0"
+    )
     _assert_clean_error(proc, "max_new_tokens must be an integer >= 1, got 0")
 
 
 def test_export_bad_image_size(checkpoint, tmp_path):
-    proc = run_cli("export", "--model-id", str(checkpoint), "--output-dir", str(tmp_path / "o"),
-                   "--vision-image-size", "100")
+    proc = invoke_cli(
+        "export", "--model-id", str(checkpoint), "--output-dir", str(tmp_path / "o"), "--vision-image-size", "100"
+    )
     _assert_clean_error(proc, "--vision-image-size 100")
     assert not (tmp_path / "o").exists()
 
 
 def test_export_missing_checkpoint(tmp_path):
-    proc = run_cli("export", "--model-id", str(tmp_path / "none"), "--output-dir", str(tmp_path / "o"))
+    proc = invoke_cli("export", "--model-id", str(tmp_path / "none"), "--output-dir", str(tmp_path / "o"))
     _assert_clean_error(proc, "is not a local Hugging Face checkpoint folder")
 
 

@@ -2,7 +2,7 @@
 export's dtype; the Gated DeltaNet recurrent state fp32 between steps in every dtype; the
 host-facing tensors (pixel_values, image_embeds, logits) fp32. Accuracy against fp32 on the
 trained demo checkpoint (random weights are a chaotic worst case, see
-``checkpoints.train_checkpoint``)."""
+``tests/training.py``)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def exports(trained_export):
 
 def _last_logits(pipe, photo) -> np.ndarray:
     prepared = pipe.prepare(photo, PROMPT)
-    logits, _ = pipe.run_prefill(prepared, pipe.run_vision(prepared))
+    logits = pipe.generation(prepared).prefill()
     return np.asarray(logits, dtype=np.float64).reshape(-1)
 
 
@@ -65,8 +65,11 @@ def test_fp16_matches_fp32(ops, exports, photo):
     tokens = fp16.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
     fp32_tokens = fp32.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
     split, margin = split_margin(fp32, fp32.prepare(photo, PROMPT), fp32_tokens, tokens)
-    print(f"--ops {ops} fp16: last-logit cosine {cosine:.6f} against fp32, first {split} of {NEW_TOKENS} greedy tokens equal"
-          + (f" (fp32's margin there {margin:.3f})" if split < NEW_TOKENS else ""))
+    print(
+        f"--ops {ops} fp16: last-logit cosine {cosine:.6f} against fp32, "
+        f"first {split} of {NEW_TOKENS} greedy tokens equal"
+        + (f" (fp32's margin there {margin:.3f})" if split < NEW_TOKENS else "")
+    )
     assert cosine >= 0.999
     assert tokens == fp32_tokens, f"fp16 and fp32 part at token {split}, where fp32's logit margin is {margin:.4f}"
 
@@ -93,20 +96,37 @@ def test_bf16_runs_on_openvino_and_is_refused_clearly_by_onnxruntime_cpu(trained
     assert contract.state_dtypes == {"conv": "bf16", "recurrent": "fp32", "kv": "bf16"}
     types = _io_types(out / contract.graphs["decode"])
     assert (types["past_kv_cache"], types["past_recurrent_states"], types["logits"]) == (
-        ONNX_TYPE["bf16"], ONNX_TYPE["fp32"], ONNX_TYPE["fp32"])
-    with pytest.raises(ContractError, match=r"no kernel for the operator Conv .*this bf16 export; run this bf16 export with --runtime openvino"):
+        ONNX_TYPE["bf16"],
+        ONNX_TYPE["fp32"],
+        ONNX_TYPE["fp32"],
+    )
+    with pytest.raises(
+        ContractError,
+        match=r"no kernel for the operator Conv .*this bf16 export; run this bf16 export with --runtime openvino",
+    ):
         Pipeline.from_exported(out)
     # a provider with bf16 kernels would load the graphs; the ONNX Runtime path still has no bf16 buffers
-    from qwen35_onnx.runtime import ort_backend
+    from qwen35_onnx.runtime.onnxruntime import backend as ort_backend
 
     with monkeypatch.context() as patch:
-        patch.setattr(ort_backend, "GraphSet", lambda *args, **kwargs: None)
-        with pytest.raises(ContractError, match=r"is bf16: .* buffers of fp32, fp16 only; run it with --runtime openvino"):
+        patch.setattr(ort_backend, "OrtGraphSet", lambda *args, **kwargs: None)
+        with pytest.raises(
+            ContractError, match=r"is bf16: .* buffers of fp32, fp16 only; run it with --runtime openvino"
+        ):
             ort_backend.OrtBackend(out, contract)
     pipe = Pipeline.from_exported(out, runtime="openvino")
-    cosine = _cosine(_last_logits(pipe, photo), _last_logits(Pipeline.from_exported(exports[("portable", "fp32")]), photo))
+    cosine = _cosine(
+        _last_logits(pipe, photo), _last_logits(Pipeline.from_exported(exports[("portable", "fp32")]), photo)
+    )
     tokens = pipe.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
-    fp32_tokens = Pipeline.from_exported(exports[("portable", "fp32")]).generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
+    fp32_tokens = (
+        Pipeline.from_exported(exports[("portable", "fp32")])
+        .generate(photo, PROMPT, max_new_tokens=NEW_TOKENS)
+        .token_ids
+    )
     same = next((i for i, (a, b) in enumerate(zip(tokens, fp32_tokens)) if a != b), NEW_TOKENS)
-    print(f"portable bf16 on OpenVINO: last-logit cosine {cosine:.5f} against fp32, first {same} of {NEW_TOKENS} greedy tokens equal")
+    print(
+        f"portable bf16 on OpenVINO: last-logit cosine {cosine:.5f} against fp32, "
+        f"first {same} of {NEW_TOKENS} greedy tokens equal"
+    )
     assert cosine >= 0.99

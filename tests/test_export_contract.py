@@ -12,7 +12,8 @@ import pytest
 
 from qwen35_onnx.contract import METADATA_KEY, ContractError, ShapeContract, read_manifest
 from qwen35_onnx.export import exporter
-from qwen35_onnx.export.exporter import ExportError, ExportOptions, export
+from qwen35_onnx.export.exporter import export
+from qwen35_onnx.export.options import ExportError, ExportOptions
 from qwen35_onnx.pipeline import Pipeline
 
 from .conftest import CAPACITY
@@ -84,7 +85,13 @@ def test_manifest_and_metadata_round_trip(fixed_export):
     assert ShapeContract.from_json(contract.to_json()) == contract
     raw = json.loads((fixed_export / "manifest.json").read_text())
     assert raw["capacity"] == CAPACITY and raw["kv_mode"] == "fixed"
-    assert raw["derived"]["kv_shape"] == [2 * contract.n_full, 1, contract.num_key_value_heads, CAPACITY, contract.head_dim]
+    assert raw["derived"]["kv_shape"] == [
+        2 * contract.n_full,
+        1,
+        contract.num_key_value_heads,
+        CAPACITY,
+        contract.head_dim,
+    ]
     for path in contract.graphs.values():
         model = onnx.load(str(fixed_export / path), load_external_data=False)
         meta = {p.key: p.value for p in model.metadata_props}
@@ -130,7 +137,10 @@ def test_capacity_mismatch_between_graphs_is_a_clear_error(fixed_export, small_e
     decode = read_manifest(fixed_export).graphs["decode"]
     # capacity CAPACITY // 2, weights inline (the export's shared weights file stays as it is)
     onnx.save(onnx.load(str(small_export / decode)), str(mixed / decode))
-    with pytest.raises(ContractError, match=rf"decode graph was exported with a different contract.*capacity: {CAPACITY // 2} != {CAPACITY}"):
+    with pytest.raises(
+        ContractError,
+        match=rf"decode graph was exported with a different contract.*capacity: {CAPACITY // 2} != {CAPACITY}",
+    ):
         Pipeline.from_exported(mixed)
 
 
@@ -176,14 +186,17 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
         (dict(dummy_seq_len=0), r"--dummy-seq-len must be an integer >= 1, got 0"),
         (dict(image_size=100), r"--vision-image-size 100 must be a positive multiple of .* = 32"),
         (dict(kv_mode="paged"), r"--kv-cache 'paged' must be one of fixed, dynamic"),
-        (dict(dtype="int3"), r"--dtype 'int3' is not supported"),
+        (dict(dtype="int3"), r"--dtype 'int3' must be one of fp32, fp16, bf16"),
         (dict(component="audio"), r"--component 'audio' must be one of"),
         (dict(prefill_buckets=(64, 32)), r"strictly increasing, got 32 after 64"),
         (dict(prefill_buckets=(32, 4096)), r"--prefill-buckets: prefill bucket 4096 is above the capacity 2048"),
         (dict(prefill_buckets=()), r"--prefill-buckets is empty"),
         (dict(kv_mode="dynamic", prefill_buckets=(32,)), r"--prefill-buckets needs --kv-cache fixed"),
         (dict(prefill_logits="some"), r"--prefill-logits 'some' must be one of last, all"),
-        (dict(quantize="int4", quant_block_size=2**40), r"--quant-block-size 1099511627776 must be a power of two from 16 to 256"),
+        (
+            dict(quantize="int4", quant_block_size=2**40),
+            r"--quant-block-size 1099511627776 must be a power of two from 16 to 256",
+        ),
         (dict(quantize="int4", quant_accuracy_level=5), r"--quant-accuracy-level 5 must be one of 0, 1, 2, 3, 4"),
         (dict(quantize="int4", quant_accuracy_level=4.0), r"--quant-accuracy-level 4.0 must be one of"),
         (dict(quantize="int4", quant_accuracy_level=True), r"--quant-accuracy-level True must be one of"),
@@ -192,7 +205,7 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
         (dict(quantize="int4", quantize_embedding=1), r"--quantize-embedding must be true or false, got 1"),
         (dict(quantize="int4", quant_block_size=256), r"hidden size 128 is not a multiple of --quant-block-size 256"),
         (dict(dtype="bf16", ops="ort"), r"--dtype bf16 needs --ops portable"),
-        (dict(dtype="fp8"), r"--dtype 'fp8' is not supported; supported: fp32, fp16, bf16"),
+        (dict(ops="onnx"), r"--ops 'onnx' must be one of portable, ort"),
     ],
 )
 def test_export_time_checks(checkpoint, tmp_path, options, message):
@@ -286,36 +299,59 @@ def test_decode_graph_with_stacked_states_is_refused_when_the_manifest_says_per_
     states went one entry at a time) does not pass for an ``--ops ort`` fixed-KV contract."""
     from dataclasses import replace
 
-    from qwen35_onnx.runtime.sessions import GraphSession, check_decode
+    from qwen35_onnx.runtime.checks import check_decode
+    from qwen35_onnx.runtime.onnxruntime.sessions import GraphSession
 
     contract = read_manifest(fixed_export)
     decode = GraphSession.load("decode", fixed_export / contract.graphs["decode"])
     check_decode(contract, decode)  # its own contract passes
     per_entry = replace(contract, ops="ort")
-    assert per_entry.decode_state_names("conv_states", "past") == [f"past_conv_states.{n}" for n in range(contract.n_linear)]
-    with pytest.raises(ContractError, match=r"decode graph inputs do not match the manifest: unexpected \['past_conv_states', .*missing \['past_conv_states\.0'.*re-export"):
+    assert per_entry.decode_state_names("conv_states", "past") == [
+        f"past_conv_states.{n}" for n in range(contract.n_linear)
+    ]
+    with pytest.raises(
+        ContractError,
+        match=r"decode graph inputs do not match the manifest: unexpected \['past_conv_states', "
+        r".*missing \['past_conv_states\.0'.*re-export",
+    ):
         check_decode(per_entry, decode)
 
 
 def test_decode_graph_with_an_extra_input_or_another_element_type_is_refused(fixed_export):
     from dataclasses import replace
 
-    from qwen35_onnx.runtime.sessions import GraphSession, check_decode
+    from qwen35_onnx.runtime.checks import check_decode
+    from qwen35_onnx.runtime.onnxruntime.sessions import GraphSession
 
     contract = read_manifest(fixed_export)
     decode = GraphSession.load("decode", fixed_export / contract.graphs["decode"])
     extra = replace(decode, inputs={**decode.inputs, "past_conv_states.6": [1, 2, 3]})
-    with pytest.raises(ContractError, match=r"decode graph inputs do not match the manifest: unexpected \['past_conv_states\.6'\]"):
+    with pytest.raises(
+        ContractError, match=r"decode graph inputs do not match the manifest: unexpected \['past_conv_states\.6'\]"
+    ):
         check_decode(contract, extra)
     half = replace(decode, types={**decode.types, "past_recurrent_states": "tensor(float16)"})
-    with pytest.raises(ContractError, match=r"decode input past_recurrent_states element type is 'tensor\(float16\)' but the manifest says 'tensor\(float\)'"):
+    with pytest.raises(
+        ContractError,
+        match=r"decode input past_recurrent_states element type is 'tensor\(float16\)' "
+        r"but the manifest says 'tensor\(float\)'",
+    ):
         check_decode(contract, half)
     # an fp16 manifest: conv states fp16 as it says, the KV cache left fp32 (the KV follows the dtype ...)
-    fp16_conv = replace(decode, types={**decode.types, "past_conv_states": "tensor(float16)", "present_conv_states": "tensor(float16)"})
-    with pytest.raises(ContractError, match=r"decode input past_kv_cache element type is 'tensor\(float\)' but the manifest says 'tensor\(float16\)'"):
+    fp16_conv = replace(
+        decode, types={**decode.types, "past_conv_states": "tensor(float16)", "present_conv_states": "tensor(float16)"}
+    )
+    with pytest.raises(
+        ContractError,
+        match=r"decode input past_kv_cache element type is 'tensor\(float\)' but the manifest says 'tensor\(float16\)'",
+    ):
         check_decode(replace(contract, dtype="fp16"), fp16_conv)
     half_logits = replace(decode, types={**decode.types, "logits": "tensor(float16)"})  # ... the logits never do
-    with pytest.raises(ContractError, match=r"decode output logits element type is 'tensor\(float16\)' but the contract keeps host-facing tensors fp32"):
+    with pytest.raises(
+        ContractError,
+        match=r"decode output logits element type is 'tensor\(float16\)' "
+        r"but the contract keeps host-facing tensors fp32",
+    ):
         check_decode(contract, half_logits)
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from qwen35_onnx.export import weight_source
-from qwen35_onnx.export.exporter import ExportError, ExportOptions, export
+from qwen35_onnx.export.exporter import export
+from qwen35_onnx.export.options import ExportError, ExportOptions
 
 from .conftest import CAPACITY
 
@@ -52,7 +53,11 @@ def test_export_holds_one_tensor_at_a_time(checkpoint, tmp_path, monkeypatch, qu
         sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
     nbytes = {k: int(np.prod(shape)) * 4 for k, shape in sizes.items()}
     tracker = _Tracker(monkeypatch)
-    export(checkpoint, tmp_path / "out", ExportOptions(capacity=CAPACITY, prefill_buckets=(64, CAPACITY), quantize=quantize))
+    export(
+        checkpoint,
+        tmp_path / "out",
+        ExportOptions(capacity=CAPACITY, prefill_buckets=(64, CAPACITY), quantize=quantize),
+    )
     assert set(tracker.reads) == set(nbytes)  # every tensor of the checkpoint is used
     repeated = {k: n for k, n in tracker.reads.items() if n > 1 and nbytes[k] >= 64 * 1024}
     assert not repeated, repeated
@@ -65,7 +70,7 @@ def test_export_holds_one_tensor_at_a_time(checkpoint, tmp_path, monkeypatch, qu
 def test_empty_model_is_not_resident():
     """The empty model of the 4B preset (18 GB of fp32 parameters) takes no resident memory:
     its parameters are allocated but never written."""
-    from qwen35_onnx.checkpoints import preset_config
+    from qwen35_onnx.presets import preset_config
 
     def rss() -> int:
         with open("/proc/self/status") as f:
@@ -87,8 +92,10 @@ def test_missing_or_misshapen_tensor_is_a_clear_error(checkpoint, tmp_path):
 
     weights = load_file(checkpoint / "model.safetensors")
     name = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
-    for broken, what in (({k: v for k, v in weights.items() if k != name}, "has no tensor"),
-                         ({**weights, name: weights[name][:, :-1].contiguous()}, "has shape")):
+    for broken, what in (
+        ({k: v for k, v in weights.items() if k != name}, "has no tensor"),
+        ({**weights, name: weights[name][:, :-1].contiguous()}, "has shape"),
+    ):
         folder = tmp_path / "ckpt"
         shutil.rmtree(folder, ignore_errors=True)
         shutil.copytree(checkpoint, folder)

@@ -9,15 +9,16 @@ import pytest
 from qwen35_onnx.contract import read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, export_to
+from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT
 from .onnx_graphs import all_nodes, symbolic_dims
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ort_export(checkpoint, tmp_path_factory):
-    return export_to(checkpoint, tmp_path_factory.mktemp("exp") / "ort", ops="ort")
+def ort_export(chat_export):
+    """The default operators (ort), fixed KV: the chat tests' export (room for two images)."""
+    return chat_export
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def quantized_export(request, trained_export):
 
 def _last_logits(pipe, photo):
     prepared = pipe.prepare(photo, PROMPT)
-    logits, _ = pipe.run_prefill(prepared, pipe.run_vision(prepared))
+    logits = pipe.generation(prepared).prefill()
     return prepared, logits
 
 
@@ -71,38 +72,38 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
 def test_ort_decode_writes_the_kv_cache_in_place(ort_export, photo):
     """The prefill's stacked KV buffer is the decode's KV buffer: after a step it holds the new
     token's keys in its slot (and nothing else changed), as the host round trip computes them."""
-    from qwen35_onnx.runtime.masks import advance_mask, prepare_decode_mask
-    from qwen35_onnx.runtime.positions import decode_position_ids
-    from qwen35_onnx.runtime.state import BoundDecoder, HostDecoder
+    from qwen35_onnx.runtime.generation import Generation
 
     pipe = Pipeline.from_exported(ort_export)
-    contract = pipe.contract
+    host_pipe = Pipeline.from_exported(ort_export, host_state_roundtrip=True)
     prepared = pipe.prepare(photo, PROMPT)
-    logits, states = pipe.run_prefill(prepared, pipe.run_vision(prepared))
+    bound = pipe.generation(prepared)
+    logits = bound.prefill()
+    states = bound.states
     before = states["present_kv_cache"].numpy().copy()  # numpy() of a CPU OrtValue is a view
     address = states["present_kv_cache"].data_ptr()
-    host = HostDecoder(pipe.graphs.decode, contract, {k: v.numpy().copy() for k, v in states.items()})
-    bound = BoundDecoder(pipe.graphs.decode, contract, states)
-    mask = prepare_decode_mask(pipe.padded_prompt(prepared)[1], contract.capacity, contract.capacity)
-    slot = advance_mask(mask)
-    feeds = (np.array([[int(np.argmax(logits))]]), mask, decode_position_ids(slot, prepared.rope_deltas))
-    expected = host.step(*feeds)
-    got = bound.step(*feeds)
+    host = Generation(host_pipe.backend, prepared, states={k: v.numpy().copy() for k, v in states.items()})
+    slot = bound.length  # the slot the first step writes
+    token = int(np.argmax(logits))
+    expected = host.step(token)
+    got = bound.step(token)
+    assert type(bound.decoder).__name__ == "BoundDecoder" and type(host.decoder).__name__ == "HostDecoder"
     np.testing.assert_allclose(got, expected, atol=1e-5)
     after = states["present_kv_cache"].numpy()
     assert states["present_kv_cache"].data_ptr() == address
-    np.testing.assert_allclose(after, host.past["kv_cache"], atol=1e-6)
+    np.testing.assert_allclose(after, host.decoder.past["kv_cache"], atol=1e-6)
     changed = np.argwhere(np.any(after != before, axis=(0, 1, 2, 4)))
     assert changed.ravel().tolist() == [slot]
     # conv / recurrent entries were written inside the other stacked buffer (A/B), as the host computes them
     for name in ("conv_states", "recurrent_states"):
-        np.testing.assert_allclose(bound.buffers[0][f"present_{name}"].numpy(), host.past[name], atol=1e-5)
+        np.testing.assert_allclose(
+            bound.decoder.buffers[0][f"present_{name}"].numpy(), host.decoder.past[name], atol=1e-5
+        )
     # a second step reads those and writes into the prefill's buffers, still equal to the host
-    slot = advance_mask(mask)
-    feeds = (np.array([[int(np.argmax(got))]]), mask, decode_position_ids(slot, prepared.rope_deltas))
-    np.testing.assert_allclose(bound.step(*feeds), host.step(*feeds), atol=1e-5)
+    token = int(np.argmax(got))
+    np.testing.assert_allclose(bound.step(token), host.step(token), atol=1e-5)
     for name in ("conv_states", "recurrent_states"):
-        np.testing.assert_allclose(states[f"present_{name}"].numpy(), host.past[name], atol=1e-5)
+        np.testing.assert_allclose(states[f"present_{name}"].numpy(), host.decoder.past[name], atol=1e-5)
 
 
 def test_ort_matches_transformers_and_portable(ort_export, fixed_export, reference_model, reference_tokens, photo):
@@ -112,18 +113,25 @@ def test_ort_matches_transformers_and_portable(ort_export, fixed_export, referen
     prepared, logits = _last_logits(pipe, photo)
     ids = torch.from_numpy(prepared.input_ids)
     with torch.no_grad():
-        ref = reference_model(
-            input_ids=ids, pixel_values=torch.from_numpy(prepared.pixel_values),
-            image_grid_thw=torch.tensor([list(pipe.contract.grid_thw)]),
-            mm_token_type_ids=(ids == pipe.contract.image_token_id).int(),
-        ).logits[0, -1].numpy()
+        ref = (
+            reference_model(
+                input_ids=ids,
+                pixel_values=torch.from_numpy(prepared.pixel_values),
+                image_grid_thw=torch.tensor([list(pipe.contract.grid_thw)]),
+                mm_token_type_ids=(ids == pipe.contract.image_token_id).int(),
+            )
+            .logits[0, -1]
+            .numpy()
+        )
     assert float(np.abs(logits - ref).max()) <= 1e-3
     result = pipe.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
     assert len(result.token_ids) >= 32
     assert result.token_ids == reference_tokens
     portable = Pipeline.from_exported(fixed_export).generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
     assert result.token_ids == portable.token_ids
-    host = Pipeline.from_exported(ort_export, host_state_roundtrip=True).generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
+    host = Pipeline.from_exported(ort_export, host_state_roundtrip=True).generate(
+        photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS
+    )
     assert host.token_ids == result.token_ids
 
 

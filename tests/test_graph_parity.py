@@ -26,7 +26,7 @@ def _reference_states(cache, contract):
     for i, kind in enumerate(contract.layer_types):
         layer = cache.layers[i]
         if kind == "linear_attention":
-            conv.append(layer.conv_states[0][..., -(contract.conv_kernel - 1):].numpy())
+            conv.append(layer.conv_states[0][..., -(contract.conv_kernel - 1) :].numpy())
             rec.append(layer.recurrent_states[0].float().numpy())
         else:
             kv.extend([layer.keys.numpy(), layer.values.numpy()])
@@ -42,30 +42,33 @@ def test_each_graph_matches_transformers(pipe, reference_model, photo):
     import torch
     from transformers import DynamicCache
 
-    from qwen35_onnx.runtime.positions import decode_position_ids
-
     contract = pipe.contract
     prepared = pipe.prepare(photo, PROMPT)
     ids = torch.from_numpy(prepared.input_ids)
     pixels = torch.from_numpy(prepared.pixel_values)
     grid = torch.tensor([list(contract.grid_thw)])
     prompt_len = ids.shape[1]
+    generation = pipe.generation(prepared)
 
     # vision
-    embeds = pipe.run_vision(prepared)
+    embeds = generation.run_vision()
     with torch.no_grad():
         ref_embeds = reference_model.model.get_image_features(pixels, grid).pooler_output[0]
     assert _maxabs(embeds, ref_embeds) <= TOL
 
     # prefill: last logits and the three states
-    padded_ids, mask, _ = pipe.padded_prompt(prepared)
-    assert padded_ids.shape[1] == prepared.bucket > prompt_len
-    logits, states = pipe.run_prefill(prepared, embeds)
+    assert prepared.bucket > prompt_len  # the prompt is padded
+    logits = generation.prefill(embeds)
+    states = generation.states
     cache = DynamicCache(config=reference_model.config.text_config)
     with torch.no_grad():
         out = reference_model(
-            input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
-            mm_token_type_ids=(ids == contract.image_token_id).int(), cache=cache, use_cache=True,
+            input_ids=ids,
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mm_token_type_ids=(ids == contract.image_token_id).int(),
+            cache=cache,
+            use_cache=True,
         )
     assert _maxabs(logits, out.logits[0, -1]) <= TOL
     ref_conv, ref_rec, ref_kv = _reference_states(cache, contract)
@@ -77,25 +80,19 @@ def test_each_graph_matches_transformers(pipe, reference_model, photo):
         assert _maxabs(kv[n, :, :, :prompt_len], ref) <= TOL
     assert not kv[:, :, :, prompt_len:].any(), "KV slots past the prompt must stay zero"
 
-    # decode: several steps on the reference's greedy tokens
-    from qwen35_onnx.runtime.masks import advance_mask, prepare_decode_mask
-    from qwen35_onnx.runtime.state import HostDecoder
-
-    decoder = HostDecoder(pipe.graphs.decode, contract, states)
-    decode_mask = prepare_decode_mask(mask, contract.capacity, kv.shape[3])
+    # decode: several steps on the reference's greedy tokens (host-state roundtrip: the decoder's
+    # states are numpy arrays after each step)
     token = int(out.logits[0, -1].argmax())
     for step in range(DECODE_STEPS):
-        next_pos = advance_mask(decode_mask)
-        assert next_pos == prompt_len + step
-        step_logits = decoder.step(
-            np.array([[token]]), decode_mask, decode_position_ids(next_pos, prepared.rope_deltas)
-        )
+        assert generation.length == prompt_len + step
+        step_logits = generation.step(token)
         with torch.no_grad():
             out = reference_model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
-        assert _maxabs(step_logits[0, -1], out.logits[0, -1]) <= TOL, f"decode step {step}"
+        assert _maxabs(step_logits, out.logits[0, -1]) <= TOL, f"decode step {step}"
+        past = generation.decoder.past
         ref_conv, ref_rec, ref_kv = _reference_states(cache, contract)
-        assert _maxabs(decoder.past["conv_states"], ref_conv) <= TOL
-        assert _maxabs(decoder.past["recurrent_states"], ref_rec) <= TOL
+        assert _maxabs(past["conv_states"], ref_conv) <= TOL
+        assert _maxabs(past["recurrent_states"], ref_rec) <= TOL
         for n, ref in enumerate(ref_kv):
-            assert _maxabs(decoder.past["kv_cache"][n, :, :, : next_pos + 1], ref) <= TOL
+            assert _maxabs(past["kv_cache"][n, :, :, : prompt_len + step + 1], ref) <= TOL
         token = int(out.logits[0, -1].argmax())

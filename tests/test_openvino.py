@@ -58,7 +58,9 @@ def test_prompt_lengths_around_buckets_match_transformers(ov_pipe, reference_mod
     prepared = ov_pipe.prepare_ids(random_prompt(ov_pipe, length, seed=100 + length))
     room = CAPACITY - length + 1
     result = ov_pipe.generate_prepared(prepared, max_new_tokens=MAX_NEW_TOKENS)
-    expected = reference_generate(reference_model, prepared, None, min(MAX_NEW_TOKENS, room), ov_pipe.contract.eos_token_ids)
+    expected = reference_generate(
+        reference_model, prepared, None, min(MAX_NEW_TOKENS, room), ov_pipe.contract.eos_token_ids
+    )
     assert result.token_ids == expected
     assert result.finish_reason == "length"
     assert len(result.token_ids) == min(MAX_NEW_TOKENS, room)
@@ -67,36 +69,34 @@ def test_prompt_lengths_around_buckets_match_transformers(ov_pipe, reference_mod
 @pytest.mark.slow
 def test_each_graph_agrees_with_onnxruntime(ov_pipe, ort_pipe, photo):
     """Max abs difference per graph output against ONNX Runtime (fp32, f32 precision hint)."""
-    from qwen35_onnx.runtime.masks import advance_mask, prepare_decode_mask
-    from qwen35_onnx.runtime.positions import decode_position_ids
+    from qwen35_onnx.runtime.generation import Generation
 
     prepared = ov_pipe.prepare(photo, PROMPT)
     diffs = {}
-    embeds = ov_pipe.run_vision(prepared)
-    ort_embeds = ort_pipe.run_vision(prepared)
+    ov_run, ort_run = ov_pipe.generation(prepared), ort_pipe.generation(prepared)
+    embeds = ov_run.run_vision()
+    ort_embeds = ort_run.run_vision()
     diffs["vision image_embeds"] = _maxabs(embeds, ort_embeds)
-    logits, states = ov_pipe.run_prefill(prepared, ort_embeds)  # the same input for both
-    ort_logits, ort_states = ort_pipe.run_prefill(prepared, ort_embeds)
+    logits = ov_run.prefill(ort_embeds)  # the same input for both
+    ort_logits = ort_run.prefill(ort_embeds)
+    states, ort_states = ov_run.states, ort_run.states
     diffs["prefill logits"] = _maxabs(logits, ort_logits)
     for name in ort_states:
         diffs[f"prefill {name}"] = _maxabs(states[name].data, ort_states[name].numpy())
 
     # one decode step from the same (ONNX Runtime) states
-    from qwen35_onnx.runtime.openvino_backend import OpenVinoDecoder
-    from qwen35_onnx.runtime.state import HostDecoder
-
     host_states = {name: value.numpy().copy() for name, value in ort_states.items()}
-    ov_states = {name: ov.Tensor(value.copy()) for name, value in host_states.items()}
-    ov_decoder = OpenVinoDecoder(ov_pipe.graphs.decode, ov_pipe.contract, ov_states)
-    ort_decoder = HostDecoder(ort_pipe.graphs.decode, ort_pipe.contract, host_states)
-    mask = prepare_decode_mask(ov_pipe.padded_prompt(prepared)[1], CAPACITY, CAPACITY)
-    position = decode_position_ids(advance_mask(mask), prepared.rope_deltas)
-    token = np.array([[int(np.argmax(ort_logits))]], dtype=np.int64)
-    step = ov_decoder.step(token, mask, position)
-    ort_step = ort_decoder.step(token, mask, position)
-    diffs["decode logits"] = _maxabs(step, ort_step)
+    ov_step = Generation(
+        ov_pipe.backend, prepared, states={name: ov.Tensor(v.copy()) for name, v in host_states.items()}
+    )
+    ort_host = Pipeline.from_exported(ort_pipe.root, host_state_roundtrip=True)
+    ort_step = Generation(ort_host.backend, prepared, states=host_states)
+    token = int(np.argmax(ort_logits))
+    diffs["decode logits"] = _maxabs(ov_step.step(token), ort_step.step(token))
     for state in ("conv_states", "recurrent_states", "kv_cache"):
-        diffs[f"decode present_{state}"] = _maxabs(ov_decoder.buffers[0][f"present_{state}"].data, ort_decoder.past[state])
+        diffs[f"decode present_{state}"] = _maxabs(
+            ov_step.decoder.buffers[0][f"present_{state}"].data, ort_step.decoder.past[state]
+        )
     print("max abs difference OpenVINO f32 vs ONNX Runtime:", json.dumps({k: f"{v:.2e}" for k, v in diffs.items()}))
     assert max(diffs.values()) <= GRAPH_TOLERANCE, diffs
 
@@ -104,7 +104,9 @@ def test_each_graph_agrees_with_onnxruntime(ov_pipe, ort_pipe, photo):
 # ---- static compilation ---------------------------------------------------------------------
 def test_every_graph_compiles_without_a_dynamic_dimension(ov_pipe):
     contract = ov_pipe.contract
-    graphs = [ov_pipe.graphs.vision, ov_pipe.graphs.decode] + [ov_pipe.graphs.prefill(b) for b in contract.prefill_buckets]
+    graphs = [ov_pipe.backend.graphs.vision, ov_pipe.backend.graphs.decode] + [
+        ov_pipe.backend.graphs.prefill(b) for b in contract.prefill_buckets
+    ]
     assert [g.name for g in graphs] == ["vision", "decode"] + [f"prefill_{b}" for b in contract.prefill_buckets]
     for graph in graphs:
         compiled = graph.compiled
@@ -123,7 +125,9 @@ def test_a_graph_with_a_dynamic_dimension_is_refused(fixed_export, tmp_path):
     dim.ClearField("dim_value")
     dim.dim_param = "steps"
     onnx.save(model, str(path))
-    with pytest.raises(ContractError, match=r"decode graph input 'input_ids' has the dynamic shape .*dynamic dimension"):
+    with pytest.raises(
+        ContractError, match=r"decode graph input 'input_ids' has the dynamic shape .*dynamic dimension"
+    ):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
@@ -153,11 +157,12 @@ def test_each_graph_is_compiled_once(fixed_export, photo, monkeypatch):
 def test_states_stay_in_openvino_tensors_and_alternate(ov_pipe, photo):
     """Request p reads the tensors request 1 - p writes (no copy between steps); the prefill's
     tensors are the first step's input."""
-    prepared = ov_pipe.prepare(photo, PROMPT)
-    _, states = ov_pipe.run_prefill(prepared, ov_pipe.run_vision(prepared))
+    generation = ov_pipe.generation(ov_pipe.prepare(photo, PROMPT))
+    logits = generation.prefill()
+    states = generation.states
     assert all(isinstance(value, ov.Tensor) for value in states.values())
-    decoder = ov_pipe.decoder(states)
-    first, second = decoder.requests
+    generation.step(int(np.argmax(logits)))
+    first, second = generation.decoder.requests
     for state in ("conv_states", "recurrent_states", "kv_cache"):
         assert np.shares_memory(first.get_tensor(f"past_{state}").data, states[f"present_{state}"].data)
         assert np.shares_memory(first.get_tensor(f"present_{state}").data, second.get_tensor(f"past_{state}").data)
@@ -167,7 +172,7 @@ def test_states_stay_in_openvino_tensors_and_alternate(ov_pipe, photo):
 
 def test_host_state_roundtrip_gives_identical_tokens(fixed_export, ov_pipe, photo):
     host = Pipeline.from_exported(fixed_export, runtime="openvino", host_state_roundtrip=True)
-    assert host.host_state_roundtrip and not ov_pipe.host_state_roundtrip
+    assert host.backend.host_state_roundtrip and not ov_pipe.backend.host_state_roundtrip
     a = ov_pipe.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
     b = host.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
     assert len(a.token_ids) == MAX_NEW_TOKENS
@@ -205,9 +210,11 @@ def test_unknown_runtime_device_or_precision(fixed_export, kwargs, message):
 
 def test_device_names_and_precisions(fixed_export):
     capabilities = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-    pipe = Pipeline.from_exported(fixed_export, runtime="openvino", device="CPU", precision="bf16" if "BF16" in capabilities else "f32")
-    assert pipe.device == "CPU" and pipe.runtime == "openvino"
-    assert pipe.graphs.decode.compiled.get_property("INFERENCE_PRECISION_HINT") in (ov.Type.bf16, ov.Type.f32)
+    pipe = Pipeline.from_exported(
+        fixed_export, runtime="openvino", device="CPU", precision="bf16" if "BF16" in capabilities else "f32"
+    )
+    assert pipe.backend.device == "CPU" and pipe.backend.runtime == "openvino"
+    assert pipe.backend.graphs.decode.compiled.get_property("INFERENCE_PRECISION_HINT") in (ov.Type.bf16, ov.Type.f32)
     for precision, capability in (("f16", "FP16"), ("bf16", "BF16")):
         if capability not in capabilities:
             with pytest.raises(ValueError, match=f"precision '{precision}' is not supported by OpenVINO device CPU"):
@@ -216,21 +223,21 @@ def test_device_names_and_precisions(fixed_export):
 
 def test_f32_is_the_default_precision(ov_pipe):
     assert ov_pipe.backend.precision == "f32"
-    assert ov_pipe.graphs.vision.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
-    assert ov_pipe.graphs.decode.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    assert ov_pipe.backend.graphs.vision.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    assert ov_pipe.backend.graphs.decode.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
 
 
 @pytest.mark.parametrize("broken", ["hole", "value"])
 def test_mask_checks_run_before_any_graph(ov_pipe, photo, monkeypatch, broken):
     prepared = ov_pipe.prepare(photo, PROMPT)
-    ids, mask, positions = ov_pipe.padded_prompt(prepared)
+    ids, mask, positions = prepared.padded(ov_pipe.contract.pad_token_id)
     mask = mask.copy()
     if broken == "hole":
         mask[0, 3] = 0
     else:
         mask[0, 3] = 2
     ran = []
-    monkeypatch.setattr(ov_pipe, "padded_prompt", lambda p: (ids, mask, positions))
+    monkeypatch.setattr(prepared, "padded", lambda pad: (ids, mask, positions))
     monkeypatch.setattr(ov_pipe.backend, "run_prefill", lambda *a: ran.append(a))
     message = "contiguous prefix of ones" if broken == "hole" else "values must be 0 or 1"
     with pytest.raises(ValueError, match=message):
@@ -276,7 +283,10 @@ def test_ort_ops_export_is_refused_naming_the_operators(fixed_export, tmp_path):
     manifest["ops"] = "ort"
     (folder / "manifest.json").write_text(json.dumps(manifest))
     _add_node(folder / manifest["graphs"]["decode"], "LinearAttention", "com.microsoft")
-    with pytest.raises(ContractError, match=r"--ops ort: .*OpenVINO cannot read \(com\.microsoft\.LinearAttention\); re-export with --ops portable"):
+    with pytest.raises(
+        ContractError,
+        match=r"--ops ort: .*OpenVINO cannot read \(com\.microsoft\.LinearAttention\); re-export with --ops portable",
+    ):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
@@ -284,7 +294,9 @@ def test_a_graph_with_operators_openvino_cannot_read_is_refused(fixed_export, tm
     folder = copy_export(fixed_export, tmp_path)
     decode = folder / read_manifest(folder).graphs["decode"]
     _add_node(decode, "GatedRMSNorm", "com.microsoft")
-    with pytest.raises(ContractError, match=r"decode graph .* cannot read: com\.microsoft\.GatedRMSNorm .*--ops portable"):
+    with pytest.raises(
+        ContractError, match=r"decode graph .* cannot read: com\.microsoft\.GatedRMSNorm .*--ops portable"
+    ):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
@@ -322,16 +334,28 @@ def test_a_capacity_64_prefill_in_a_capacity_128_export_fails_at_load(fixed_expo
     small = onnx.load(str(small_export / read_manifest(small_export).graphs[key]))  # weights inline
     onnx.save(small, str(target))
     pipe = Pipeline.from_exported(folder, runtime=runtime)
-    with pytest.raises(ContractError, match=rf"{key} graph was exported with a different contract.*capacity: {CAPACITY // 2} != {CAPACITY}"):
+    with pytest.raises(
+        ContractError,
+        match=rf"{key} graph was exported with a different contract.*capacity: {CAPACITY // 2} != {CAPACITY}",
+    ):
         pipe.generate(None, "Hello", max_new_tokens=2)
-    ours = {p.key: p.value for p in onnx.load(str(fixed_export / read_manifest(fixed_export).graphs[key]), load_external_data=False).metadata_props}
+    ours = {
+        p.key: p.value
+        for p in onnx.load(
+            str(fixed_export / read_manifest(fixed_export).graphs[key]), load_external_data=False
+        ).metadata_props
+    }
     for prop in small.metadata_props:
         if prop.key == METADATA_KEY:
             prop.value = ours[METADATA_KEY]
     onnx.save(small, str(target))
     pipe = Pipeline.from_exported(folder, runtime=runtime)
-    with pytest.raises(ContractError, match=rf"capacity mismatch: prefill present_kv_cache token axis is {CAPACITY // 2} but manifest capacity is {CAPACITY}"):
-        pipe.graphs.prefill(32)
+    with pytest.raises(
+        ContractError,
+        match=rf"capacity mismatch: prefill present_kv_cache token axis is {CAPACITY // 2} "
+        rf"but manifest capacity is {CAPACITY}",
+    ):
+        pipe.backend.graphs.prefill(32)
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -341,8 +365,23 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_cli_generate_on_openvino(fixed_export, photo, ov_pipe):
-    proc = run_cli("generate", "--model", str(fixed_export), "--image", str(photo), "--prompt", PROMPT,
-                   "--max-new-tokens", "8", "--runtime", "openvino", "--device", "cpu", "--precision", "f32")
+    proc = run_cli(
+        "generate",
+        "--model",
+        str(fixed_export),
+        "--image",
+        str(photo),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "8",
+        "--runtime",
+        "openvino",
+        "--device",
+        "cpu",
+        "--precision",
+        "f32",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ov_pipe.generate(photo, PROMPT, max_new_tokens=8).text.strip()
     assert "[length] 8 tokens" in proc.stderr
@@ -358,7 +397,9 @@ def test_cli_generate_on_openvino(fixed_export, photo, ov_pipe):
     ],
 )
 def test_cli_bad_runtime_options(fixed_export, args, message):
-    proc = run_cli("generate", "--model", str(fixed_export), "--prompt", "hi", *args)
+    from .test_cli import invoke_cli
+
+    proc = invoke_cli("generate", "--model", str(fixed_export), "--prompt", "hi", *args)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -378,7 +419,9 @@ def test_bf16_token_agreement_with_f32(trained_export, photo):
     assert len(f32.token_ids) == 64 == len(bf16.token_ids)
     agree = next((i for i, (a, b) in enumerate(zip(f32.token_ids, bf16.token_ids)) if a != b), 64)
     same = sum(a == b for a, b in zip(f32.token_ids, bf16.token_ids))
-    print(f"bf16 vs f32 (OpenVINO, trained demo checkpoint): first {agree}/64 tokens identical, "
-          f"{same}/64 equal position by position; decode {f32.timings.decode_ms_per_token:.2f} ms/token f32, "
-          f"{bf16.timings.decode_ms_per_token:.2f} ms/token bf16")
+    print(
+        f"bf16 vs f32 (OpenVINO, trained demo checkpoint): first {agree}/64 tokens identical, "
+        f"{same}/64 equal position by position; decode {f32.timings.decode_ms_per_token:.2f} ms/token f32, "
+        f"{bf16.timings.decode_ms_per_token:.2f} ms/token bf16"
+    )
     assert agree >= 1

@@ -25,22 +25,42 @@ MERGE = 2
 def tiny_config():
     return transformers.Qwen3_5Config(
         text_config=dict(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
             rope_parameters={
-                "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                "mrope_section": [3, 3, 2], "mrope_interleaved": True,
+                "rope_type": "default",
+                "rope_theta": 1e7,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [3, 3, 2],
+                "mrope_interleaved": True,
             },
             eos_token_id=VOCAB - 1,
         ),
         vision_config=dict(
-            depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
-            spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=64,
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=16,
+            spatial_merge_size=MERGE,
+            temporal_patch_size=2,
+            out_hidden_size=64,
             num_position_embeddings=64,
         ),
-        image_token_id=IMAGE_ID, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253,
+        image_token_id=IMAGE_ID,
+        video_token_id=251,
+        vision_start_token_id=252,
+        vision_end_token_id=253,
     )
 
 
@@ -100,7 +120,11 @@ def multi_image_prompt(texts, grids, seed: int = 0) -> np.ndarray:
 @settings(max_examples=40, deadline=None)
 @given(st.lists(GRIDS, min_size=2, max_size=4), st.data())
 def test_several_images_match_get_rope_index(grids, data):
-    texts = [data.draw(st.integers(0, 6))] + [data.draw(st.integers(1, 6)) for _ in grids[1:]] + [data.draw(st.integers(0, 6))]
+    texts = (
+        [data.draw(st.integers(0, 6))]
+        + [data.draw(st.integers(1, 6)) for _ in grids[1:]]
+        + [data.draw(st.integers(0, 6))]
+    )
     ids = multi_image_prompt(texts, grids)
     ours, deltas = mrope_position_ids(ids, IMAGE_ID, grids, MERGE)
     input_ids = torch.from_numpy(ids)
@@ -191,9 +215,13 @@ def test_equals_what_generate_feeds_the_text_model(prefix, grid, suffix):
     try:
         with torch.no_grad():
             model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                mm_token_type_ids=(input_ids == IMAGE_ID).int(), max_new_tokens=4, min_new_tokens=4,
-                do_sample=False, **kwargs,
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                mm_token_type_ids=(input_ids == IMAGE_ID).int(),
+                max_new_tokens=4,
+                min_new_tokens=4,
+                do_sample=False,
+                **kwargs,
             )
     finally:
         hook.remove()

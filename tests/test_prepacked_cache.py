@@ -1,5 +1,5 @@
 """ONNX Runtime's pre-packed weights, saved once and shared by every session of an export
-(issue 9 item 4, quantized and fp16 exports; :mod:`qwen35_onnx.runtime.prepacked`).
+(issue 9 item 4, quantized and fp16 exports; :mod:`qwen35_onnx.runtime.onnxruntime.prepacked`).
 
 - Memory: with an int4 export whose packed weights dominate the noise, loading and running more
   prefill buckets adds far less than one packed weight set (``Pss``, fresh process), while a
@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 
 from qwen35_onnx.pipeline import Pipeline
-from qwen35_onnx.runtime import prepacked
-from qwen35_onnx.runtime.ort_backend import OrtBackend
-from qwen35_onnx.runtime.sessions import GraphSession
+from qwen35_onnx.runtime.onnxruntime import prepacked
+from qwen35_onnx.runtime.onnxruntime.backend import OrtBackend
+from qwen35_onnx.runtime.onnxruntime.sessions import GraphSession
 
-from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, export_to
+from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT
 from .test_shared_weights import MEASURE
 
 
@@ -56,29 +56,38 @@ def saves(monkeypatch) -> list[str]:
 def open_pipe(root: Path, **backend) -> Pipeline:
     """The export with vision and decode loaded by ``OrtBackend(**backend)``."""
     from qwen35_onnx.contract import read_manifest
-    from qwen35_onnx.runtime.preprocess import Preprocessor
+    from qwen35_onnx.conversation.processor import Preprocessor
 
     contract = read_manifest(root)
-    return Pipeline(root, contract, OrtBackend(root, contract, **backend),
-                    Preprocessor.from_pretrained(root, contract.image_size, contract.image_token_id))
+    return Pipeline(
+        root,
+        contract,
+        OrtBackend(root, contract, **backend),
+        Preprocessor.from_pretrained(root, contract.image_size, contract.image_token_id),
+    )
 
 
 def load_all(root: Path, **backend) -> Pipeline:
     """The export with every graph loaded."""
     pipe = open_pipe(root, **backend)
     for bucket in pipe.contract.prefill_buckets:
-        pipe.graphs.prefill(bucket)
+        pipe.backend.graphs.prefill(bucket)
     return pipe
 
 
 def packed_bytes(cache, name: str) -> int:
     """Bytes of the pre-packed blobs the saved graph ``name`` reads."""
-    from qwen35_onnx.runtime.onnx_edit import read_model
+    from qwen35_onnx.onnxfile.edit import read_model
 
     model = read_model((cache.path / f"{name}.onnx").read_bytes())
     assert {t.location for t in model.initializers.values() if t.location} == {"packed.data"}
-    return sum(int(blob.split(";")[1]) for t in model.initializers.values() for key, value in t.external
-               if key.startswith("prepacked") for blob in value.split("|")[1:])
+    return sum(
+        int(blob.split(";")[1])
+        for t in model.initializers.values()
+        for key, value in t.external
+        if key.startswith("prepacked")
+        for blob in value.split("|")[1:]
+    )
 
 
 def index_of(cache) -> dict:
@@ -92,29 +101,30 @@ def test_made_once_then_reused_with_the_same_tokens(int4_export, photo, tmp_path
     saved = saves(monkeypatch)
     directory = tmp_path / "cache"
     first = open_pipe(int4_export, prepacked_cache=directory)
-    cache = first.graphs.prepacked
+    cache = first.backend.graphs.prepacked
     assert sorted(saved) == ["decode", "vision"] and cache.released > 0
-    assert not first.graphs.packs_per_session and first.graphs.weights is None
+    assert not first.backend.graphs.packs_per_session and first.backend.graphs.weights is None
     decode_packed, end = packed_bytes(cache, "decode"), index_of(cache)["end"]
     assert decode_packed > 0
     for bucket in first.contract.prefill_buckets:
-        first.graphs.prefill(bucket)
+        first.backend.graphs.prefill(bucket)
     index = index_of(cache)
     assert sorted(saved) == sorted(index["graphs"]) == ["decode", f"prefill_{CAPACITY}", "vision"]
     assert index["end"] - end < 0.1 * decode_packed, (index["end"] - end, decode_packed)
     assert index["end"] == (cache.path / "packed.data").stat().st_size
     assert sorted(p.name for p in cache.path.iterdir()) == sorted(
-        ["index.json", "build.lock", "use.lock", "packed.data", *(f"{name}.onnx" for name in saved)])
+        ["index.json", "build.lock", "use.lock", "packed.data", *(f"{name}.onnx" for name in saved)]
+    )
 
     saved.clear()
     second = load_all(int4_export, prepacked_cache=directory)
-    assert saved == [] and second.graphs.prepacked.path == cache.path
+    assert saved == [] and second.backend.graphs.prepacked.path == cache.path
     own = load_all(int4_export, prepacked_cache=False)
-    assert own.graphs.prepacked is None and own.graphs.packs_per_session
+    assert own.backend.graphs.prepacked is None and own.backend.graphs.packs_per_session
     a = second.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS).token_ids
     b = own.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS).token_ids
     assert a == b and len(a) >= 4
-    assert open_pipe(int4_export).graphs.prepacked.directory == Path(os.environ["QWEN35_ONNX_PREPACKED_CACHE"])
+    assert open_pipe(int4_export).backend.graphs.prepacked.directory == Path(os.environ["QWEN35_ONNX_PREPACKED_CACHE"])
 
 
 def test_interrupted_and_damaged_caches_are_repaired(int4_export, tmp_path, monkeypatch, photo):
@@ -123,7 +133,7 @@ def test_interrupted_and_damaged_caches_are_repaired(int4_export, tmp_path, monk
     on the next load."""
     saved = saves(monkeypatch)
     directory = tmp_path / "cache"
-    cache = open_pipe(int4_export, prepacked_cache=directory).graphs.prepacked
+    cache = open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked
     with open(cache.path / "packed.data", "ab") as data:
         data.write(b"interrupted" * 1000)
     (cache.path / f"prefill_{CAPACITY}.onnx").write_bytes(b"left by a build that did not finish")
@@ -136,7 +146,7 @@ def test_interrupted_and_damaged_caches_are_repaired(int4_export, tmp_path, monk
     (cache.path / "decode.onnx").write_bytes(b"damaged")
     with pytest.warns(RuntimeWarning, match="pre-packed weights cache not used: decode graph .* cannot be loaded"):
         fallback = open_pipe(int4_export, prepacked_cache=directory)
-    assert fallback.graphs.prepacked is None and "decode" not in index_of(cache)["graphs"]
+    assert fallback.backend.graphs.prepacked is None and "decode" not in index_of(cache)["graphs"]
     assert fallback.generate(photo, PROMPT, max_new_tokens=8).token_ids == expected
     saved.clear()
     open_pipe(int4_export, prepacked_cache=directory)
@@ -149,13 +159,13 @@ def test_a_changed_export_gets_a_new_cache_and_stale_ones_go(int4_export, tmp_pa
     copy = tmp_path / "copy"
     shutil.copytree(int4_export, copy)
     first = open_pipe(copy, prepacked_cache=directory)
-    old = first.graphs.prepacked.path
+    old = first.backend.graphs.prepacked.path
     # while a process uses a cache, it stays (use.lock is held shared)
     decode = copy / "text" / "decode.onnx"
     os.utime(decode, ns=(decode.stat().st_atime_ns, decode.stat().st_mtime_ns + 10**9))  # as a re-export does
     saved.clear()
     second = open_pipe(copy, prepacked_cache=directory)
-    new = second.graphs.prepacked.path
+    new = second.backend.graphs.prepacked.path
     assert sorted(saved) == ["decode", "vision"] and new != old and old.exists()
     # once unused, the stale cache of this export goes when the next cache opens
     del first
@@ -171,16 +181,19 @@ def test_a_changed_export_gets_a_new_cache_and_stale_ones_go(int4_export, tmp_pa
     del second
     gc.collect()
     shutil.rmtree(copy)
-    other = open_pipe(int4_export, prepacked_cache=directory).graphs.prepacked
+    other = open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked
     assert not new.exists() and other.path.exists()
 
 
 def test_not_enough_disk_space_loads_without_the_cache(int4_export, tmp_path, monkeypatch, photo):
     monkeypatch.setitem(prepacked.SPACE_FACTOR, "int", 10**9)
-    with pytest.warns(RuntimeWarning, match=r"pre-packed weights cache not used: .* GB free on the disk of .* "
-                                            r"saving the pre-packed vision graph needs about .* GB"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"pre-packed weights cache not used: .* GB free on the disk of .* "
+        r"saving the pre-packed vision graph needs about .* GB",
+    ):
         pipe = load_all(int4_export, prepacked_cache=tmp_path / "cache")
-    assert pipe.graphs.prepacked is None and pipe.graphs.packs_per_session
+    assert pipe.backend.graphs.prepacked is None and pipe.backend.graphs.packs_per_session
     assert len(pipe.generate(photo, PROMPT, max_new_tokens=4).token_ids) == 4
 
 
@@ -190,13 +203,13 @@ def test_cache_folder_that_cannot_be_made_warns(int4_export, tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = load_all(int4_export, prepacked_cache=blocker / "cache")
-    assert pipe.graphs.prepacked is None
+    assert pipe.backend.graphs.prepacked is None
     assert any("cannot create the pre-packed weights cache" in str(w.message) for w in caught)
 
 
 def test_turned_off(int4_export, monkeypatch):
     monkeypatch.setenv("QWEN35_ONNX_PREPACKED_CACHE", "off")
-    graphs = open_pipe(int4_export).graphs
+    graphs = open_pipe(int4_export).backend.graphs
     assert graphs.prepacked is None and graphs.packs_per_session
     with pytest.raises(ValueError, match="prepacked_cache must be True, False or a folder, got 3"):
         open_pipe(int4_export, prepacked_cache=3)
@@ -210,18 +223,20 @@ def test_prepacked_entry_rewrite():
 
 
 @pytest.mark.slow
-def test_more_buckets_add_far_less_than_a_packed_weight_set(wide_checkpoint, tmp_path):
+def test_more_buckets_add_far_less_than_a_packed_weight_set(wide_int4_export):
     """int4 export of the wide checkpoint (43 MB of packed text weights per session): buckets 64
     and 128 loaded and run after bucket 32 add less than half a packed weight set each (what
     they add is their own activations and kernels); a session of the same graph that packs its
     own weights (the control) adds at least 0.7 of one more than a shared bucket does."""
-    out = export_to(wide_checkpoint, tmp_path / "wide-int4", ops="ort", quantize="int4",
-                    prefill_buckets=(32, 64, 128))
-    done = subprocess.run([sys.executable, "-c", MEASURE, str(out)], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(wide_int4_export)], capture_output=True, text=True, check=True
+    )
     found = json.loads(done.stdout.strip().splitlines()[-1])
     pss, packed = found["pss"], found["packed"]
     assert packed > 30e6, packed
     steps = np.diff(pss)
-    report = f"Pss after each bucket, then the control: {[round(p / 1e6) for p in pss]} MB; packed {packed / 1e6:.0f} MB"
+    report = (
+        f"Pss after each bucket, then the control: {[round(p / 1e6) for p in pss]} MB; packed {packed / 1e6:.0f} MB"
+    )
     assert all(step < 0.5 * packed for step in steps[:-1]), report
     assert steps[-1] - max(steps[:-1]) > 0.7 * packed, report

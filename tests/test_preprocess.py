@@ -1,5 +1,5 @@
 """Image loading, fixed-grid patches, prompt encoding and streaming detokenization
-(qwen35_onnx.runtime.preprocess), on a tiny locally trained tokenizer + processor folder."""
+(qwen35_onnx.conversation.processor), on a tiny locally trained tokenizer + processor folder."""
 
 import ast
 import json
@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import qwen35_onnx
-from qwen35_onnx.runtime.preprocess import Preprocessor, TextStreamer, fit_to_grid, load_image
+from qwen35_onnx.conversation.detokenizer import TextStreamer
+from qwen35_onnx.conversation.images import fit_to_grid, load_image
+from qwen35_onnx.conversation.processor import Preprocessor
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 IMAGE_TOKEN_ID = SPECIAL.index("<|image_pad|>")  # special tokens get the first ids, in order
@@ -49,17 +51,31 @@ def build_processor_folder(folder: Path) -> Path:
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
     PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL[1:], chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL[1:],
+        chat_template=CHAT_TEMPLATE,
     ).save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
-        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-        # deliberately unlike 128 x 128: pixel_values must pin the size itself
-        "size": {"shortest_edge": 256 * 256, "longest_edge": 1024 * 1024},
-    }))
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "do_resize": True,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "do_convert_rgb": True,
+                "patch_size": 16,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                # deliberately unlike 128 x 128: pixel_values must pin the size itself
+                "size": {"shortest_edge": 256 * 256, "longest_edge": 1024 * 1024},
+            }
+        )
+    )
     return folder
 
 
@@ -77,12 +93,14 @@ def gradient(size, mode="RGB") -> Image.Image:
     w, h = size
     x = np.linspace(0, 255, w, dtype=np.float32)[None, :, None]
     y = np.linspace(255, 0, h, dtype=np.float32)[:, None, None]
-    rgb = np.concatenate([np.broadcast_to(x, (h, w, 1)), np.broadcast_to(y, (h, w, 1)),
-                          np.full((h, w, 1), 128, np.float32)], axis=2)
+    rgb = np.concatenate(
+        [np.broadcast_to(x, (h, w, 1)), np.broadcast_to(y, (h, w, 1)), np.full((h, w, 1), 128, np.float32)], axis=2
+    )
     return Image.fromarray(rgb.astype(np.uint8), "RGB").convert(mode)
 
 
 # ---- load_image ---------------------------------------------------------------------------------
+
 
 def test_rgba_is_composited_on_white(tmp_path):
     rgba = np.zeros((4, 4, 4), np.uint8)
@@ -104,8 +122,10 @@ def test_palette_with_transparency_is_composited_on_white(tmp_path):
     assert np.asarray(load_image(tmp_path / "p.png"))[1, 1].tolist() == [255, 255, 255]
 
 
-@pytest.mark.parametrize("mode, suffix", [("L", ".png"), ("P", ".png"), ("CMYK", ".jpg"), ("LA", ".png"),
-                                          ("1", ".bmp"), ("RGB", ".jpg"), ("RGBA", ".webp")])
+@pytest.mark.parametrize(
+    "mode, suffix",
+    [("L", ".png"), ("P", ".png"), ("CMYK", ".jpg"), ("LA", ".png"), ("1", ".bmp"), ("RGB", ".jpg"), ("RGBA", ".webp")],
+)
 def test_any_mode_becomes_rgb(tmp_path, mode, suffix):
     path = tmp_path / f"image{suffix}"
     gradient((40, 30), mode).save(path)
@@ -149,6 +169,7 @@ def test_directory_is_a_value_error(tmp_path):
 
 # ---- fit_to_grid / pixel_values -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("size", [(1, 1), (3000, 200), (200, 3000), (640, 480), (128, 128), (129, 127), (31, 500)])
 def test_any_size_gives_exactly_the_grid(pre, size):
     values, grid = pre.pixel_values(gradient(size))
@@ -181,8 +202,9 @@ def test_fitted_square_is_unchanged():
 
 def test_pixel_values_match_the_processor_on_a_fitted_image(pre):
     image = gradient((128, 128))
-    direct = pre.image_processor(images=[image], size={"shortest_edge": 128 * 128, "longest_edge": 128 * 128},
-                                 return_tensors="np")
+    direct = pre.image_processor(
+        images=[image], size={"shortest_edge": 128 * 128, "longest_edge": 128 * 128}, return_tensors="np"
+    )
     values, _ = pre.pixel_values(image)
     np.testing.assert_array_equal(values, direct["pixel_values"])
     assert values.min() >= -1 and values.max() <= 1  # mean/std 0.5 normalisation
@@ -201,13 +223,14 @@ def test_unknown_image_token_id_is_rejected(folder):
 
 # ---- encode -------------------------------------------------------------------------------------
 
+
 def test_encode_expands_the_image_placeholder(pre):
     ids = pre.encode("What colour is the cat?", pre.n_image_tokens)
     assert ids.dtype == np.int64 and ids.ndim == 2 and ids.shape[0] == 1
     row = ids[0].tolist()
     tok = pre.tokenizer
     start = row.index(tok.convert_tokens_to_ids("<|vision_start|>"))
-    assert row[start + 1: start + 17] == [IMAGE_TOKEN_ID] * 16
+    assert row[start + 1 : start + 17] == [IMAGE_TOKEN_ID] * 16
     assert row[start + 17] == tok.convert_tokens_to_ids("<|vision_end|>")
     assert row.count(IMAGE_TOKEN_ID) == 16
     assert row[0] == tok.convert_tokens_to_ids("<|im_start|>")
@@ -232,6 +255,7 @@ def test_encode_text_only_prompt(pre):
 
 
 # ---- TextStreamer -------------------------------------------------------------------------------
+
 
 def stream(tokenizer, ids):
     streamer = TextStreamer(tokenizer)
@@ -276,16 +300,22 @@ def test_streamed_text_equals_full_decode(pre, text):
 
 # ---- torch-free ---------------------------------------------------------------------------------
 
+
 def src_root() -> str:
     return str(Path(next(iter(qwen35_onnx.__path__))).parent)
 
 
 def test_runtime_sources_do_not_import_torch():
-    runtime = Path(next(iter(qwen35_onnx.__path__))) / "runtime"
-    for path in sorted(runtime.glob("*.py")):
+    package = Path(next(iter(qwen35_onnx.__path__)))
+    for path in sorted(
+        [*package.glob("runtime/**/*.py"), *package.glob("conversation/*.py"), *package.glob("onnxfile/*.py")]
+    ):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             for name in names:
                 assert name.split(".")[0] not in {"torch", "torchvision"}, f"{path.name} imports {name}"
 
@@ -297,15 +327,17 @@ def test_preprocess_runs_where_torch_is_not_installed(folder):
         import sys
         sys.modules["torch"] = None        # find_spec() -> None, import -> ImportError
         sys.modules["torchvision"] = None
-        from qwen35_onnx.runtime import masks, positions, preprocess
+        from qwen35_onnx.runtime import masks, positions
+        from qwen35_onnx.conversation import processor
         from PIL import Image
-        pre = preprocess.Preprocessor.from_pretrained({str(folder)!r}, 128, {IMAGE_TOKEN_ID})
+        pre = processor.Preprocessor.from_pretrained({str(folder)!r}, 128, {IMAGE_TOKEN_ID})
         values, grid = pre.pixel_values(Image.new("RGB", (300, 200), (1, 2, 3)))
         ids = pre.encode("hello", pre.n_image_tokens)
         pos, deltas = positions.mrope_position_ids(ids, pre.image_token_id, grid, 2)
         mask = masks.prepare_decode_mask(ids * 0 + 1, 64, 64)
         assert values.shape == (64, 1536) and grid == (1, 8, 8) and pos.shape == (4, 1, ids.shape[1])
-        loaded = sorted(m for m, v in sys.modules.items() if v is not None and m.split(".")[0] in ("torch", "torchvision"))
+        loaded = sorted(m for m, v in sys.modules.items()
+                        if v is not None and m.split(".")[0] in ("torch", "torchvision"))
         assert not loaded, loaded
         print("ok")
     """)
@@ -316,6 +348,7 @@ def test_preprocess_runs_where_torch_is_not_installed(folder):
 
 
 # ---- high bit depth and extreme shapes ----------------------------------------------------------
+
 
 def test_16_bit_grayscale_is_scaled_not_clipped(tmp_path):
     values = np.linspace(40, 65527, 64 * 64).reshape(64, 64).astype(np.uint16)
@@ -332,14 +365,16 @@ def test_float_image_in_unit_range_is_scaled():
 
 
 def test_very_thin_image_does_not_build_a_huge_square(monkeypatch):
-    from qwen35_onnx.runtime import preprocess
+    from qwen35_onnx.conversation import images
 
     thin = Image.new("RGB", (100_000, 1), (255, 255, 255))
     sizes = []
     real_new = Image.new
-    monkeypatch.setattr(preprocess.Image, "new", lambda mode, size, *a, **k: sizes.append(size) or real_new(mode, size, *a, **k))
+    monkeypatch.setattr(
+        images.Image, "new", lambda mode, size, *a, **k: sizes.append(size) or real_new(mode, size, *a, **k)
+    )
     out = fit_to_grid(thin, 64)
     assert out.size == (64, 64)
-    assert all(max(size) <= preprocess.MAX_PAD_SIDE for size in sizes), sizes
+    assert all(max(size) <= images.MAX_PAD_SIDE for size in sizes), sizes
     pixels = np.asarray(out)
     assert pixels.max() > 200 and pixels[0].max() == 0  # a bright line on black

@@ -45,7 +45,9 @@ def tied_checkpoint(checkpoint, tmp_path_factory) -> Path:
 def _table(checkpoint: Path) -> np.ndarray:
     from safetensors.numpy import load_file
 
-    (name, table), = ((k, v) for k, v in load_file(checkpoint / "model.safetensors").items() if k.endswith("embed_tokens.weight"))
+    ((name, table),) = (
+        (k, v) for k, v in load_file(checkpoint / "model.safetensors").items() if k.endswith("embed_tokens.weight")
+    )
     return table.astype(np.float32)
 
 
@@ -67,8 +69,9 @@ def _external(out: Path, tensor: onnx.TensorProto) -> np.ndarray:
 def test_ort_embedding_is_gather_block_quantized_sharing_the_tied_lm_head(tied_checkpoint, tmp_path, bits):
     scheme = f"int{bits}"
     out = export_to(tied_checkpoint, tmp_path / "q", ops="ort", quantize=scheme, prefill_buckets=(64,))
-    plain = export_to(tied_checkpoint, tmp_path / "f", ops="ort", quantize=scheme, prefill_buckets=(64,),
-                      quantize_embedding=False)
+    plain = export_to(
+        tied_checkpoint, tmp_path / "f", ops="ort", quantize=scheme, prefill_buckets=(64,), quantize_embedding=False
+    )
     contract = read_manifest(out)
     assert contract.quantize_embedding and not read_manifest(plain).quantize_embedding
     manifest = json.loads((out / "manifest.json").read_text())
@@ -80,8 +83,11 @@ def test_ort_embedding_is_gather_block_quantized_sharing_the_tied_lm_head(tied_c
     attrs = {a.name: a.i for a in gather.attribute}
     assert attrs == {"gather_axis": 0, "quantize_axis": 1, "block_size": BLOCK, "bits": bits}
     assert not [n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
-    (head,) = [n for n in model.graph.node if n.op_type == "MatMulNBits" and
-               next(a.i for a in n.attribute if a.name == "N") == contract.vocab_size]
+    (head,) = [
+        n
+        for n in model.graph.node
+        if n.op_type == "MatMulNBits" and next(a.i for a in n.attribute if a.name == "N") == contract.vocab_size
+    ]
     data, scales = inits[gather.input[0]], inits[gather.input[2]]
     # one copy: the embedding's codes and scales are the lm_head's, at the same place in the file
     assert _location(data) == _location(inits[head.input[1]])
@@ -100,7 +106,7 @@ def test_ort_embedding_is_gather_block_quantized_sharing_the_tied_lm_head(tied_c
     assert np.abs(differ).max() <= 1 and np.count_nonzero(differ) <= 1e-4 * differ.size
 
     # what a decode step reads is unchanged (the table is indexed, one row per token)
-    from qwen35_onnx.bench import decode_weight_bytes
+    from qwen35_onnx.bench.protocol import decode_weight_bytes
 
     assert decode_weight_bytes(out / "text/decode.onnx") == decode_weight_bytes(plain / "text/decode.onnx")
 
@@ -109,8 +115,8 @@ def test_ort_embedding_is_gather_block_quantized_sharing_the_tied_lm_head(tied_c
     assert (plain / "text/weights.data").stat().st_size - saved >= 0.95 * table.nbytes
 
 
-def test_portable_embedding_is_int8_gather_and_dequantize_linear(checkpoint, tmp_path):
-    out = export_to(checkpoint, tmp_path / "p", ops="portable", quantize="int4", prefill_buckets=(64,))
+def test_portable_embedding_is_int8_gather_and_dequantize_linear(trained_checkpoint, trained_export):
+    out = trained_export("portable", quantize="int4")  # the quantization tests' export
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["derived"]["embedding_format"] == "DequantizeLinear int8"
     model, inits = _decode(out)
@@ -121,7 +127,7 @@ def test_portable_embedding_is_int8_gather_and_dequantize_linear(checkpoint, tmp
     (dq,) = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == gathers[0].output[0]]
     assert dq.input[1] == gathers[1].output[0]
     assert {a.name: a.i for a in dq.attribute} == {"axis": -1, "block_size": BLOCK}
-    expected_codes, expected_scales = quantize_blocks(_table(checkpoint).T, 8, BLOCK)  # 8 bits for int4 too
+    expected_codes, expected_scales = quantize_blocks(_table(trained_checkpoint).T, 8, BLOCK)  # 8 bits for int4 too
     np.testing.assert_array_equal(_external(out, codes), expected_codes.T)
     np.testing.assert_array_equal(_external(out, scales), expected_scales.T)
     onnx.checker.check_model(str(out / "text" / "decode.onnx"))
@@ -135,8 +141,10 @@ def test_manifest_record_of_the_embedding(fixed_export):
     data = json.loads((fixed_export / "manifest.json").read_text())
     del data["quantize_embedding"]
     assert ShapeContract.from_dict(data).quantize_embedding is False
-    for value, message in ((True, "quantize_embedding needs a quantized export"),
-                           ("yes", "quantize_embedding must be true or false, got 'yes'")):
+    for value, message in (
+        (True, "quantize_embedding needs a quantized export"),
+        ("yes", "quantize_embedding must be true or false, got 'yes'"),
+    ):
         with pytest.raises(ContractError, match=message):
             ShapeContract.from_dict({**data, "quantize_embedding": value})
 
@@ -150,14 +158,18 @@ def test_quantized_embedding_keeps_int4_agreement(ops, trained_export, photo):
 
     reference = Pipeline.from_exported(trained_export("ort"))
     tokens = reference.generate(photo, PROMPT, max_new_tokens=48).token_ids
-    expected = [l.argmax() for l in forced_logits(reference, reference.prepare(photo, PROMPT), tokens)]
+    expected = [row.argmax() for row in forced_logits(reference, reference.prepare(photo, PROMPT), tokens)]
     agreement = {}
     for quantized in (True, False):
-        pipe = Pipeline.from_exported(trained_export(ops, quantize="int4", **({} if quantized else {"quantize_embedding": False})))
+        pipe = Pipeline.from_exported(
+            trained_export(ops, quantize="int4", **({} if quantized else {"quantize_embedding": False}))
+        )
         assert pipe.contract.quantize_embedding == quantized
-        got = [l.argmax() for l in forced_logits(pipe, pipe.prepare(photo, PROMPT), tokens)]
+        got = [row.argmax() for row in forced_logits(pipe, pipe.prepare(photo, PROMPT), tokens)]
         agreement[quantized] = float(np.mean(np.equal(got, expected)))
         size = os.path.getsize(pipe.root / "text" / "weights.data")
-        print(f"{ops} int4, embedding {'quantized' if quantized else 'float'}: top-1 agreement with fp32 "
-              f"{agreement[quantized]:.1%} over {len(tokens)} tokens, text weights {size / 1e6:.2f} MB")
+        print(
+            f"{ops} int4, embedding {'quantized' if quantized else 'float'}: top-1 agreement with fp32 "
+            f"{agreement[quantized]:.1%} over {len(tokens)} tokens, text weights {size / 1e6:.2f} MB"
+        )
     assert agreement[True] >= agreement[False] - 0.05

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwen35_onnx.runtime.reasoning import ReasoningParser, prompt_opens_reasoning
+from qwen35_onnx.conversation.reasoning import ReasoningParser, prompt_opens_reasoning
 
 
 def split(text: str, in_reasoning: bool, cuts=()) -> tuple[str, str, list]:
@@ -47,7 +47,9 @@ def test_known_splits(text, in_reasoning, reasoning, content):
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.sampled_from(["a", "b ", "\n", "<think>", "</think>", "<", "</", "think", ">", "é", "世"]), max_size=12),
+    st.lists(
+        st.sampled_from(["a", "b ", "\n", "<think>", "</think>", "<", "</", "think", ">", "é", "世"]), max_size=12
+    ),
     st.booleans(),
     st.data(),
 )

@@ -21,7 +21,9 @@ def test_bucket_selection(buckets, prompt_len):
         assert chosen in buckets and chosen >= prompt_len
         assert all(b < prompt_len for b in buckets if b < chosen), "the smallest bucket that holds it"
     else:
-        with pytest.raises(ValueError, match=f"prompt is {prompt_len} tokens, more than the largest prefill bucket {buckets[-1]}"):
+        with pytest.raises(
+            ValueError, match=f"prompt is {prompt_len} tokens, more than the largest prefill bucket {buckets[-1]}"
+        ):
             select_bucket(prompt_len, buckets, capacity, 1)
 
 
@@ -96,8 +98,11 @@ def test_bad_sampling_options(kwargs, message):
 text_st = st.text(alphabet="abc\n", max_size=40)
 
 
-@given(text=text_st, stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
-       cuts=st.lists(st.integers(0, 40), max_size=10))
+@given(
+    text=text_st,
+    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+)
 def test_stop_strings_any_split(text, stops, cuts):
     """Whatever the split into pieces, the output is the text cut before the first stop string."""
     points = sorted({c for c in cuts if c <= len(text)} | {0, len(text)})

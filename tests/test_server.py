@@ -48,7 +48,8 @@ def bigram_export(checkpoint, tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
     from qwen35_onnx.checkpoints import THINKING_CHAT_TEMPLATE, set_chat_template
-    from qwen35_onnx.export.exporter import ExportOptions, export
+    from qwen35_onnx.export.exporter import export
+    from qwen35_onnx.export.options import ExportOptions
 
     from .bigram import build_bigram_checkpoint, chain, reference_greedy
 
@@ -60,8 +61,12 @@ def bigram_export(checkpoint, tmp_path_factory) -> Path:
     think_end = tokenizer.convert_tokens_to_ids("</think>")
     cycle = ids(CYCLE)
     assert len(cycle) == CYCLE_TOKENS and tokenizer.decode(cycle) == CYCLE
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template=THINKING_CHAT_TEMPLATE,
-                                           add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}],
+        chat_template=THINKING_CHAT_TEMPLATE,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt_ids = ids(prompt)
     assert len(prompt_ids) == PROMPT_TOKENS and prompt.endswith("<think>\n")
     lead = ids(REASONING) + [think_end]
@@ -81,8 +86,13 @@ class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "qwen35_onnx.cli", "serve", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qwen35_onnx.cli", "serve", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
         deadline = time.monotonic() + 120
         while True:
             text = log_path.read_text()
@@ -129,9 +139,28 @@ def image_dir(tmp_path_factory, photo) -> Path:
 def server(bigram_export, image_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "QWEN35_ONNX_API_KEY": KEY}  # the key comes from the environment
-    proc = ServerProcess(["--model", str(bigram_export), "--port", "0", "--model-name", "bigram", "--max-queue", "1",
-                          "--max-body-bytes", str(MAX_BODY), "--max-image-bytes", str(MAX_IMAGE),
-                          "--allowed-image-dir", str(image_dir), "--threads", "1"], log_path, env)
+    proc = ServerProcess(
+        [
+            "--model",
+            str(bigram_export),
+            "--port",
+            "0",
+            "--model-name",
+            "bigram",
+            "--max-queue",
+            "1",
+            "--max-body-bytes",
+            str(MAX_BODY),
+            "--max-image-bytes",
+            str(MAX_IMAGE),
+            "--allowed-image-dir",
+            str(image_dir),
+            "--threads",
+            "1",
+        ],
+        log_path,
+        env,
+    )
     yield proc
     proc.stop()
     log = log_path.read_text()
@@ -212,10 +241,14 @@ def test_stream_and_whole_reply_agree_greedy(client):
     assert message.content == expected_content(n)
     assert whole.choices[0].finish_reason == "length"
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (
-        PROMPT_TOKENS, n, PROMPT_TOKENS + n)
+        PROMPT_TOKENS,
+        n,
+        PROMPT_TOKENS + n,
+    )
 
-    stream = client.chat.completions.create(model="bigram", messages=hi(), max_completion_tokens=n, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="bigram", messages=hi(), max_completion_tokens=n, stream=True, stream_options={"include_usage": True}
+    )
     reasoning, content, chunks, usage = collect(stream)
     assert (reasoning, content) == (REASONING, message.content)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -254,14 +287,16 @@ def test_image_as_data_url_and_allowed_folder(client, server, photo, image_dir):
     n = LEAD_TOKENS + CYCLE_TOKENS
     text_only = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n)
     content = [{"type": "image_url", "image_url": {"url": data_url(photo)}}, {"type": "text", "text": "Hi"}]
-    reply = client.chat.completions.create(model="bigram", messages=[{"role": "user", "content": content}],
-                                           max_tokens=n)
+    reply = client.chat.completions.create(
+        model="bigram", messages=[{"role": "user", "content": content}], max_tokens=n
+    )
     assert reply.choices[0].message.content == expected_content(n)
     # one image: its image tokens (16 at 128x128) plus vision start / end
     assert reply.usage.prompt_tokens == text_only.usage.prompt_tokens + 16 + 2
     local = [{"type": "image_url", "image_url": {"url": str(image_dir / "photo.jpg")}}, {"type": "text", "text": "Hi"}]
     twice = client.chat.completions.create(
-        model="bigram", messages=[{"role": "user", "content": content[:1] + local}], max_tokens=n)
+        model="bigram", messages=[{"role": "user", "content": content[:1] + local}], max_tokens=n
+    )
     assert twice.usage.prompt_tokens == reply.usage.prompt_tokens + 18
 
 
@@ -270,8 +305,9 @@ def test_stop_strings(client):
     reply = client.chat.completions.create(model="bigram", messages=hi(), stop=["→", "zz"], max_tokens=100)
     assert reply.choices[0].finish_reason == "stop"
     assert reply.choices[0].message.content == "é日"
-    _, content, chunks, _ = collect(client.chat.completions.create(model="bigram", messages=hi(), stop="→ é",
-                                                                   stream=True))
+    _, content, chunks, _ = collect(
+        client.chat.completions.create(model="bigram", messages=hi(), stop="→ é", stream=True)
+    )
     assert content == "é日"
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -281,7 +317,9 @@ def test_thinking_switch(client):
     n = LEAD_TOKENS + 2 * CYCLE_TOKENS
     on = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n)
     assert (on.choices[0].message.reasoning_content, on.choices[0].message.content) == (REASONING, CYCLE * 2)
-    off_args = dict(model="bigram", messages=hi(), max_tokens=n, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    off_args = dict(
+        model="bigram", messages=hi(), max_tokens=n, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
     off = client.chat.completions.create(**off_args)
     # the template closed the block: the same tokens are all content, "</think>" included
     assert off.choices[0].message.reasoning_content is None
@@ -290,8 +328,11 @@ def test_thinking_switch(client):
     reasoning, content, chunks, _ = collect(client.chat.completions.create(**off_args, stream=True))
     assert (reasoning, content) == ("", off.choices[0].message.content)
     assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
-    reasoning, content, _, _ = collect(client.chat.completions.create(
-        model="bigram", messages=hi(), max_tokens=n, stream=True, extra_body={"chat_template_kwargs": {}}))
+    reasoning, content, _, _ = collect(
+        client.chat.completions.create(
+            model="bigram", messages=hi(), max_tokens=n, stream=True, extra_body={"chat_template_kwargs": {}}
+        )
+    )
     assert (reasoning, content) == (REASONING, CYCLE * 2)
 
 
@@ -307,8 +348,13 @@ class Streamer(threading.Thread):
 
     def run(self):
         try:
-            with httpx.stream("POST", f"{self.server.url}/v1/chat/completions", json=self.body, timeout=120,
-                              headers={"Authorization": f"Bearer {KEY}"}) as response:
+            with httpx.stream(
+                "POST",
+                f"{self.server.url}/v1/chat/completions",
+                json=self.body,
+                timeout=120,
+                headers={"Authorization": f"Bearer {KEY}"},
+            ) as response:
                 assert response.status_code == 200, response.read()
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -431,19 +477,36 @@ BAD_REQUESTS = [
     ({"messages": hi(), "stop": [""]}, 400, "stop", "non-empty"),
     ({"messages": hi(), "n": 2}, 400, "n", "must be 1"),
     ({"messages": hi(), "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
-    ({"messages": hi(), "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "chat_template_kwargs", "chat_template"),
+    (
+        {"messages": hi(), "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+        400,
+        "chat_template_kwargs",
+        "chat_template",
+    ),
     ({"messages": hi(), "chat_template_kwargs": [1]}, 400, "chat_template_kwargs", "object"),
     ({"messages": hi("word " * 2100)}, 400, "messages", "2048"),
     (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages", "Unicode"),
-    ({"messages": image_message("data:image/png;base64,aGVsbG8=")}, 400, "messages[0].content[0].image_url.url",
-     "not a readable image"),
+    (
+        {"messages": image_message("data:image/png;base64,aGVsbG8=")},
+        400,
+        "messages[0].content[0].image_url.url",
+        "not a readable image",
+    ),
     ({"messages": image_message("data:image/png;base64,@@@")}, 400, "messages[0].content[0].image_url.url", "base64"),
-    ({"messages": image_message("https://example.com/cat.png")}, 400, "messages[0].content[0].image_url.url",
-     "not fetched"),
+    (
+        {"messages": image_message("https://example.com/cat.png")},
+        400,
+        "messages[0].content[0].image_url.url",
+        "not fetched",
+    ),
     ({"messages": image_message("/etc/hostname")}, 400, "messages[0].content[0].image_url.url", "outside"),
     ({"messages": image_message(tiny_png(), tiny_png(), tiny_png())}, 400, "messages", "3 images"),
-    ({"messages": image_message("data:image/png;base64," + "A" * 140_000)}, 413,
-     "messages[0].content[0].image_url.url", "limit"),
+    (
+        {"messages": image_message("data:image/png;base64," + "A" * 140_000)},
+        413,
+        "messages[0].content[0].image_url.url",
+        "limit",
+    ),
 ]
 
 
@@ -459,8 +522,9 @@ def test_bad_requests_get_openai_errors(server, client):
     error = assert_error(httpx.get(f"{server.url}/v1/nope", timeout=10), 404)
     assert error["code"] == "not_found"
     assert_error(httpx.get(f"{server.url}/v1/chat/completions", timeout=10), 405)
-    assert_error(httpx.get(f"{server.url}/v1/models/other", headers={"Authorization": f"Bearer {KEY}"}, timeout=10),
-                 404, "model")
+    assert_error(
+        httpx.get(f"{server.url}/v1/models/other", headers={"Authorization": f"Bearer {KEY}"}, timeout=10), 404, "model"
+    )
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="bigram", messages=hi(), n=3)
     assert info.value.body["param"] == "n"
@@ -475,7 +539,10 @@ def test_bad_requests_get_openai_errors(server, client):
 @pytest.mark.slow
 def test_serve_command_errors(tmp_path):
     def serve(*args, prelude=""):
-        code = f"import sys; {prelude}from qwen35_onnx.cli import main; sys.argv = ['qwen35-onnx', 'serve', *{list(args)!r}]; main()"
+        code = (
+            f"import sys; {prelude}from qwen35_onnx.cli import main; "
+            f"sys.argv = ['qwen35-onnx', 'serve', *{list(args)!r}]; main()"
+        )
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
     proc = serve("--model", str(tmp_path))
@@ -487,9 +554,8 @@ def test_serve_command_errors(tmp_path):
 
 # ---- the pieces without a server -----------------------------------------------------------------
 def test_sampling_defaults_follow_generation_config(tmp_path):
-    from qwen35_onnx.runtime.sampling import SamplingConfig
-    from qwen35_onnx.runtime.sampling import sampling_defaults
-    from qwen35_onnx.server import parse_chat_request
+    from qwen35_onnx.runtime.sampling import SamplingConfig, sampling_defaults
+    from qwen35_onnx.server.protocol import parse_chat_request
 
     assert sampling_defaults(tmp_path) == SamplingConfig()  # no file: greedy
     config = tmp_path / "generation_config.json"
@@ -509,12 +575,16 @@ def test_sampling_defaults_follow_generation_config(tmp_path):
 
 
 def test_server_options_are_checked(tmp_path):
-    from qwen35_onnx.server import ServerOptions
+    from qwen35_onnx.server.options import ServerOptions
 
     ServerOptions("m", allowed_image_dir=tmp_path).validate()
-    for bad, fragment in ((dict(max_queue=-1), "--max-queue"), (dict(max_body_bytes=10), "--max-body-bytes"),
-                          (dict(max_image_bytes=0), "--max-image-bytes"), (dict(api_key=""), "--api-key"),
-                          (dict(allowed_image_dir=tmp_path / "nope"), "--allowed-image-dir")):
+    for bad, fragment in (
+        (dict(max_queue=-1), "--max-queue"),
+        (dict(max_body_bytes=10), "--max-body-bytes"),
+        (dict(max_image_bytes=0), "--max-image-bytes"),
+        (dict(api_key=""), "--api-key"),
+        (dict(allowed_image_dir=tmp_path / "nope"), "--allowed-image-dir"),
+    ):
         with pytest.raises(ValueError, match=fragment):
             ServerOptions("m", **bad).validate()
 
@@ -527,7 +597,8 @@ def test_failed_generation_ends_the_response_cleanly(bigram_export):
     import uvicorn
 
     from qwen35_onnx.pipeline import Pipeline
-    from qwen35_onnx.server import ServerOptions, create_app
+    from qwen35_onnx.server.app import create_app
+    from qwen35_onnx.server.options import ServerOptions
 
     pipe = Pipeline.from_exported(bigram_export, threads=1)
     app = create_app(pipe, ServerOptions("bigram", max_queue=1))
@@ -539,12 +610,13 @@ def test_failed_generation_ends_the_response_cleanly(bigram_export):
         while not server.started:
             assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.05)
-        url = "http://127.0.0.1:%d" % server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
-        def fail(mask):
-            raise RuntimeError("injected decode failure")
+        class Failing:  # a decoder whose step fails, as an ONNX Runtime failure would
+            def step(self, *args):
+                raise RuntimeError("injected decode failure")
 
-        pipe._advance = fail
+        pipe.backend.decoder = lambda states: Failing()
         body = {"messages": hi(), "max_tokens": 20}
         response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 500
@@ -557,7 +629,7 @@ def test_failed_generation_ends_the_response_cleanly(bigram_export):
         assert "injected decode failure" in json.loads(events[-2])["error"]["message"]
         health = httpx.get(f"{url}/health", timeout=10).json()
         assert (health["failed"], health["running"], health["waiting"]) == (2, 0, 0)
-        del pipe._advance
+        del pipe.backend.decoder
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
         assert reply["choices"][0]["message"]["reasoning_content"] == REASONING
     finally:

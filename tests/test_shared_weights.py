@@ -21,15 +21,16 @@ import numpy as np
 import pytest
 
 from qwen35_onnx.pipeline import Pipeline
-from qwen35_onnx.runtime.ort_backend import OrtBackend
+from qwen35_onnx.runtime.onnxruntime.backend import OrtBackend
 
 from .conftest import MAX_NEW_TOKENS, PROMPT, export_to
 
 
 def unshared(pipe: Pipeline) -> Pipeline:
     """The same export with every session holding its own weights (ONNX Runtime's default)."""
-    return Pipeline(pipe.root, pipe.contract, OrtBackend(pipe.root, pipe.contract, share_weights=False),
-                    pipe.preprocessor)
+    return Pipeline(
+        pipe.root, pipe.contract, OrtBackend(pipe.root, pipe.contract, share_weights=False), pipe.preprocessor
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,49 +43,52 @@ MEASURE = r"""
 import json, sys
 import numpy as np
 from pathlib import Path
-from qwen35_onnx.bench_memory import resident
+from qwen35_onnx.bench.memory import resident
+from qwen35_onnx.onnxfile.edit import read_model
 from qwen35_onnx.pipeline import Pipeline
-from qwen35_onnx.runtime.onnx_edit import read_model
-from qwen35_onnx.runtime.sessions import GraphSession, session_config
+from qwen35_onnx.runtime.onnxruntime.sessions import GraphSession, session_config
 
 pipe = Pipeline.from_exported(sys.argv[1])
 c = pipe.contract
 zeros = np.zeros((c.n_image_rows, c.image_embed_dim), dtype=np.float32)
 rng = np.random.default_rng(0)
 figures = []
+generations = []
 for bucket in c.prefill_buckets:  # load, then run: prefill reads every text weight
     prepared = pipe.prepare_ids(rng.integers(0, 1000, size=(1, bucket - 4)))
-    logits, states = pipe.run_prefill(prepared, zeros)
+    generations.append(pipe.generation(prepared))
+    logits = generations[-1].prefill()
     if not figures:
-        decoder = pipe.decoder(states)  # decode's buffers too, before the first figure
+        generations[-1].step(int(np.argmax(logits)))  # decode's buffers too, before the first figure
     figures.append(resident())
 key = c.prefill_graph_key(c.prefill_buckets[-1])
 own = GraphSession.load(key, Path(sys.argv[1]) / c.graphs[key], config=session_config(c), dtype=c.dtype)
-padded = pipe.padded_prompt(prepared)
+padded = prepared.padded(c.pad_token_id)
 own.session.run(None, dict(zip(("input_ids", "attention_mask", "position_ids"), padded), image_embeds=zeros))
 figures.append(resident())
 found = {"rss": [f["VmRSS"] for f in figures], "pss": [f["Pss"] for f in figures]}
-if pipe.graphs.weights is not None:
-    found["weights"] = pipe.graphs.weights.mapped_bytes()
-if pipe.graphs.prepacked is not None:  # bytes of the packed blobs one session reads
-    saved = read_model((pipe.graphs.prepacked.path / f"{key}.onnx").read_bytes())
+if pipe.backend.graphs.weights is not None:
+    found["weights"] = pipe.backend.graphs.weights.mapped_bytes()
+if pipe.backend.graphs.prepacked is not None:  # bytes of the packed blobs one session reads
+    saved = read_model((pipe.backend.graphs.prepacked.path / f"{key}.onnx").read_bytes())
     found["packed"] = sum(int(blob.split(";")[1]) for t in saved.initializers.values() for k, v in t.external
                           if k.startswith("prepacked") for blob in v.split("|")[1:])
 print(json.dumps(found))
 """
 
 
-
 def test_more_buckets_add_far_less_than_a_weight_set(wide_export):
     """Buckets 64 and 128 loaded and run after bucket 32 add < 10 % of the text weights each;
     a session of the same graph with its own weights (the control) adds > 50 %."""
-    done = subprocess.run([sys.executable, "-c", MEASURE, str(wide_export)], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(wide_export)], capture_output=True, text=True, check=True)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     rss, weights = found["rss"], found["weights"]
     assert weights == (wide_export / "text" / "weights.data").stat().st_size > 200e6
     steps = np.diff(rss)
-    report = f"resident memory after each bucket, then the control: {[round(r / 1e6) for r in rss]} MB; weights {weights / 1e6:.0f} MB"
+    report = (
+        f"resident memory after each bucket, then the control: {[round(r / 1e6) for r in rss]} MB; "
+        f"weights {weights / 1e6:.0f} MB"
+    )
     assert all(step < 0.1 * weights for step in steps[:-1]), report
     assert steps[-1] > 0.5 * weights, report
 
@@ -93,30 +97,23 @@ def test_wide_export_logits_and_relayout(wide_export):
     """The shared, re-laid-out sessions give the logits of sessions with their own weights; the
     narrow weights (the MLP's down projections among them) and the tied lm_head are held
     transposed, once however many buckets load."""
-    from qwen35_onnx.runtime.masks import advance_mask, prepare_decode_mask
-    from qwen35_onnx.runtime.positions import decode_position_ids
-
     pipe = Pipeline.from_exported(wide_export)
-    weights = pipe.graphs.weights
+    weights = pipe.backend.graphs.weights
     assert weights.relayout
     c = pipe.contract
     down_and_lm_head = 4 * ((c.n_linear + c.n_full) * 4096 * 512 + c.vocab_size * 512)
     transposed = weights.transposed_bytes()
     assert down_and_lm_head <= transposed < 0.8 * weights.mapped_bytes()
     own = unshared(pipe)
-    zeros = np.zeros((c.n_image_rows, c.image_embed_dim), dtype=np.float32)
     prepared = pipe.prepare_ids(np.random.default_rng(1).integers(0, 1000, size=(1, 50)))
-    a, states_a = pipe.run_prefill(prepared, zeros)
-    b, states_b = own.run_prefill(prepared, zeros)
+    shared_run, own_run = pipe.generation(prepared), own.generation(prepared)
+    a, b = shared_run.prefill(), own_run.prefill()
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
-    token = np.array([[int(np.argmax(b))]])
-    mask = prepare_decode_mask(pipe.padded_prompt(prepared)[1], c.capacity, c.capacity)
-    positions = decode_position_ids(advance_mask(mask), prepared.rope_deltas)
-    step_a = pipe.decoder(states_a).step(token, mask, positions)
-    step_b = own.decoder(states_b).step(token, mask, positions)
+    token = int(np.argmax(b))
+    step_a, step_b = shared_run.step(token), own_run.step(token)
     np.testing.assert_allclose(step_a, step_b, rtol=1e-4, atol=1e-4 * float(np.abs(step_b).max()))
     for bucket in c.prefill_buckets:
-        pipe.graphs.prefill(bucket)
+        pipe.backend.graphs.prefill(bucket)
     assert weights.transposed_bytes() == transposed
 
 
@@ -127,13 +124,16 @@ def test_tokens_unchanged_by_sharing(kind, fixed_export, trained_export, photo):
     their own weights (fp32: unpacked and re-laid-out against pre-packed; int4: the pre-packed
     weights cache against each session's own packing). The ort exports are the trained
     checkpoint's (shared with the quantization tests)."""
-    exports = {"portable fp32": lambda: fixed_export, "ort fp32": lambda: trained_export("ort"),
-               "ort int4": lambda: trained_export("ort", quantize="int4")}
+    exports = {
+        "portable fp32": lambda: fixed_export,
+        "ort fp32": lambda: trained_export("ort"),
+        "ort int4": lambda: trained_export("ort", quantize="int4"),
+    }
     pipe = Pipeline.from_exported(exports[kind]())
     if "fp32" in kind:
-        assert pipe.graphs.weights.relayout and pipe.graphs.prepacked is None
+        assert pipe.backend.graphs.weights.relayout and pipe.backend.graphs.prepacked is None
     else:
-        assert pipe.graphs.weights is None and pipe.graphs.prepacked is not None
+        assert pipe.backend.graphs.weights is None and pipe.backend.graphs.prepacked is not None
     prepared = pipe.prepare(photo, PROMPT)
     shared = pipe.generate_prepared(prepared, max_new_tokens=MAX_NEW_TOKENS).token_ids
     own = unshared(pipe).generate_prepared(prepared, max_new_tokens=MAX_NEW_TOKENS).token_ids
@@ -146,19 +146,30 @@ def test_graph_editor_round_trip(fixed_export):
     initializer dropped and one added, a domain imported) is a valid model for ``onnx``."""
     import onnx
 
-    from qwen35_onnx.runtime.onnx_edit import Initializer, Node, read_model, write_model
+    from qwen35_onnx.onnxfile.edit import Initializer, Node, read_model, write_model
 
     path = fixed_export / "text" / "decode.onnx"
     data = path.read_bytes()
     model = read_model(data)
     assert write_model(model) == data
-    index, node = next((i, n) for i, n in enumerate(model.nodes) if n.op_type == "MatMul"
-                       and model.initializers.get(n.inputs[1]) and model.initializers[n.inputs[1]].location)
+    index, node = next(
+        (i, n)
+        for i, n in enumerate(model.nodes)
+        if n.op_type == "MatMul" and model.initializers.get(n.inputs[1]) and model.initializers[n.inputs[1]].location
+    )
     weight = model.initializers[node.inputs[1]]
     added = Initializer("w_t", weight.dims[::-1], weight.data_type, weight.location, weight.offset, weight.length)
-    edited = write_model(model, {index: Node("FusedMatMul", [node.inputs[0], "w_t"], node.outputs, node.name,
-                                             "com.microsoft", {"transB": [1]})},
-                         drop={weight.name}, add=[added], domains={"com.microsoft": 1})
+    edited = write_model(
+        model,
+        {
+            index: Node(
+                "FusedMatMul", [node.inputs[0], "w_t"], node.outputs, node.name, "com.microsoft", {"transB": [1]}
+            )
+        },
+        drop={weight.name},
+        add=[added],
+        domains={"com.microsoft": 1},
+    )
     proto = onnx.load_from_string(edited)
     assert proto.graph.node[index].op_type == "FusedMatMul"
     assert proto.graph.node[index].attribute[0].name == "transB" and proto.graph.node[index].attribute[0].i == 1
@@ -170,28 +181,27 @@ def test_graph_editor_round_trip(fixed_export):
     assert {e.key: e.value for e in new.external_data}["offset"] == str(weight.offset)
 
 
-def test_prefill_sessions_that_pack_their_own_weights_are_bounded(checkpoint, trained_export, tmp_path, photo,
-                                                                 monkeypatch):
+def test_prefill_sessions_that_pack_their_own_weights_are_bounded(wide_int4_export, trained_export, monkeypatch):
     """Without the pre-packed weights cache (or where it cannot be used), a quantized export's
     prefill sessions each hold their own pre-packed weights: at most
     ``max_prefill_sessions`` stay loaded, and under memory pressure (``MemAvailable`` below one
     more session's weights) the least recently used go first; a dropped bucket loads again and
     gives the same logits."""
-    from qwen35_onnx.runtime import sessions
+    from qwen35_onnx.runtime.onnxruntime import sessions
 
-    out = export_to(checkpoint, tmp_path / "int4", ops="ort", quantize="int4", prefill_buckets=(32, 64, 128))
+    out = wide_int4_export
     base = Pipeline.from_exported(out)
     contract, preprocessor = base.contract, base.preprocessor
-    zeros = np.zeros((contract.n_image_rows, contract.image_embed_dim), dtype=np.float32)
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(0, 1000, size=(1, b - 4)) for b in (32, 64, 128)}
 
     def logits(pipe, bucket):
-        return pipe.run_prefill(pipe.prepare_ids(prompts[bucket]), zeros)[0]
+        return pipe.generation(pipe.prepare_ids(prompts[bucket])).prefill()
 
-    pipe = Pipeline(out, contract, OrtBackend(out, contract, max_prefill_sessions=2, prepacked_cache=False),
-                    preprocessor)
-    graphs = pipe.graphs
+    pipe = Pipeline(
+        out, contract, OrtBackend(out, contract, max_prefill_sessions=2, prepacked_cache=False), preprocessor
+    )
+    graphs = pipe.backend.graphs
     assert graphs.packs_per_session and graphs.session_cost() > 0
     first = logits(pipe, 32)
     logits(pipe, 64)
@@ -207,14 +217,14 @@ def test_prefill_sessions_that_pack_their_own_weights_are_bounded(checkpoint, tr
     unbounded = Pipeline(out, contract, OrtBackend(out, contract, prepacked_cache=False), preprocessor)
     for bucket in (32, 64, 128):
         logits(unbounded, bucket)
-        assert list(unbounded.graphs._prefill) == [bucket]
+        assert list(unbounded.backend.graphs._prefill) == [bucket]
     with pytest.raises(ValueError, match="max_prefill_sessions must be None or an integer >= 1, got 0"):
         OrtBackend(out, contract, max_prefill_sessions=0)
-    assert not base.graphs.packs_per_session  # with the cache (the default) the sessions share their weights
+    assert not base.backend.graphs.packs_per_session  # with the cache (the default) the sessions share their weights
     cached = Pipeline(out, contract, OrtBackend(out, contract, max_prefill_sessions=1), preprocessor)
     logits(cached, 32)
     np.testing.assert_array_equal(logits(cached, 64), logits(pipe, 64))
-    assert list(cached.graphs._prefill) == [64]  # the fixed bound holds with the cache too
+    assert list(cached.backend.graphs._prefill) == [64]  # the fixed bound holds with the cache too
 
     # fp32 exports share the mapped weights: nothing to bound
-    assert not Pipeline.from_exported(trained_export("ort")).graphs.packs_per_session
+    assert not Pipeline.from_exported(trained_export("ort")).backend.graphs.packs_per_session

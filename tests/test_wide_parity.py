@@ -27,7 +27,7 @@ def wide_checkpoint(checkpoint, tmp_path_factory):
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from qwen35_onnx.checkpoints import QWEN35_4B_PRESET, TINY_PRESET
+    from qwen35_onnx.presets import QWEN35_4B_PRESET, TINY_PRESET
 
     preset = copy.deepcopy(QWEN35_4B_PRESET)
     preset["text_config"].update(

@@ -13,16 +13,25 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TextIO
 
+from .conversation.messages import ChatInputError
 from .pipeline import Pipeline
-from .runtime.chat import ChatInputError
 from .runtime.sampling import SamplingConfig
 
 HELP = "commands: /image PATH (attach to the next message), /reset, /quit"
 
 
-def run_chat(pipe: Pipeline, lines: Iterable[str], out: TextIO, err: TextIO, *, system: str | None = None,
-             max_new_tokens: int | None = None, sampling: SamplingConfig | None = None,
-             chat_template_kwargs: dict | None = None, prompt: Callable[[], None] | None = None) -> int:
+def run_chat(
+    pipe: Pipeline,
+    lines: Iterable[str],
+    out: TextIO,
+    err: TextIO,
+    *,
+    system: str | None = None,
+    max_new_tokens: int | None = None,
+    sampling: SamplingConfig | None = None,
+    chat_template_kwargs: dict | None = None,
+    prompt: Callable[[], None] | None = None,
+) -> int:
     """Run the conversation over input ``lines``; returns the number of answered turns.
 
     A turn whose input is refused (unreadable image, too many images, prompt over the capacity)
@@ -39,7 +48,7 @@ def run_chat(pipe: Pipeline, lines: Iterable[str], out: TextIO, err: TextIO, *, 
         if line.strip() in ("/quit", "/exit"):
             break
         if line.startswith("/image"):
-            path = line[len("/image"):].strip()
+            path = line[len("/image") :].strip()
             if not path:
                 err.write(f"error: /image needs a file path\n{HELP}\n")
             elif not Path(path).expanduser().is_file():
@@ -73,8 +82,10 @@ def run_chat(pipe: Pipeline, lines: Iterable[str], out: TextIO, err: TextIO, *, 
                 out.write("\n")
                 out.flush()
                 result = stream.result
-                err.write(f"[{result.finish_reason}] {result.completion_tokens} tokens | "
-                          f"{result.generation.timings.summary()}\n")
+                err.write(
+                    f"[{result.finish_reason}] {result.completion_tokens} tokens | "
+                    f"{result.generation.timings.summary()}\n"
+                )
                 history = turn + [{"role": "assistant", "content": result.content}]
                 answered += 1
         if prompt:

@@ -1,154 +1,39 @@
-"""Model presets and the demo checkpoint.
+"""The demo checkpoint: a tiny, architecturally complete Qwen3.5 built offline.
 
-The demo checkpoint is a tiny but architecturally complete Qwen3.5
-vision-language model with random weights, a locally trained byte-level BPE
-tokenizer, a Qwen-style chat template and a Qwen2-VL image processor
-configuration, saved in the Hugging Face folder layout. It exercises every
-code path of the exporter and the runtime (Gated DeltaNet and full-attention
-layers, GQA, more linear-attention value heads than key heads, partial
-interleaved mRoPE, the vision tower and image-token injection) in seconds on a
-CPU, and it is what the parity tests between PyTorch and ONNX Runtime use.
+A Qwen3.5 vision-language model (sizes from :mod:`.presets`) with random weights, a locally
+trained byte-level BPE tokenizer, a Qwen-style chat template and a Qwen2-VL image processor
+configuration, saved in the Hugging Face folder layout. It exercises every code path of the
+exporter and the runtime (Gated DeltaNet and full-attention layers, GQA, more linear-attention
+value heads than key heads, partial interleaved mRoPE, the vision tower and image-token
+injection) in seconds on a CPU, and it is what the parity tests between PyTorch and ONNX
+Runtime use.
 
-Everything here is offline and deterministic: the tokenizer corpus is generated
-from fixed word lists, and the weights depend only on the seed. Nothing is
-downloaded. torch and transformers are imported inside the functions that need
-them, so importing this module is cheap and torch-free.
+Everything here is offline and deterministic: the tokenizer corpus is generated from fixed word
+lists, and the weights depend only on the seed. Nothing is downloaded. torch and transformers
+are imported inside the functions that need them, so importing this module is cheap and
+torch-free.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
 import re
 import shutil
 import tempfile
-from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from .presets import BPE_SIZE, NON_SPECIAL, PRESETS, SPECIAL_TOKENS, preset_config, preset_dtype, token_id
 
 __all__ = [
     "DEMO_SEED",
     "THINKING_CHAT_TEMPLATE",
-    "set_chat_template",
-    "PRESETS",
-    "QWEN35_0_8B_PRESET",
-    "QWEN35_2B_PRESET",
-    "QWEN35_4B_PRESET",
-    "QWEN35_9B_PRESET",
-    "SPECIAL_TOKENS",
-    "TINY_PRESET",
     "build_demo_checkpoint",
-    "demo_checkpoint_dir",
-    "photo_path",
-    "preset_config",
-    "tiny_config",
-    "train_checkpoint",
+    "set_chat_template",
+    "tokenizer_corpus",
 ]
-
-# ---------------------------------------------------------------------------
-# Tokenizer layout
-# ---------------------------------------------------------------------------
-
-#: Added tokens of the demo tokenizer: a subset of the published Qwen3.5 added
-#: tokens, in their published order. As in Qwen they come after the BPE
-#: entries (ids ``1008 .. 1023``), and ``<think>``/``</think>`` are added as
-#: non-special tokens (kept by ``decode(..., skip_special_tokens=True)``).
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<think>",
-    "</think>",
-)
-_NON_SPECIAL = frozenset({"<think>", "</think>"})
-
-_VOCAB_SIZE = 1024  # 256 byte tokens + 752 BPE merges + 16 added tokens
-_BPE_SIZE = _VOCAB_SIZE - len(SPECIAL_TOKENS)
-
-
-def _token_id(token: str) -> int:
-    """Id of an added token in the demo tokenizer (the trainer is checked to match)."""
-    return _BPE_SIZE + SPECIAL_TOKENS.index(token)
-
-
-# ---------------------------------------------------------------------------
-# The tiny preset
-# ---------------------------------------------------------------------------
-
-#: Keyword arguments for ``transformers.Qwen3_5Config(**TINY_PRESET)``: a small
-#: but real Qwen3.5 (2.0 M parameters, 0.27 M of them in the vision tower).
-#: Text: vocab 1024, hidden 128, 8 layers in the published pattern (3 Gated
-#: DeltaNet layers then 1 full-attention layer, twice); GQA with 4 query and 2
-#: KV heads of dim 64; Gated DeltaNet with 2 key and 4 value heads of dim 32,
-#: conv kernel 4; partial rotary (25 % of 64 = 16 dims = 8 frequencies, split
-#: 3/3/2 over t/h/w, interleaved), theta 1e7. Vision: 2 blocks of width 64, patch
-#: 16, temporal patch 2, 2x2 merge into image tokens of width 128 (= text hidden).
-#: Token ids are those of the demo tokenizer. ``initializer_range`` is 0.08
-#: instead of the usual 0.02 so that random weights give clear greedy argmax
-#: margins (logits std ~0.9; see :func:`build_demo_checkpoint`). Treat as read-only;
-#: :func:`tiny_config` works on a copy.
-TINY_PRESET: dict[str, Any] = {
-    "text_config": {
-        "vocab_size": _VOCAB_SIZE,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 8,
-        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32,
-        "linear_conv_kernel_dim": 4,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 4096,
-        "initializer_range": 0.08,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [3, 3, 2],
-            "mrope_interleaved": True,
-        },
-        "eos_token_id": _token_id("<|endoftext|>"),
-    },
-    "vision_config": {
-        "depth": 2,
-        "hidden_size": 64,
-        "num_heads": 4,
-        "intermediate_size": 128,
-        "hidden_act": "gelu_pytorch_tanh",
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "spatial_merge_size": 2,
-        "out_hidden_size": 128,
-        "num_position_embeddings": 64,
-        "in_channels": 3,
-        "initializer_range": 0.08,
-    },
-    "image_token_id": _token_id("<|image_pad|>"),
-    "video_token_id": _token_id("<|video_pad|>"),
-    "vision_start_token_id": _token_id("<|vision_start|>"),
-    "vision_end_token_id": _token_id("<|vision_end|>"),
-    "tie_word_embeddings": False,
-}
 
 #: Image processor settings (``preprocessor_config.json``) of the demo checkpoint:
 #: the published Qwen3.5 patching (16 px patches, temporal 2, 2x2 merge, mean and
@@ -191,52 +76,40 @@ _PARTS = """\
 {%- endfor -%}
 """
 
+
+def _template(string_content: str, assistant_opening: str, end_of_prompt: str) -> str:
+    """A Qwen-style chat template: each message between ``<|im_start|>ROLE`` and ``<|im_end|>``, its
+    content written by ``string_content`` when it is a string and by :data:`_PARTS` otherwise; the
+    generation prompt ``<|im_start|>assistant`` then ``assistant_opening``, closed by
+    ``end_of_prompt``."""
+    return (
+        "{%- for message in messages -%}\n<|im_start|>{{ message['role'] }}\n{% if message['content'] is string -%}\n"
+        + string_content
+        + "{%- else -%}\n"
+        + _PARTS
+        + "{%- endif -%}\n<|im_end|>\n{% endfor -%}\n{%- if add_generation_prompt -%}\n<|im_start|>assistant\n"
+        + assistant_opening
+        + end_of_prompt
+    )
+
+
 # A Qwen-style chat template (written for this project), the demo checkpoint's.
-_CHAT_TEMPLATE = """\
-{%- for message in messages -%}
-<|im_start|>{{ message['role'] }}
-{% if message['content'] is string -%}
-{{ message['content'] }}
-{%- else -%}
-""" + _PARTS + """\
-{%- endif -%}
-<|im_end|>
-{% endfor -%}
-{%- if add_generation_prompt -%}
-<|im_start|>assistant
-{% endif -%}
-"""
+_CHAT_TEMPLATE = _template("{{ message['content'] }}\n", "", "{% endif -%}\n")
 
 # A Qwen3.5-style template with the thinking switch (written for this project; it behaves
 # as the published Qwen3.5 template does): images as above; earlier assistant turns lose their
 # reasoning (text up to ``</think>``); the generation prompt opens ``<think>\n`` unless
 # ``enable_thinking`` is false, in which case it writes an empty, closed block.
-THINKING_CHAT_TEMPLATE = """\
-{%- for message in messages -%}
-<|im_start|>{{ message['role'] }}
-{% if message['content'] is string -%}
-{%- set text = message['content'] -%}
-{%- if message['role'] == 'assistant' and '</think>' in text -%}
-{%- set text = text.split('</think>')[-1].lstrip('\\n') -%}
-{%- endif -%}
-{{ text }}
-{%- else -%}
-""" + _PARTS + """\
-{%- endif -%}
-<|im_end|>
-{% endfor -%}
-{%- if add_generation_prompt -%}
-<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false -%}
-<think>
-
-</think>
-
-{% else -%}
-<think>
-{% endif -%}
-{%- endif -%}
-"""
+THINKING_CHAT_TEMPLATE = _template(
+    "{%- set text = message['content'] -%}\n"
+    "{%- if message['role'] == 'assistant' and '</think>' in text -%}\n"
+    "{%- set text = text.split('</think>')[-1].lstrip('\\n') -%}\n"
+    "{%- endif -%}\n"
+    "{{ text }}\n",
+    "{% if enable_thinking is defined and enable_thinking is false -%}\n<think>\n\n</think>\n\n{% else -%}\n<think>\n"
+    "{% endif -%}\n",
+    "{%- endif -%}\n",
+)
 
 
 def set_chat_template(folder: str | os.PathLike, template: str) -> Path:
@@ -245,172 +118,6 @@ def set_chat_template(folder: str | os.PathLike, template: str) -> Path:
     Returns the file's path."""
     path = Path(folder) / "chat_template.jinja"
     path.write_text(template, encoding="utf-8")
-    return path
-
-
-def _published(text: dict[str, Any], vision: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """A published Qwen3.5 size on :data:`TINY_PRESET`'s token ids: the settings every published
-    size shares (Gated DeltaNet key/value heads of 128, conv kernel 4, attention heads of 256,
-    3 Gated DeltaNet layers then 1 full-attention layer, vocabulary 248320, rotary theta 1e7 on
-    25 % of each head with interleaved mRoPE sections 11/11/10; vision patch 16, temporal 2, 2x2
-    merge, 48x48 learned position grid), then ``text`` and ``vision``."""
-    preset = copy.deepcopy(TINY_PRESET)
-    preset["text_config"].update({
-        "vocab_size": 248320,
-        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (text["num_hidden_layers"] // 4),
-        "head_dim": 256,
-        "linear_num_key_heads": 16,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "tie_word_embeddings": tied,
-        "max_position_embeddings": 262144,
-        "initializer_range": 0.02,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        **text,
-    })
-    preset["vision_config"].update({"num_position_embeddings": 2304, "initializer_range": 0.02, **vision})
-    preset["tie_word_embeddings"] = tied
-    return preset
-
-
-#: Keyword arguments for ``transformers.Qwen3_5Config`` with the published dimensions of
-#: ``Qwen/Qwen3.5-0.8B`` (0.85 B parameters, 254 M of them in the tied embedding / lm_head).
-#: Source: the checkpoint's ``config.json`` on the Hugging Face Hub
-#: (https://huggingface.co/Qwen/Qwen3.5-0.8B/blob/main/config.json, revision
-#: 2fc06364715b967f1860aea9cf38778875588b17), numbers cross-checked against two independent
-#: mirrors of it (github.com/wlejon/brolm ``tests/test_qwen35_config.cpp`` @ 5544049e and
-#: github.com/hvasconcelos/mlxforge ``tests/core/config_test.cpp`` @ 410e2169) and, for the
-#: vision tower, pytorch-image-models PR #2765. Text: hidden 1024, 24 layers (3 Gated DeltaNet
-#: + 1 gated full attention, six times), MLP 3584, attention 8 query / 2 KV heads of 256,
-#: Gated DeltaNet 16 key and 16 value heads of 128, conv kernel 4, vocab 248320, tied
-#: embeddings, rotary theta 1e7 on 25 % of each head with mRoPE sections 11/11/10
-#: interleaved. Vision: 12 blocks of width 768 (MLP 3072, 12 heads), patch 16, temporal 2,
-#: 2x2 merge to 1024. Weights are random (``initializer_range`` 0.02, transformers' default)
-#: and the token ids are the demo tokenizer's (the published tokenizer cannot be downloaded
-#: here); only the sizes matter for speed. Treat as read-only.
-QWEN35_0_8B_PRESET: dict[str, Any] = _published(
-    {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24, "num_attention_heads": 8,
-     "num_key_value_heads": 2, "linear_num_value_heads": 16},
-    {"depth": 12, "hidden_size": 768, "num_heads": 12, "intermediate_size": 3072, "out_hidden_size": 1024},
-    tied=True,
-)
-
-#: ``Qwen/Qwen3.5-2B`` (2.2 B parameters; revision 15852e8c16360a2fea060d615a32b45270f8a8fc of its
-#: ``config.json``): hidden 2048, MLP 6144, 24 layers (18 Gated DeltaNet + 6 full attention),
-#: attention 8 query / 2 KV heads, Gated DeltaNet 16 key / 16 value heads, tied embeddings. Vision
-#: tower (the 2B and 4B share it): 24 blocks of width 1024 (MLP 4096, 16 heads) merged to 2048,
-#: from pytorch-image-models ``timm/models/qwen3_vit.py`` @ 30eb5c9d and its PR #2765. Random
-#: weights and demo token ids as :data:`QWEN35_0_8B_PRESET`.
-QWEN35_2B_PRESET: dict[str, Any] = _published(
-    {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 8,
-     "num_key_value_heads": 2, "linear_num_value_heads": 16},
-    {"depth": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096, "out_hidden_size": 2048},
-    tied=True,
-)
-
-#: ``Qwen/Qwen3.5-4B`` (4.5 B parameters, 9.1 GB in bf16, the reference system's model; ``config.json`` revision
-#: 851bf6e806efd8d0a36b00ddf55e13ccb7b8cd0a): hidden 2560, MLP 9216, 32 layers (24 Gated DeltaNet +
-#: 8 full attention), attention 16 query / 4 KV heads of 256, Gated DeltaNet 16 key / 32 value
-#: heads of 128 (the 2:1 value/key ratio), vocab 248320. The published config ties the lm_head to
-#: the token embedding (``tie_word_embeddings: true``, and the model card: "LM Output: 248320
-#: (Tied to token embedding)"); the reference system's listing says untied, the published config
-#: wins. Vision: 24 blocks of width 1024 (MLP 4096, 16 heads) merged to 2560, no deepstack.
-QWEN35_4B_PRESET: dict[str, Any] = _published(
-    {"hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
-     "num_key_value_heads": 4, "linear_num_value_heads": 32},
-    {"depth": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096, "out_hidden_size": 2560},
-    tied=True,
-)
-
-#: ``Qwen/Qwen3.5-9B`` (9.4 B parameters, 18.8 GB in bf16: the published 19.3 GB also hold the
-#: multi-token-prediction layer, which transformers does not build; ``config.json`` revision
-#: c202236235762e1c871ad0ccb60c8ee5ba337b9a, of which only the first 50 lines were readable here;
-#: the rest from copies that agree with each other and with its weight index, which lists an
-#: ``lm_head.weight``): hidden 4096, MLP 12288, 32 layers (24 + 8), attention 16 query / 4 KV heads,
-#: Gated DeltaNet 16 key / 32 value heads, untied lm_head. Vision: 27 blocks of width 1152 (MLP
-#: 4304, 16 heads) merged to 4096 (pytorch-image-models ``qwen3_vit.py`` @ 30eb5c9d).
-QWEN35_9B_PRESET: dict[str, Any] = _published(
-    {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
-     "num_key_value_heads": 4, "linear_num_value_heads": 32},
-    {"depth": 27, "hidden_size": 1152, "num_heads": 16, "intermediate_size": 4304, "out_hidden_size": 4096},
-    tied=False,
-)
-
-#: Checkpoint presets by name (``qwen35-onnx bench --preset``).
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": TINY_PRESET,
-    "qwen3.5-0.8b": QWEN35_0_8B_PRESET,
-    "qwen3.5-2b": QWEN35_2B_PRESET,
-    "qwen3.5-4b": QWEN35_4B_PRESET,
-    "qwen3.5-9b": QWEN35_9B_PRESET,
-}
-
-
-def preset_config(name: str = "tiny"):
-    """Return a fresh ``transformers.Qwen3_5Config`` for the preset ``name`` (see :data:`PRESETS`).
-
-    Returns:
-        transformers.Qwen3_5Config: a new config object (the preset is deep-copied,
-        so changing the result never changes the preset).
-
-    Raises:
-        ValueError: unknown preset name.
-    """
-    from transformers import Qwen3_5Config
-
-    if name not in PRESETS:
-        raise ValueError(f"preset {name!r} is not one of {', '.join(PRESETS)}")
-    return Qwen3_5Config(**copy.deepcopy(PRESETS[name]))
-
-
-def tiny_config():
-    """Return a fresh ``transformers.Qwen3_5Config`` built from :data:`TINY_PRESET`."""
-    return preset_config("tiny")
-
-
-# ---------------------------------------------------------------------------
-# Paths
-# ---------------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    """The project's cache folder: the environment variable ``QWEN35_ONNX_CACHE`` if it is set
-    and non-empty, else ``~/.cache/qwen35-onnx`` (absolute, ``~`` expanded; not created)."""
-    return Path(os.environ.get("QWEN35_ONNX_CACHE") or "~/.cache/qwen35-onnx").expanduser().absolute()
-
-
-def demo_checkpoint_dir() -> Path:
-    """Return the default folder of the demo checkpoint: ``<cache_root()>/demo-checkpoint``.
-    Nothing is created or checked.
-
-    Returns:
-        Path: absolute path (``~`` expanded) of the demo checkpoint folder.
-    """
-    return cache_root() / "demo-checkpoint"
-
-
-def photo_path() -> Path:
-    """Return the path of the photograph shipped with the package.
-
-    The photo is ``qwen35_onnx/assets/photo.jpg``: a 256x256 RGB JPEG of the
-    astronaut Eileen Collins (NASA, public domain; see ``assets/README.md``).
-
-    Returns:
-        Path: a file-system path to the JPEG.
-
-    Raises:
-        FileNotFoundError: if the package was installed without its assets.
-    """
-    path = Path(str(resources.files("qwen35_onnx").joinpath("assets").joinpath("photo.jpg")))
-    if not path.is_file():
-        raise FileNotFoundError(f"shipped photo missing: {path} (package installed without its assets?)")
     return path
 
 
@@ -458,7 +165,7 @@ _TEMPLATES = (
 )
 
 
-def _corpus() -> list[str]:
+def tokenizer_corpus() -> list[str]:
     """Return the tokenizer training corpus: ~6000 generated lines, always the same.
 
     Lines fill :data:`_TEMPLATES` with words drawn from :data:`_WORDS`
@@ -485,8 +192,8 @@ def _train_tokenizer():
 
     Returns:
         transformers.PreTrainedTokenizerBase: a ``Qwen3_5Tokenizer`` with
-        :data:`_VOCAB_SIZE` entries: 256 byte tokens and the BPE merges (ids
-        ``0 .. _BPE_SIZE - 1``), then :data:`SPECIAL_TOKENS` in order.
+        :data:`VOCAB_SIZE` entries: 256 byte tokens and the BPE merges (ids
+        ``0 .. BPE_SIZE - 1``), then :data:`SPECIAL_TOKENS` in order.
 
     Raises:
         RuntimeError: if the trainer did not reach the planned vocabulary size.
@@ -505,40 +212,34 @@ def _train_tokenizer():
     )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_BPE_SIZE,
+        vocab_size=BPE_SIZE,
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    bpe.train_from_iterator(_corpus(), trainer=trainer)
+    bpe.train_from_iterator(tokenizer_corpus(), trainer=trainer)
     model = json.loads(bpe.to_str())["model"]
     vocab, merges = model["vocab"], model["merges"]
-    if len(vocab) != _BPE_SIZE:
-        raise RuntimeError(f"BPE training gave {len(vocab)} entries, expected {_BPE_SIZE}")
+    if len(vocab) != BPE_SIZE:
+        raise RuntimeError(f"BPE training gave {len(vocab)} entries, expected {BPE_SIZE}")
 
     # Re-wrap in transformers' own Qwen3.5 class: it rebuilds the same pipeline
     # around the trained vocab and merges, and saves as a Qwen3.5 tokenizer.
     tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[tuple(pair) for pair in merges])
-    tokenizer.add_tokens([AddedToken(t, special=t not in _NON_SPECIAL, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=t not in NON_SPECIAL, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer.eos_token = "<|im_end|>"  # as in Qwen chat models; set after adding, to keep the id order
     tokenizer.chat_template = _CHAT_TEMPLATE
     for token in SPECIAL_TOKENS:
         got = tokenizer.convert_tokens_to_ids(token)
-        if got != _token_id(token):
-            raise RuntimeError(f"token {token!r} got id {got}, expected {_token_id(token)}")
+        if got != token_id(token):
+            raise RuntimeError(f"token {token!r} got id {got}, expected {token_id(token)}")
     return tokenizer
 
 
 # ---------------------------------------------------------------------------
 # The demo checkpoint
 # ---------------------------------------------------------------------------
-
-
-def preset_dtype(preset: str) -> str:
-    """Storage dtype of a preset's checkpoint: fp32 for ``tiny`` (the parity tests' reference),
-    bf16 for the published sizes, as Qwen publishes them (a 4B fp32 checkpoint would be 18 GB)."""
-    return "fp32" if preset == "tiny" else "bf16"
 
 
 def _marker(seed: int, preset: str) -> dict[str, Any]:
@@ -577,8 +278,8 @@ def _write_checkpoint(folder: Path, seed: int, preset: str = "tiny") -> None:
         finally:
             torch.set_default_dtype(default)
     model.generation_config = GenerationConfig(
-        eos_token_id=[_token_id("<|im_end|>"), _token_id("<|endoftext|>")],
-        pad_token_id=_token_id("<|endoftext|>"),
+        eos_token_id=[token_id("<|im_end|>"), token_id("<|endoftext|>")],
+        pad_token_id=token_id("<|endoftext|>"),
         do_sample=False,
     )
     model.save_pretrained(folder)
@@ -676,54 +377,3 @@ def build_demo_checkpoint(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
-
-
-def train_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, steps: int = 200, seed: int = 0) -> Path:
-    """Copy the checkpoint at ``src`` to ``dst`` after ``steps`` steps of language-model training
-    on the tokenizer corpus (next-token cross-entropy over 8 windows of 128 tokens per step,
-    AdamW, learning rate 3e-3; vision tower untouched). About 0.2 s per step on 2 CPU cores.
-
-    What it is for: weight-only quantization error depends on whether the network amplifies
-    small weight perturbations. Random weights (the demo checkpoint) are close to chaotic, so
-    int4 noise (about 9 % per weight at block 32) decorrelates the logits entirely (last-logit
-    cosine 0.60 against fp32); after 300 steps the same architecture gives 0.997. Quantization
-    accuracy is therefore measured on a trained copy (``tests/test_fused_and_quantized.py``).
-
-    Returns:
-        Path: ``dst`` (absolute); written atomically (temporary sibling, then rename).
-
-    Raises:
-        ValueError: ``steps`` < 1.
-        FileExistsError: ``dst`` exists.
-    """
-    import torch
-    from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
-
-    if steps < 1:
-        raise ValueError(f"steps {steps} must be >= 1")
-    src, dst = Path(src).absolute(), Path(dst).absolute()
-    if dst.exists():
-        raise FileExistsError(f"{dst} exists")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.training-", dir=dst.parent))
-    try:
-        shutil.copytree(src, staging, dirs_exist_ok=True)
-        ids = AutoTokenizer.from_pretrained(src)("\n".join(_corpus()), return_tensors="pt").input_ids[0]
-        model = Qwen3_5ForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-            model.train()
-            for _ in range(steps):
-                starts = torch.randint(0, ids.numel() - 129, (8,)).tolist()
-                batch = torch.stack([ids[i : i + 128] for i in starts])
-                loss = model(input_ids=batch, labels=batch).loss
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-        model.eval().save_pretrained(staging)
-        (staging / _MARKER).unlink(missing_ok=True)  # no longer the demo checkpoint
-        staging.rename(dst)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return dst

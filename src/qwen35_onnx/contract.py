@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,46 @@ METADATA_KEY = "qwen35_onnx.contract"
 """Key of the contract JSON in each graph's ``metadata_props``."""
 
 MANIFEST_NAME = "manifest.json"
-GRAPH_NAMES = ("vision", "prefill", "decode")
-KV_MODES = ("fixed", "dynamic")
-PREFILL_LOGITS = ("last", "all")
-OPS = ("portable", "ort")
-"""Operator sets: standard ONNX only, or ONNX Runtime fused contrib operators."""
-QUANTIZATIONS = ("none", "int4", "int8")
+
+
+class GraphKind(StrEnum):
+    """The three kinds of graph of an export."""
+
+    VISION, PREFILL, DECODE = "vision", "prefill", "decode"
+
+
+class KvMode(StrEnum):
+    """``--kv-cache``: one constant KV width (capacity) and static graphs, or a growing KV cache."""
+
+    FIXED, DYNAMIC = "fixed", "dynamic"
+
+
+class Dtype(StrEnum):
+    """Export dtypes (``--dtype``): of the weights, the activations, the conv state and the KV cache.
+    The Gated DeltaNet recurrent state is fp32 in every dtype, and the graphs' host-facing tensors
+    (``pixel_values``, ``image_embeds``, ``logits``) are fp32 in every dtype."""
+
+    FP32, FP16, BF16 = "fp32", "fp16", "bf16"
+
+
+class PrefillLogits(StrEnum):
+    """``--prefill-logits``: the last real token's logits, or every position's."""
+
+    LAST, ALL = "last", "all"
+
+
+class Ops(StrEnum):
+    """Operator sets: standard ONNX only, or ONNX Runtime fused contrib operators."""
+
+    PORTABLE, ORT = "portable", "ort"
+
+
+class Quantization(StrEnum):
+    """``--quantize``: weight-only quantization of the text graphs."""
+
+    NONE, INT4, INT8 = "none", "int4", "int8"
+
+
 #: ONNX Runtime's MatMulNBits ``accuracy_level``: the type a quantized MatMul computes in on the
 #: CPU (0 unset = the input's type, 1 fp32, 2 fp16, 3 bf16, 4 int8: activations quantized to int8
 #: per block; ONNX Runtime's contrib operator spec, MatMulNBits).
@@ -35,10 +70,6 @@ QUANT_ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 DEFAULT_QUANT_ACCURACY_LEVEL = 4
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
-DTYPES = ("fp32", "fp16", "bf16")
-"""Export dtypes (``--dtype``): of the weights, the activations, the conv state and the KV cache.
-The Gated DeltaNet recurrent state is fp32 in every dtype, and the graphs' host-facing tensors
-(``pixel_values``, ``image_embeds``, ``logits``) are fp32 in every dtype."""
 MIN_CAPACITY = 2
 
 
@@ -170,8 +201,8 @@ class ShapeContract:
     """
 
     capacity: int
-    kv_mode: str
-    dtype: str
+    kv_mode: KvMode
+    dtype: Dtype
     batch: int
     # vision
     image_size: int
@@ -193,9 +224,9 @@ class ShapeContract:
     head_dim: int
     chunk_size: int
     prefill_buckets: tuple[int, ...]
-    prefill_logits: str
-    ops: str
-    quantize: str
+    prefill_logits: PrefillLogits
+    ops: Ops
+    quantize: Quantization
     quant_block_size: int
     # token ids
     image_token_id: int
@@ -287,9 +318,9 @@ class ShapeContract:
         ``'MatMulNBits'`` (``--ops ort``: ONNX Runtime's ``com.microsoft`` operator);
         ``'DequantizeLinear'`` (``--ops portable``: standard ONNX, a blocked DequantizeLinear of
         opset 21 in front of each MatMul, int4/int8 weights and fp32 scales)."""
-        if self.quantize == "none":
+        if self.quantize == Quantization.NONE:
             return "none"
-        return "MatMulNBits" if self.ops == "ort" else "DequantizeLinear"
+        return "MatMulNBits" if self.ops == Ops.ORT else "DequantizeLinear"
 
     @property
     def embedding_format(self) -> str:
@@ -301,7 +332,7 @@ class ShapeContract:
         codes and scales, then a blocked DequantizeLinear, standard ONNX)."""
         if not self.quantize_embedding:
             return "float"
-        return "GatherBlockQuantized" if self.ops == "ort" else "DequantizeLinear int8"
+        return "GatherBlockQuantized" if self.ops == Ops.ORT else "DequantizeLinear int8"
 
     @property
     def kv_in_place(self) -> bool:
@@ -311,13 +342,16 @@ class ShapeContract:
         concatenated per step. The KV entries are updated in place (GroupQueryAttention writes
         the new token's slot and nothing else); conv and recurrent entries alternate between
         two stacked buffers (A/B)."""
-        return self.ops == "ort" and self.kv_mode == "fixed"
+        return self.ops == Ops.ORT and self.kv_mode == KvMode.FIXED
 
     def state_shape(self, state: str) -> tuple[int, ...]:
         """Stacked shape of ``state`` (one of :data:`STATE_NAMES`); entry ``j`` of a per-entry
         decode graph has this shape without the first axis."""
-        shapes = {"conv_states": self.conv_state_shape, "recurrent_states": self.recurrent_state_shape,
-                  "kv_cache": self.kv_shape()}
+        shapes = {
+            "conv_states": self.conv_state_shape,
+            "recurrent_states": self.recurrent_state_shape,
+            "kv_cache": self.kv_shape(),
+        }
         if state not in shapes:
             raise ValueError(f"unknown state {state!r}; expected one of {STATE_NAMES}")
         return shapes[state]
@@ -332,8 +366,8 @@ class ShapeContract:
         return [f"{prefix}_{state}"]
 
     @property
-    def state_dtypes(self) -> dict[str, str]:
-        return {"conv": self.dtype, "recurrent": "fp32", "kv": self.dtype}
+    def state_dtypes(self) -> dict[str, Dtype]:
+        return {"conv": self.dtype, "recurrent": Dtype.FP32, "kv": self.dtype}
 
     def state_dtype(self, state: str) -> str:
         """Element dtype (e.g. ``'fp32'``) of ``state`` (one of :data:`STATE_NAMES`); the
@@ -357,7 +391,7 @@ class ShapeContract:
             "n_full": self.n_full,
             "conv_state_shape": list(self.conv_state_shape),
             "recurrent_state_shape": list(self.recurrent_state_shape),
-            "kv_shape": list(self.kv_shape()) if self.kv_mode == "fixed" else "dynamic",
+            "kv_shape": list(self.kv_shape()) if self.kv_mode == KvMode.FIXED else "dynamic",
             "state_dtypes": self.state_dtypes,
             "quant_format": self.quant_format,
             "embedding_format": self.embedding_format,
@@ -368,7 +402,7 @@ class ShapeContract:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ShapeContract":
+    def from_dict(cls, data: dict[str, Any]) -> ShapeContract:
         """Inverse of :meth:`to_dict`.
 
         Raises:
@@ -399,6 +433,9 @@ class ShapeContract:
             if not isinstance(graphs, dict):
                 raise TypeError(f"graphs must be an object, got {graphs!r}")
             kwargs["graphs"] = dict(graphs)
+            for name, mode in _MODES.items():
+                if kwargs[name] in tuple(mode):
+                    kwargs[name] = mode(kwargs[name])
             contract = cls(**kwargs)
         except TypeError as exc:
             raise ContractError(f"malformed contract: {exc}") from exc
@@ -406,7 +443,7 @@ class ShapeContract:
         return contract
 
     @classmethod
-    def from_json(cls, text: str) -> "ShapeContract":
+    def from_json(cls, text: str) -> ShapeContract:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -419,6 +456,9 @@ class ShapeContract:
         Raises:
             ContractError: naming the field and the rule it broke.
         """
+        for name, mode in _MODES.items():
+            if getattr(self, name) not in tuple(mode):
+                raise ContractError(f"{name} {getattr(self, name)!r} is not one of {', '.join(mode)}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int):
@@ -426,12 +466,10 @@ class ShapeContract:
                 if isinstance(value, bool) or not isinstance(value, int) or value < low:
                     raise ContractError(f"{f.name} must be an integer >= {low}, got {value!r}")
         for name in ("layer_types", "eos_token_ids", "prefill_buckets"):
-            if name != "layer_types" and not all(isinstance(v, int) and not isinstance(v, bool) for v in getattr(self, name)):
+            if name != "layer_types" and not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in getattr(self, name)
+            ):
                 raise ContractError(f"{name} must hold integers, got {list(getattr(self, name))!r}")
-        if self.kv_mode not in KV_MODES:
-            raise ContractError(f"kv_mode {self.kv_mode!r} is not one of {KV_MODES}")
-        if self.dtype not in DTYPES:
-            raise ContractError(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.batch != 1:
             raise ContractError(f"batch {self.batch} is not supported (only batch 1)")
         try:
@@ -442,33 +480,33 @@ class ShapeContract:
         bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})
         if bad:
             raise ContractError(f"unknown layer types {bad}")
-        if self.ops not in OPS:
-            raise ContractError(f"ops {self.ops!r} is not one of {OPS}")
-        if self.quantize not in QUANTIZATIONS:
-            raise ContractError(f"quantize {self.quantize!r} is not one of {QUANTIZATIONS}")
         if self.quant_accuracy_level not in QUANT_ACCURACY_LEVELS:
-            raise ContractError(f"quant_accuracy_level {self.quant_accuracy_level!r} is not one of {QUANT_ACCURACY_LEVELS}")
+            raise ContractError(
+                f"quant_accuracy_level {self.quant_accuracy_level!r} is not one of {QUANT_ACCURACY_LEVELS}"
+            )
         if not isinstance(self.quantize_embedding, bool):
             raise ContractError(f"quantize_embedding must be true or false, got {self.quantize_embedding!r}")
-        if self.quantize_embedding and self.quantize == "none":
+        if self.quantize_embedding and self.quantize == Quantization.NONE:
             raise ContractError("quantize_embedding needs a quantized export (quantize is 'none')")
-        if self.prefill_logits not in PREFILL_LOGITS:
-            raise ContractError(f"prefill_logits {self.prefill_logits!r} is not one of {PREFILL_LOGITS}")
         try:
             check_buckets(self.prefill_buckets, self.capacity)
             check_max_images(self.max_images, self.n_image_tokens, self.capacity)
         except ValueError as exc:
             raise ContractError(str(exc)) from exc
-        if self.kv_mode == "fixed" and not self.prefill_buckets:
+        if self.kv_mode == KvMode.FIXED and not self.prefill_buckets:
             raise ContractError("fixed kv_mode needs at least one prefill bucket")
         for bucket in (*self.prefill_buckets, self.capacity):
             if bucket % self.chunk_size:
                 raise ContractError(f"chunk_size {self.chunk_size} does not divide {bucket}")
 
-    def same_shapes(self, other: "ShapeContract") -> list[str]:
+    def same_shapes(self, other: ShapeContract) -> list[str]:
         """Fields (other than ``graphs``) on which two contracts disagree, as 'name: a != b'."""
         a, b = dataclasses.asdict(self), dataclasses.asdict(other)
         return [f"{k}: {a[k]!r} != {b[k]!r}" for k in a if k != "graphs" and a[k] != b[k]]
+
+
+_MODES = {"kv_mode": KvMode, "dtype": Dtype, "prefill_logits": PrefillLogits, "ops": Ops, "quantize": Quantization}
+"""The contract's fields that hold a mode, and their choices."""
 
 
 def write_manifest(root: Path, contract: ShapeContract) -> Path:
@@ -493,8 +531,7 @@ def read_manifest(root: Path) -> ShapeContract:
         raise ContractError(f"exported model folder {str(root)!r} is a file, not a folder")
     if not path.is_file():
         raise ContractError(
-            f"{str(path)!r} not found: {str(root)!r} is not a complete qwen35-onnx export "
-            "(was the export interrupted?)"
+            f"{str(path)!r} not found: {str(root)!r} is not a complete qwen35-onnx export (was the export interrupted?)"
         )
     try:
         return ShapeContract.from_json(path.read_text(encoding="utf-8"))

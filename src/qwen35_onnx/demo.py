@@ -28,15 +28,19 @@ def _export_is_current(folder: Path) -> bool:
         return False
 
 
-def run_demo(max_new_tokens: int = 48, cache_dir: str | os.PathLike | None = None, out=sys.stdout, err=sys.stderr) -> bool:
+def run_demo(
+    max_new_tokens: int = 48, cache_dir: str | os.PathLike | None = None, out=sys.stdout, err=sys.stderr
+) -> bool:
     """Run the demo; returns True when at least :data:`MIN_PARITY_TOKENS` tokens were
     generated and all are identical to transformers.
 
     Raises:
         ValueError: ``max_new_tokens`` below :data:`MIN_PARITY_TOKENS`.
     """
-    from .checkpoints import build_demo_checkpoint, demo_checkpoint_dir, photo_path
-    from .export.exporter import ExportOptions, export
+    from .checkpoints import build_demo_checkpoint
+    from .export.exporter import export
+    from .export.options import ExportOptions
+    from .paths import demo_checkpoint_dir, photo_path
     from .pipeline import Pipeline
     from .verify import token_parity
 

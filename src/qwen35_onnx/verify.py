@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .pipeline import GenerationResult, Pipeline, PreparedPrompt
+from .pipeline import GenerationResult, Pipeline
+from .runtime.prompt import PreparedPrompt
 
 
 @dataclass
@@ -85,11 +86,18 @@ def reference_generate(model, prepared: PreparedPrompt, grid_thw, max_new_tokens
             pad_token_id=0,
             **images,
         )
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
-def token_parity(pipeline: Pipeline, model_id: str | Path, image, prompt: str, max_new_tokens: int,
-                 result: GenerationResult | None = None, model=None) -> TokenParity:
+def token_parity(
+    pipeline: Pipeline,
+    model_id: str | Path,
+    image,
+    prompt: str,
+    max_new_tokens: int,
+    result: GenerationResult | None = None,
+    model=None,
+) -> TokenParity:
     """Generate with ``pipeline`` (unless ``result`` is given) and with transformers on the
     checkpoint ``model_id``; compare the greedy token ids."""
     prepared = pipeline.prepare(image, prompt)
@@ -100,5 +108,7 @@ def token_parity(pipeline: Pipeline, model_id: str | Path, image, prompt: str, m
     # the export stops when its capacity is full (prompt_len + new tokens - 1 <= capacity);
     # transformers has no such limit, so it is asked for no more than fit
     fits = contract.capacity - prepared.prompt_len + 1
-    reference = reference_generate(model, prepared, contract.grid_thw, min(max_new_tokens, fits), contract.eos_token_ids)
+    reference = reference_generate(
+        model, prepared, contract.grid_thw, min(max_new_tokens, fits), contract.eos_token_ids
+    )
     return TokenParity(result.token_ids, reference)

@@ -23,29 +23,23 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..contract import (
-    DTYPES,
-    GRAPH_NAMES,
-    KV_MODES,
     MANIFEST_NAME,
     METADATA_KEY,
-    OPS,
-    DEFAULT_QUANT_ACCURACY_LEVEL,
-    PREFILL_LOGITS,
-    QUANT_ACCURACY_LEVELS,
-    QUANTIZATIONS,
     STATE_NAMES,
+    Dtype,
+    GraphKind,
+    KvMode,
+    Ops,
+    Quantization,
     ShapeContract,
-    check_buckets,
-    check_capacity,
-    check_dummy_seq_len,
     check_image_size,
     check_max_images,
-    default_buckets,
     read_manifest,
     write_manifest,
 )
+from .options import ALL_COMPONENTS, ExportError, ExportOptions, component_options
 from .weight_source import CheckpointWeights, WeightsError, peak_rss_bytes
-from .weights import SharedWeights
+from .weights import WeightsFileWriter
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +51,13 @@ BF16_OPSET = 22
 the causal conv) and the other operators of our graphs accept bfloat16 (ONNX operator spec)."""
 
 
-def torch_dtype(name: str):
-    """The torch dtype of a contract dtype name ('fp32', 'fp16', 'bf16')."""
+def torch_dtype(name: Dtype):
+    """The torch dtype of a contract dtype."""
     import torch
 
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    return {Dtype.FP32: torch.float32, Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16}[name]
+
+
 TEXT_DIR = "text"
 """Folder of the prefill and decode graphs and of their shared weights file."""
 VISION_DATA = "model.onnx.data"
@@ -80,111 +76,6 @@ PROCESSOR_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
-
-
-class ExportError(ValueError):
-    """The checkpoint or the export options cannot be exported."""
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """Options of ``qwen35-onnx export`` (see the CLI for their meaning).
-
-    ``capacity`` (tokens) and ``kv_mode`` are independent of every other option.
-    """
-
-    capacity: int = 2048
-    kv_mode: str = "fixed"
-    dtype: str = "fp32"
-    image_size: int = 128
-    dummy_seq_len: int | None = None
-    component: str = "all"
-    chunk_size: int = 64
-    prefill_buckets: tuple[int, ...] | None = None
-    prefill_logits: str = "last"
-    ops: str = "ort"
-    quantize: str = "none"
-    quant_block_size: int = 32
-    quant_accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL
-    quantize_embedding: bool | None = None
-    max_images: int = 1
-    overwrite: bool = False
-
-    def validate(self) -> None:
-        """Raises ExportError naming the option and the rule it broke."""
-        try:
-            check_capacity(self.capacity)
-            check_dummy_seq_len(self.trace_len, self.capacity)
-        except ValueError as exc:
-            raise ExportError(str(exc)) from exc
-        if self.kv_mode not in KV_MODES:
-            raise ExportError(f"--kv-cache {self.kv_mode!r} must be one of {', '.join(KV_MODES)}")
-        if self.dtype not in DTYPES:
-            raise ExportError(f"--dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPES)}")
-        if self.component not in ("all", *GRAPH_NAMES):
-            raise ExportError(f"--component {self.component!r} must be one of all, {', '.join(GRAPH_NAMES)}")
-        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
-            raise ExportError(f"chunk size {self.chunk_size} must be a power of two")
-        if self.ops not in OPS:
-            raise ExportError(f"--ops {self.ops!r} must be one of {', '.join(OPS)}")
-        if self.quantize not in QUANTIZATIONS:
-            raise ExportError(f"--quantize {self.quantize!r} must be one of {', '.join(QUANTIZATIONS)}")
-        bs = self.quant_block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
-            raise ExportError(f"--quant-block-size {bs!r} must be a power of two from 16 to 256")
-        level = self.quant_accuracy_level
-        if isinstance(level, bool) or not isinstance(level, int) or level not in QUANT_ACCURACY_LEVELS:
-            raise ExportError(
-                f"--quant-accuracy-level {level!r} must be one of {', '.join(map(str, QUANT_ACCURACY_LEVELS))} "
-                "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)"
-            )
-        if level != DEFAULT_QUANT_ACCURACY_LEVEL and self.quantize == "none":
-            raise ExportError(f"--quant-accuracy-level {level} applies to quantized exports only (add --quantize int4|int8)")
-        if self.quantize_embedding is not None and not isinstance(self.quantize_embedding, bool):
-            raise ExportError(f"--quantize-embedding must be true or false, got {self.quantize_embedding!r}")
-        if self.quantize_embedding and self.quantize == "none":
-            raise ExportError("--quantize-embedding applies to quantized exports only (add --quantize int4|int8)")
-        if self.dtype == "bf16" and self.ops == "ort":
-            raise ExportError(
-                "--dtype bf16 needs --ops portable: ONNX Runtime's fused operators (--ops ort) take fp32 and fp16 "
-                "only, and OpenVINO, which runs bf16, reads portable graphs only"
-            )
-        if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 1:
-            raise ExportError(f"--max-images must be an integer >= 1, got {self.max_images!r}")
-        if self.prefill_logits not in PREFILL_LOGITS:
-            raise ExportError(f"--prefill-logits {self.prefill_logits!r} must be one of {', '.join(PREFILL_LOGITS)}")
-        if self.prefill_buckets is not None:
-            if self.kv_mode != "fixed":
-                raise ExportError("--prefill-buckets needs --kv-cache fixed (dynamic mode has one dynamic-length prefill graph)")
-            if not self.prefill_buckets:
-                raise ExportError("--prefill-buckets is empty; give at least one length")
-            try:
-                check_buckets(self.prefill_buckets, self.capacity)
-            except ValueError as exc:
-                raise ExportError(f"--prefill-buckets: {exc}") from exc
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        """Prefill buckets in tokens: as given, or the standard tiers below capacity plus
-        capacity (fixed mode); none in dynamic mode."""
-        if self.kv_mode != "fixed":
-            return ()
-        return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
-
-    @property
-    def embedding_quantized(self) -> bool:
-        """Whether the token-embedding table is quantized: ``quantize_embedding``, by default
-        (None) whenever the text weights are."""
-        return self.quantize != "none" and self.quantize_embedding is not False
-
-    @property
-    def trace_len(self) -> int:
-        """Trace length in tokens: ``dummy_seq_len``, or by default 8 capped at capacity - 1."""
-        return self.dummy_seq_len if self.dummy_seq_len is not None else min(8, self.capacity - 1)
-
-    @property
-    def components(self) -> tuple[str, ...]:
-        return GRAPH_NAMES if self.component == "all" else (self.component,)
 
 
 def check_architecture(config) -> None:
@@ -249,6 +140,15 @@ def processor_max_pixels(model_dir: str | Path) -> int | None:
     return int(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
+FROM_VISION_CONFIG = "patch_size temporal_patch_size spatial_merge_size in_channels".split()
+"""Contract fields that are the checkpoint's ``vision_config`` attributes of the same names."""
+FROM_TEXT_CONFIG = (
+    "hidden_size vocab_size linear_num_value_heads linear_key_head_dim linear_value_head_dim "
+    "num_key_value_heads head_dim"
+).split()
+"""Contract fields that are the checkpoint's ``text_config`` attributes of the same names."""
+
+
 def build_contract(config, generation_config, options: ExportOptions, max_pixels: int | None = None) -> ShapeContract:
     """The contract of an export of ``config`` (a ``Qwen3_5Config``) with ``options``.
 
@@ -276,7 +176,7 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
         check_max_images(options.max_images, n_image_tokens, options.capacity)
     except ValueError as exc:
         raise ExportError(str(exc)) from exc
-    if options.embedding_quantized and options.ops == "ort" and text.hidden_size % options.quant_block_size:
+    if options.embedding_quantized and options.ops == Ops.ORT and text.hidden_size % options.quant_block_size:
         raise ExportError(
             f"the model's hidden size {text.hidden_size} is not a multiple of --quant-block-size "
             f"{options.quant_block_size}, which the quantized embedding (GatherBlockQuantized) needs; "
@@ -290,41 +190,21 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
     pad = getattr(generation_config, "pad_token_id", None) if generation_config is not None else None
     key_dim = text.linear_num_key_heads * text.linear_key_head_dim
     contract = ShapeContract(
-        capacity=options.capacity,
-        kv_mode=options.kv_mode,
-        dtype=options.dtype,
+        **options.contract_values(),
+        **{name: getattr(vision, name) for name in FROM_VISION_CONFIG},
+        **{name: getattr(text, name) for name in FROM_TEXT_CONFIG},
         batch=1,
-        image_size=options.image_size,
-        patch_size=vision.patch_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        spatial_merge_size=vision.spatial_merge_size,
-        in_channels=vision.in_channels,
         image_embed_dim=vision.out_hidden_size,
-        hidden_size=text.hidden_size,
-        vocab_size=text.vocab_size,
         layer_types=tuple(text.layer_types),
         conv_dim=2 * key_dim + text.linear_num_value_heads * text.linear_value_head_dim,
         conv_kernel=text.linear_conv_kernel_dim,
-        linear_num_value_heads=text.linear_num_value_heads,
-        linear_key_head_dim=text.linear_key_head_dim,
-        linear_value_head_dim=text.linear_value_head_dim,
-        num_key_value_heads=text.num_key_value_heads,
-        head_dim=text.head_dim,
         chunk_size=chunk_size_for((options.capacity, *options.buckets), options.chunk_size),
-        prefill_buckets=options.buckets,
-        prefill_logits=options.prefill_logits,
-        ops=options.ops,
-        quantize=options.quantize,
-        quant_block_size=options.quant_block_size,
-        quant_accuracy_level=options.quant_accuracy_level,
-        quantize_embedding=options.embedding_quantized,
         image_token_id=config.image_token_id,
         vision_start_token_id=config.vision_start_token_id,
         vision_end_token_id=config.vision_end_token_id,
         eos_token_ids=eos_token_ids(generation_config, config),
         pad_token_id=None if pad is None else int(pad),
         exporter_version=__version__,
-        max_images=options.max_images,
     )
     contract.validate()
     return contract
@@ -340,26 +220,26 @@ class GraphJob:
     its static length (``None``: vision, decode, or the dynamic-length prefill)."""
 
     key: str
-    kind: str
+    kind: GraphKind
     path: str
     bucket: int | None = None
 
 
-def graph_jobs(contract: ShapeContract, components: Sequence[str] = GRAPH_NAMES) -> list[GraphJob]:
+def graph_jobs(contract: ShapeContract, components: Sequence[GraphKind] = tuple(GraphKind)) -> list[GraphJob]:
     """The graphs of an export: ``vision/model.onnx``; in ``text/``, one prefill per bucket
     (fixed mode) or one dynamic-length prefill (dynamic mode), and decode, which share one
     weights file (``text/weights.data``, see :mod:`.weights`)."""
     jobs = []
     for kind in components:
-        if kind == "prefill" and contract.prefill_buckets:
+        if kind == GraphKind.PREFILL and contract.prefill_buckets:
             jobs += [
                 GraphJob(contract.prefill_graph_key(b), kind, f"{TEXT_DIR}/prefill_{b}.onnx", b)
                 for b in contract.prefill_buckets
             ]
-        elif kind == "vision":
-            jobs.append(GraphJob(kind, kind, "vision/model.onnx"))
+        elif kind == GraphKind.VISION:
+            jobs.append(GraphJob(str(kind), kind, "vision/model.onnx"))
         else:
-            jobs.append(GraphJob(kind, kind, f"{TEXT_DIR}/{kind}.onnx"))
+            jobs.append(GraphJob(str(kind), kind, f"{TEXT_DIR}/{kind}.onnx"))
     return jobs
 
 
@@ -369,21 +249,21 @@ def trace_seq_len(job: GraphJob, contract: ShapeContract, dummy_seq_len: int) ->
     (``torch.export`` specialises a size of 1); for decode, a past of ``dummy_seq_len``."""
     if job.bucket is not None:
         return job.bucket
-    if job.kind != "prefill":
+    if job.kind != GraphKind.PREFILL:
         return dummy_seq_len
     chunk = contract.chunk_size
     n_chunks = max(2, -(-dummy_seq_len // chunk))
     return min(n_chunks, contract.capacity // chunk) * chunk
 
 
-def dummy_inputs(kind: str, contract: ShapeContract, seq_len: int):
+def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int):
     """Example inputs for tracing a graph of ``kind`` (the values only matter for shapes)."""
     import torch
 
     b = contract.batch
-    if kind == "vision":
+    if kind == GraphKind.VISION:
         return (torch.randn(contract.n_patches, contract.patch_dim),)
-    if kind == "prefill":
+    if kind == GraphKind.PREFILL:
         ids = torch.randint(0, contract.vocab_size, (b, seq_len))
         return (
             ids,
@@ -392,14 +272,17 @@ def dummy_inputs(kind: str, contract: ShapeContract, seq_len: int):
             torch.randn(contract.n_image_rows, contract.image_embed_dim),
         )
     # decode: a past of seq_len tokens plus the new one
-    kv_len = contract.capacity if contract.kv_mode == "fixed" else seq_len
-    mask_len = contract.capacity if contract.kv_mode == "fixed" else seq_len + 1
+    kv_len = contract.capacity if contract.kv_mode == KvMode.FIXED else seq_len
+    mask_len = contract.capacity if contract.kv_mode == KvMode.FIXED else seq_len + 1
     mask = torch.zeros(b, mask_len, dtype=torch.long)
     mask[:, : seq_len + 1] = 1
     dtype = {name: torch_dtype(contract.state_dtype(name)) for name in STATE_NAMES}
     if contract.kv_in_place:  # every state one entry at a time
         states = tuple(
-            tuple(torch.zeros(contract.state_shape(name)[1:], dtype=dtype[name]) for _ in range(contract.state_shape(name)[0]))
+            tuple(
+                torch.zeros(contract.state_shape(name)[1:], dtype=dtype[name])
+                for _ in range(contract.state_shape(name)[0])
+            )
             for name in STATE_NAMES
         )
     else:
@@ -408,7 +291,12 @@ def dummy_inputs(kind: str, contract: ShapeContract, seq_len: int):
             torch.zeros(contract.recurrent_state_shape, dtype=dtype["recurrent_states"]),
             torch.zeros(contract.kv_shape(kv_len), dtype=dtype["kv_cache"]),
         )
-    return (torch.randint(0, contract.vocab_size, (b, 1)), mask, torch.full((4, b, 1), seq_len, dtype=torch.long), *states)
+    return (
+        torch.randint(0, contract.vocab_size, (b, 1)),
+        mask,
+        torch.full((4, b, 1), seq_len, dtype=torch.long),
+        *states,
+    )
 
 
 def dynamic_shapes(job: GraphJob, contract: ShapeContract):
@@ -416,44 +304,51 @@ def dynamic_shapes(job: GraphJob, contract: ShapeContract):
     chunk count for the dynamic-length prefill; the past length for dynamic decode."""
     from torch.export import Dim
 
-    if job.kind == "vision" or job.bucket is not None:
+    if job.kind == GraphKind.VISION or job.bucket is not None:
         return None
-    if job.kind == "prefill":
+    if job.kind == GraphKind.PREFILL:
         max_chunks = contract.capacity // contract.chunk_size
         if max_chunks == 1:
             return None
         seq = contract.chunk_size * Dim("n_chunks", min=1, max=max_chunks)
         return ({1: seq}, {1: seq}, {2: seq}, None)
-    if contract.kv_mode == "fixed":
+    if contract.kv_mode == KvMode.FIXED:
         return None
     past = Dim("past_len", min=1, max=contract.capacity - 1)
     return (None, {1: past + 1}, None, None, None, {3: past})
 
 
-def graph_module(kind: str, model, contract: ShapeContract):
+def graph_module(kind: GraphKind, model, contract: ShapeContract):
     from .graphs import DecodeGraph, PrefillGraph, VisionGraph
 
-    if kind == "vision":
+    if kind == GraphKind.VISION:
         return VisionGraph(model.model.visual, contract)
-    return (PrefillGraph if kind == "prefill" else DecodeGraph)(model, contract)
+    return (PrefillGraph if kind == GraphKind.PREFILL else DecodeGraph)(model, contract)
 
 
-def io_names(kind: str, contract: ShapeContract) -> tuple[list[str], list[str]]:
+def io_names(kind: GraphKind, contract: ShapeContract) -> tuple[list[str], list[str]]:
     """Input and output names of a graph of ``kind`` (the decode state names depend on
     :attr:`ShapeContract.kv_in_place`, see :meth:`ShapeContract.decode_state_names`)."""
     from .graphs import DECODE_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
 
-    if kind == "vision":
+    if kind == GraphKind.VISION:
         return VISION_INPUTS, VISION_OUTPUTS
-    if kind == "prefill":
+    if kind == GraphKind.PREFILL:
         return PREFILL_INPUTS, TEXT_OUTPUTS
     past = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "past")]
     present = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "present")]
     return DECODE_INPUTS[: -len(STATE_NAMES)] + past, TEXT_OUTPUTS[: -len(STATE_NAMES)] + present
 
 
-def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dummy_seq_len: int,
-                 source: CheckpointWeights, writer: SharedWeights) -> Path:
+def export_graph(
+    job: GraphJob,
+    model,
+    contract: ShapeContract,
+    root: Path,
+    dummy_seq_len: int,
+    source: CheckpointWeights,
+    writer: WeightsFileWriter,
+) -> Path:
     """Trace one graph of the empty ``model`` (:func:`.weight_source.empty_model`) with
     ``torch.onnx.export`` (dynamo) and write it to ``root / job.path`` with the contract in its
     ``metadata_props``, its weights read from ``source`` one tensor at a time into
@@ -474,7 +369,7 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
             module,
             dummy_inputs(job.kind, contract, trace_seq_len(job, contract, dummy_seq_len)),
             dynamo=True,
-            opset_version=BF16_OPSET if contract.dtype == "bf16" else OPSET,
+            opset_version=BF16_OPSET if contract.dtype == Dtype.BF16 else OPSET,
             input_names=inputs,
             output_names=outputs,
             dynamic_shapes=dynamic_shapes(job, contract),
@@ -489,12 +384,17 @@ def export_graph(job: GraphJob, model, contract: ShapeContract, root: Path, dumm
     ir_model = program.model
     ir_model.metadata_props[METADATA_KEY] = contract.to_json()
     ir_model.metadata_props["qwen35_onnx.graph"] = job.key
-    if contract.quantize != "none" and job.kind != "vision":
+    if contract.quantize != Quantization.NONE and job.kind != GraphKind.VISION:
         from .quantize import quantize_model
 
-        quantize_model(ir_model, contract.quantize, contract.quant_block_size, ops=contract.ops,
-                       accuracy_level=contract.quant_accuracy_level,
-                       embedding_ids="input_ids" if contract.quantize_embedding else None)
+        quantize_model(
+            ir_model,
+            contract.quantize,
+            contract.quant_block_size,
+            ops=contract.ops,
+            accuracy_level=contract.quant_accuracy_level,
+            embedding_ids="input_ids" if contract.quantize_embedding else None,
+        )
     writer.add_model(ir_model, path)
     return path
 
@@ -512,7 +412,9 @@ def load_config(model_id: str | Path):
 
     path = Path(model_id)
     if not (path / "config.json").is_file():
-        raise ExportError(f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)")
+        raise ExportError(
+            f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)"
+        )
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:
@@ -525,7 +427,7 @@ def load_config(model_id: str | Path):
     return config, generation_config
 
 
-def open_weights(model_id: str | Path, config, dtype: str = "fp32"):
+def open_weights(model_id: str | Path, config, dtype: Dtype = Dtype.FP32):
     """The empty model of ``config`` in ``dtype`` (:func:`.weight_source.empty_model`) and the
     checkpoint's weights, read one tensor at a time in that dtype.
 
@@ -549,70 +451,15 @@ def copy_processor_files(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-CONTRACT_OPTIONS = {
-    "capacity": "--max-seq-len",
-    "kv_mode": "--kv-cache",
-    "dtype": "--dtype",
-    "image_size": "--vision-image-size",
-    "prefill_buckets": "--prefill-buckets",
-    "prefill_logits": "--prefill-logits",
-    "ops": "--ops",
-    "quantize": "--quantize",
-    "quant_block_size": "--quant-block-size",
-    "quant_accuracy_level": "--quant-accuracy-level",
-    "quantize_embedding": "--quantize-embedding",
-    "max_images": "--max-images",
-}
-"""Options that shape the contract: a single-component export takes them from the existing export."""
-
-
-def component_options(existing: ShapeContract, options: ExportOptions, explicit: Collection[str] | None) -> ExportOptions:
-    """Options for re-exporting one graph of an existing export: its contract options come from
-    the existing manifest, so the updated folder stays consistent.
-
-    Raises:
-        ExportError: an option given explicitly (``explicit``; when None, any option that is
-            not its default) differs from the existing export.
-    """
-    current = {
-        "capacity": existing.capacity,
-        "kv_mode": existing.kv_mode,
-        "dtype": existing.dtype,
-        "image_size": existing.image_size,
-        "prefill_buckets": existing.prefill_buckets or None,
-        "prefill_logits": existing.prefill_logits,
-        "ops": existing.ops,
-        "quantize": existing.quantize,
-        "quant_block_size": existing.quant_block_size,
-        "quant_accuracy_level": existing.quant_accuracy_level,
-        "quantize_embedding": existing.quantize_embedding,
-        "max_images": existing.max_images,
-    }
-    defaults = ExportOptions()
-    conflicts = []
-    for name, flag in CONTRACT_OPTIONS.items():
-        given = getattr(options, name)
-        if given is not None and name == "prefill_buckets":
-            given = tuple(given)
-        chosen = name in explicit if explicit is not None else given != getattr(defaults, name)
-        if chosen and given != current[name]:
-            conflicts.append(f"{flag} {given!r} (the export has {current[name]!r})")
-    if conflicts:
-        raise ExportError(
-            "--component updates one graph of an existing export and keeps its contract, but "
-            + "; ".join(conflicts)
-            + ": export everything again with --component all --overwrite to change it"
-        )
-    return replace(options, **current)
-
-
 def _check_output(out: Path, model_dir: Path, options: ExportOptions) -> None:
     """Refuse output folders that would lose data or cannot hold an export."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--output-dir {str(out)!r} is a file, not a folder")
     if out == model_dir or out in model_dir.parents:
-        raise ExportError(f"--output-dir {str(out)!r} holds the checkpoint --model-id {str(model_dir)!r}; choose another folder")
-    if options.component != "all":
+        raise ExportError(
+            f"--output-dir {str(out)!r} holds the checkpoint --model-id {str(model_dir)!r}; choose another folder"
+        )
+    if options.component != ALL_COMPONENTS:
         if not out.is_dir():
             raise ExportError(
                 f"--component {options.component} updates an existing export, but {str(out)!r} does not exist; "
@@ -656,19 +503,19 @@ def export(
     out = Path(output_dir).expanduser().resolve()
     model_dir = Path(model_id).expanduser().resolve()
     _check_output(out, model_dir, options)
-    if options.component != "all":
+    if options.component != ALL_COMPONENTS:
         existing = read_manifest(out)
         options = component_options(existing, options, explicit)
         options.validate()
     config, generation_config = load_config(model_dir)
     contract = build_contract(config, generation_config, options, processor_max_pixels(model_dir))
     contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
-    if options.component != "all" and existing.same_shapes(contract):
+    if options.component != ALL_COMPONENTS and existing.same_shapes(contract):
         raise ExportError(
             f"--component {options.component}: the new graph would not match the graphs kept in {str(out)!r} "
             f"({'; '.join(existing.same_shapes(contract))}); re-export all graphs (--component all --overwrite)"
         )
-    if options.component != "all" and existing.graphs != contract.graphs:
+    if options.component != ALL_COMPONENTS and existing.graphs != contract.graphs:
         raise ExportError(
             f"{str(out)!r} has another graph layout ({sorted(existing.graphs.values())}) than this version writes "
             f"({sorted(contract.graphs.values())}): re-export all graphs (--component all --overwrite)"
@@ -683,25 +530,25 @@ def export(
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an export is ordinary data
     try:
         model, source = open_weights(model_dir, config, contract.dtype)
-        if options.component != "all":
+        if options.component != ALL_COMPONENTS:
             keep = {job.path.split("/")[0] for job in graph_jobs(contract) if job.kind != options.component}
             for name in sorted(keep):
                 if (out / name).is_dir():
                     shutil.copytree(out / name, tmp / name)
         text = None
-        if any(job.kind != "vision" for job in jobs):
+        if any(job.kind != GraphKind.VISION for job in jobs):
             (tmp / TEXT_DIR).mkdir(exist_ok=True)
-            text = SharedWeights(tmp / TEXT_DIR)
+            text = WeightsFileWriter(tmp / TEXT_DIR)
             exporting = {job.key for job in jobs}
             for key, path in contract.graphs.items():  # text graphs kept from the existing export
-                if key != "vision" and key not in exporting:
+                if key != GraphKind.VISION and key not in exporting:
                     text.add(tmp / path)
         bar = tqdm(jobs, desc="export", unit="graph", disable=not show_progress, file=sys.stderr)
         for job in bar:
             bar.set_postfix_str(job.key)
-            if job.kind == "vision":
+            if job.kind == GraphKind.VISION:
                 (tmp / job.path).parent.mkdir(parents=True, exist_ok=True)
-                vision = SharedWeights((tmp / job.path).parent, data_name=VISION_DATA)
+                vision = WeightsFileWriter((tmp / job.path).parent, data_name=VISION_DATA)
                 export_graph(job, model, contract, tmp, options.trace_len, source, vision)
                 vision.finish()
             else:

@@ -35,83 +35,65 @@ from onnx.defs import OpSchema
 MS_DOMAIN = "com.microsoft"
 
 
+#: The contrib operators as ONNX Runtime documents them: name, domain, inputs, outputs, type
+#: constraints, attributes. ``name:T`` is a formal parameter of type ``T`` (``?``: optional);
+#: ``T=float,float16`` a constraint (tensor element types); ``name:INT`` an attribute.
+# fmt: off
+SCHEMAS = (
+    ("LinearAttention", MS_DOMAIN, "query:T key:T value:T past_state:S? decay:T? beta:T?",
+     "output:T present_state:S", "T=float,float16 S=float,float16",
+     "q_num_heads:INT kv_num_heads:INT update_rule:STRING scale:FLOAT chunk_size:INT"),
+    ("CausalConvWithState", MS_DOMAIN, "input:T weight:T bias:T? past_state:T?", "output:T present_state:T",
+     "T=float,float16", "ndim:INT activation:STRING"),
+    ("GroupQueryAttention", MS_DOMAIN,
+     "query:T key:T? value:T? past_key:T? past_value:T? seqlens_k:M total_sequence_length:M",
+     "output:T present_key:T present_value:T", "T=float,float16 M=int32", "num_heads:INT kv_num_heads:INT scale:FLOAT"),
+    ("SimplifiedLayerNormalization", "", "X:T scale:T", "Y:T", "T=float,float16",
+     "axis:INT epsilon:FLOAT stash_type:INT"),
+    ("SkipSimplifiedLayerNormalization", MS_DOMAIN, "input:T skip:T gamma:T bias:T?",
+     "output:T mean:U? inv_std_var:U? input_skip_bias_sum:T?", "T=float,float16 U=float", "epsilon:FLOAT"),
+    ("MRotaryEmbedding", MS_DOMAIN, "input:T position_ids:M cos_cache:T sin_cache:T", "output:T",
+     "T=float,float16 M=int64",
+     "mrope_section:INTS num_heads:INT rotary_embedding_dim:INT interleaved:INT mrope_layout:INT"),
+    ("GatedRMSNorm", MS_DOMAIN, "X:T scale:T gate:T", "Y:T", "T=float,float16", "activation:STRING epsilon:FLOAT"),
+    ("LinearAttentionGate", MS_DOMAIN, "a:T dt_bias:TF decay_scale:TF b:T?", "decay:T beta:T",
+     "T=float,float16 TF=float", ""),
+)
+# fmt: on
+
+
+def _schema(name: str, domain: str, inputs: str, outputs: str, types: str, attributes: str) -> OpSchema:
+    """The :class:`onnx.defs.OpSchema` of one :data:`SCHEMAS` entry (opset 1)."""
+
+    def formal(spec: str) -> OpSchema.FormalParameter:
+        param, kind = spec.rstrip("?").split(":")
+        option = (
+            OpSchema.FormalParameterOption.Optional if spec.endswith("?") else OpSchema.FormalParameterOption.Single
+        )
+        return OpSchema.FormalParameter(param, kind, param_option=option)
+
+    constraints = [
+        (t, [f"tensor({e})" for e in elems.split(",")], "") for t, elems in (c.split("=") for c in types.split())
+    ]
+    return OpSchema(
+        name,
+        domain,
+        1,
+        doc=f"ONNX Runtime {name}",
+        inputs=[formal(p) for p in inputs.split()],
+        outputs=[formal(p) for p in outputs.split()],
+        type_constraints=constraints,
+        attributes=[
+            OpSchema.Attribute(a, getattr(OpSchema.AttrType, t), "")
+            for a, t in (x.split(":") for x in attributes.split())
+        ],
+    )
+
+
 def _register_schemas() -> None:
     """Make the contrib ops known to onnx/onnxscript (ONNX Runtime has its own copies)."""
-    P, A, T = OpSchema.FormalParameter, OpSchema.Attribute, OpSchema.AttrType
-    optional = OpSchema.FormalParameterOption.Optional
-    schemas = [
-        OpSchema(
-            "LinearAttention", MS_DOMAIN, 1,
-            doc="ONNX Runtime contrib LinearAttention",
-            inputs=[P("query", "T"), P("key", "T"), P("value", "T"), P("past_state", "S", param_option=optional),
-                    P("decay", "T", param_option=optional), P("beta", "T", param_option=optional)],
-            outputs=[P("output", "T"), P("present_state", "S")],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("S", ["tensor(float)", "tensor(float16)"], "")],
-            attributes=[A("q_num_heads", T.INT, ""), A("kv_num_heads", T.INT, ""), A("update_rule", T.STRING, ""),
-                        A("scale", T.FLOAT, ""), A("chunk_size", T.INT, "")],
-        ),
-        OpSchema(
-            "CausalConvWithState", MS_DOMAIN, 1,
-            doc="ONNX Runtime contrib CausalConvWithState",
-            inputs=[P("input", "T"), P("weight", "T"), P("bias", "T", param_option=optional),
-                    P("past_state", "T", param_option=optional)],
-            outputs=[P("output", "T"), P("present_state", "T")],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
-            attributes=[A("ndim", T.INT, ""), A("activation", T.STRING, "")],
-        ),
-        OpSchema(
-            "GroupQueryAttention", MS_DOMAIN, 1,
-            doc="ONNX Runtime contrib GroupQueryAttention",
-            inputs=[P("query", "T"), P("key", "T", param_option=optional), P("value", "T", param_option=optional),
-                    P("past_key", "T", param_option=optional), P("past_value", "T", param_option=optional),
-                    P("seqlens_k", "M"), P("total_sequence_length", "M")],
-            outputs=[P("output", "T"), P("present_key", "T"), P("present_value", "T")],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], "")],
-            attributes=[A("num_heads", T.INT, ""), A("kv_num_heads", T.INT, ""), A("scale", T.FLOAT, "")],
-        ),
-        OpSchema(
-            "SimplifiedLayerNormalization", "", 1,
-            doc="ONNX Runtime SimplifiedLayerNormalization (RMSNorm)",
-            inputs=[P("X", "T"), P("scale", "T")],
-            outputs=[P("Y", "T")],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
-            attributes=[A("axis", T.INT, ""), A("epsilon", T.FLOAT, ""), A("stash_type", T.INT, "")],
-        ),
-        OpSchema(
-            "SkipSimplifiedLayerNormalization", MS_DOMAIN, 1,
-            doc="ONNX Runtime contrib SkipSimplifiedLayerNormalization (residual add + RMSNorm)",
-            inputs=[P("input", "T"), P("skip", "T"), P("gamma", "T"), P("bias", "T", param_option=optional)],
-            outputs=[P("output", "T"), P("mean", "U", param_option=optional),
-                     P("inv_std_var", "U", param_option=optional), P("input_skip_bias_sum", "T", param_option=optional)],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("U", ["tensor(float)"], "")],
-            attributes=[A("epsilon", T.FLOAT, "")],
-        ),
-        OpSchema(
-            "MRotaryEmbedding", MS_DOMAIN, 1,
-            doc="ONNX Runtime contrib MRotaryEmbedding (multimodal rotary position embedding)",
-            inputs=[P("input", "T"), P("position_ids", "M"), P("cos_cache", "T"), P("sin_cache", "T")],
-            outputs=[P("output", "T")],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int64)"], "")],
-            attributes=[A("mrope_section", T.INTS, ""), A("num_heads", T.INT, ""), A("rotary_embedding_dim", T.INT, ""),
-                        A("interleaved", T.INT, ""), A("mrope_layout", T.INT, "")],
-        ),
-        OpSchema(
-            "GatedRMSNorm", MS_DOMAIN, 1,
-            doc="ONNX Runtime contrib GatedRMSNorm",
-            inputs=[P("X", "T"), P("scale", "T"), P("gate", "T")],
-            outputs=[P("Y", "T")],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
-            attributes=[A("activation", T.STRING, ""), A("epsilon", T.FLOAT, "")],
-        ),
-        OpSchema(
-            "LinearAttentionGate", MS_DOMAIN, 1,
-            doc="ONNX Runtime contrib LinearAttentionGate",
-            inputs=[P("a", "T"), P("dt_bias", "TF"), P("decay_scale", "TF"), P("b", "T", param_option=optional)],
-            outputs=[P("decay", "T"), P("beta", "T")],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("TF", ["tensor(float)"], "")],
-        ),
-    ]
-    for schema in schemas:
+    for spec in SCHEMAS:
+        schema = _schema(*spec)
         try:
             onnx.defs.get_schema(schema.name, schema.since_version, schema.domain)
         except onnx.defs.SchemaError:
@@ -142,7 +124,9 @@ def _rms_norm_onnx(x, scale, eps: float):
 
 
 @torch.library.custom_op("qwen35::skip_rms_norm", mutates_args=())
-def skip_rms_norm(x: torch.Tensor, skip: torch.Tensor, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def skip_rms_norm(
+    x: torch.Tensor, skip: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add then RMSNorm: ``total = x + skip``, returns ``(rms_norm(total) * scale, total)``.
     ``x, skip [..., C]``, ``scale [C]``."""
     total = x + skip
@@ -202,8 +186,14 @@ def _linear_attention_gate_onnx(a, dt_bias, decay_scale, b):
 # ---- linear attention ------------------------------------------------------------------
 @torch.library.custom_op("qwen35::linear_attention", mutates_args=())
 def linear_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_state: torch.Tensor,
-    decay: torch.Tensor, beta: torch.Tensor, num_heads: int, scale: float,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_state: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    num_heads: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over packed heads (reference loop).
 
@@ -236,8 +226,17 @@ def _(query, key, value, past_state, decay, beta, num_heads, scale):
 
 def _linear_attention_onnx(query, key, value, past_state, decay, beta, num_heads: int, scale: float):
     return _ms.LinearAttention(
-        query, key, value, past_state, decay, beta,
-        q_num_heads=num_heads, kv_num_heads=num_heads, update_rule="gated_delta", scale=scale, _outputs=2,
+        query,
+        key,
+        value,
+        past_state,
+        decay,
+        beta,
+        q_num_heads=num_heads,
+        kv_num_heads=num_heads,
+        update_rule="gated_delta",
+        scale=scale,
+        _outputs=2,
     )
 
 
@@ -254,7 +253,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, past_state: torch.Tensor)
     """
     window = torch.cat([past_state, x], dim=-1)
     y = F.conv1d(window, weight, groups=x.shape[1])
-    return F.silu(y), window[..., window.shape[-1] - past_state.shape[-1]:].clone()
+    return F.silu(y), window[..., window.shape[-1] - past_state.shape[-1] :].clone()
 
 
 @causal_conv.register_fake
@@ -269,8 +268,13 @@ def _causal_conv_onnx(x, weight, past_state):
 # ---- multimodal rotary position embedding ---------------------------------------------
 @torch.library.custom_op("qwen35::mrotary_embedding", mutates_args=())
 def mrotary_embedding(
-    x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-    mrope_section: list[int], num_heads: int, rotary_dim: int,
+    x: torch.Tensor,
+    position_ids: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    mrope_section: list[int],
+    num_heads: int,
+    rotary_dim: int,
 ) -> torch.Tensor:
     """Interleaved mRoPE (Qwen3-VL / Qwen3.5 layout) on the first ``2 * F`` dims of each head,
     rotate-half convention (transformers' ``apply_rotary_pos_emb``).
@@ -306,19 +310,35 @@ def _(x, position_ids, cos_cache, sin_cache, mrope_section, num_heads, rotary_di
     return torch.empty_like(x)
 
 
-def _mrotary_embedding_onnx(x, position_ids, cos_cache, sin_cache, mrope_section: list[int], num_heads: int,
-                            rotary_dim: int):
+def _mrotary_embedding_onnx(
+    x, position_ids, cos_cache, sin_cache, mrope_section: list[int], num_heads: int, rotary_dim: int
+):
     return _ms.MRotaryEmbedding(
-        x, position_ids, cos_cache, sin_cache, mrope_section=list(mrope_section), num_heads=num_heads,
-        rotary_embedding_dim=rotary_dim, interleaved=0, mrope_layout=1,
+        x,
+        position_ids,
+        cos_cache,
+        sin_cache,
+        mrope_section=list(mrope_section),
+        num_heads=num_heads,
+        rotary_embedding_dim=rotary_dim,
+        interleaved=0,
+        mrope_layout=1,
     )
 
 
 # ---- grouped-query attention over a fixed-width KV cache --------------------------------
 @torch.library.custom_op("qwen35::group_query_attention", mutates_args=())
 def group_query_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
-    seqlens_k: torch.Tensor, total_sequence_length: torch.Tensor, num_heads: int, kv_num_heads: int, scale: float,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total_sequence_length: torch.Tensor,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``T`` new tokens over a KV buffer of fixed width ``L`` (reference).
 
@@ -361,12 +381,12 @@ def _(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
+# fmt: off
 def _group_query_attention_onnx(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                                 num_heads: int, kv_num_heads: int, scale: float):
-    return _ms.GroupQueryAttention(
-        query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, _outputs=3,
-    )
+    return _ms.GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+                                   num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, _outputs=3)
+# fmt: on
 
 
 TRANSLATIONS = {

@@ -9,7 +9,8 @@ Graph I/O (names as in the reference system; B = 1, L = capacity):
 =========  ================================================================================
 vision     pixel_values [n_patches, patch_dim] -> image_embeds [n_image_tokens, hidden]
 prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_embeds [N,hidden]
-           -> logits [B,1,V] (last real token; [B,S,V] with prefill_logits='all'), present_conv_states [n_linear,B,conv_dim,K-1],
+           -> logits [B,1,V] (last real token; [B,S,V] with prefill_logits='all'),
+              present_conv_states [n_linear,B,conv_dim,K-1],
            present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
 decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_conv_states,
            past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states;
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contract import ShapeContract
+from ..contract import KvMode, Ops, PrefillLogits, Quantization, ShapeContract
 from . import fused, layers
 
 VISION_INPUTS = ["pixel_values"]
@@ -162,7 +163,7 @@ class _TextGraph(nn.Module):
         self.full_ids = [i for i, t in enumerate(contract.layer_types) if t == "full_attention"]
         self.empty = getattr(model, "empty_weights", False)
         self.recipes: dict[str, Recipe] = {}
-        if contract.quantize != "none":
+        if contract.quantize != Quantization.NONE:
             # lm_head as MatMul(hidden, W^T) with W^T a constant [hidden, V], so that weight-only
             # quantization finds it (a tied W also feeds the embedding's Gather, so the plain
             # export keeps Transpose(W), one copy of the table, which the quantizer would skip)
@@ -234,11 +235,11 @@ class _TextGraph(nn.Module):
     @property
     def fused(self) -> bool:
         """ONNX Runtime fused operators (``--ops ort``) instead of standard ONNX ones."""
-        return self.contract.ops == "ort"
+        return self.contract.ops == Ops.ORT
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head``: ``[B, S, hidden] -> [B, S, V]`` fp32 (computed in the export's dtype)."""
-        if self.contract.quantize != "none":
+        if self.contract.quantize != Quantization.NONE:
             return (hidden @ self.lm_head_t).float()
         return self.lm_head(hidden).float()
 
@@ -305,7 +306,9 @@ class _TextGraph(nn.Module):
         """Gated RMSNorm + out_proj: core ``[B, S, Hv, Dv]``, z ``[B, S, Hv*Dv]`` -> ``[B, S, hidden]``."""
         batch, seq_len = core.shape[:2]
         if self.fused:  # one GatedRMSNorm on the packed heads
-            out = fused.gated_rms_norm(core.reshape(batch, seq_len, -1), attn.norm.weight, z, attn.norm.variance_epsilon)
+            out = fused.gated_rms_norm(
+                core.reshape(batch, seq_len, -1), attn.norm.weight, z, attn.norm.variance_epsilon
+            )
             return attn.out_proj(out)
         out = attn.norm(core.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
         return attn.out_proj(out.reshape(batch, seq_len, -1))
@@ -326,9 +329,16 @@ class _TextGraph(nn.Module):
             rotary = self.text.rotary_emb
             q, k = (
                 fused.mrotary_embedding(
-                    t.reshape(batch, seq_len, -1), rope, self.rope_cos, self.rope_sin, list(rotary.mrope_section),
-                    t.shape[2], 2 * self.rope_cos.shape[1],
-                ).view(batch, seq_len, -1, attn.head_dim).transpose(1, 2)
+                    t.reshape(batch, seq_len, -1),
+                    rope,
+                    self.rope_cos,
+                    self.rope_sin,
+                    list(rotary.mrope_section),
+                    t.shape[2],
+                    2 * self.rope_cos.shape[1],
+                )
+                .view(batch, seq_len, -1, attn.head_dim)
+                .transpose(1, 2)
                 for t in (q, k)
             )
             return q, k, v, gate
@@ -400,9 +410,7 @@ class PrefillGraph(_TextGraph):
             # padded tokens: no decay (g = 0) and no write (beta = 0)
             g = g * valid_f
             beta = beta * valid_f.to(beta.dtype)
-            state0 = torch.zeros(
-                contract.recurrent_state_shape[1:], dtype=torch.float32, device=h.device
-            )
+            state0 = torch.zeros(contract.recurrent_state_shape[1:], dtype=torch.float32, device=h.device)
             core, state = self.recurrence(q, k, v, g, beta, state0, prompt=True)
             conv_states.append(conv_state)
             rec_states.append(state)
@@ -414,13 +422,13 @@ class PrefillGraph(_TextGraph):
             out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
             keep = valid.view(valid.shape[0], 1, -1, 1).to(k.dtype)
             k, v = k * keep, v * keep
-            if contract.kv_mode == "fixed":
+            if contract.kv_mode == KvMode.FIXED:
                 k, v = (F.pad(t, (0, 0, 0, contract.capacity - seq_len)) for t in (k, v))
             kv.extend([k, v])
             return self.attention_output(attn, out, gate)
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
-        if contract.prefill_logits == "last":
+        if contract.prefill_logits == PrefillLogits.LAST:
             # only the last real token's row: [B, 1, hidden] -> logits [B, 1, V]
             last = (n_valid - 1).view(-1, 1, 1).expand(hidden.shape[0], 1, hidden.shape[2])
             hidden = torch.gather(hidden, 1, last)
@@ -448,7 +456,7 @@ class DecodeGraph(_TextGraph):
         hidden = self.text.embed_tokens(input_ids)
         rope = self.rotary(hidden, position_ids)
         mask = attention_mask.bool()
-        if contract.kv_mode == "fixed":
+        if contract.kv_mode == KvMode.FIXED:
             cache_pos = attention_mask.sum(dim=-1) - 1  # [B]
             slots = torch.arange(attention_mask.shape[1], device=input_ids.device).view(1, -1)
             allowed = (slots <= cache_pos.view(-1, 1)) & mask
@@ -486,12 +494,20 @@ class DecodeGraph(_TextGraph):
                 batch = q.shape[0]
                 q, k, v = (t.transpose(1, 2).reshape(batch, 1, -1) for t in (q, k, v))
                 out, k_all, v_all = fused.group_query_attention(
-                    q, k, v, past_k, past_v, seqlens_k, total, q.shape[-1] // attn.head_dim,
-                    k.shape[-1] // attn.head_dim, attn.scaling,
+                    q,
+                    k,
+                    v,
+                    past_k,
+                    past_v,
+                    seqlens_k,
+                    total,
+                    q.shape[-1] // attn.head_dim,
+                    k.shape[-1] // attn.head_dim,
+                    attn.scaling,
                 )
                 kv.extend([k_all, v_all])
                 return self.attention_output(attn, out, gate)
-            if contract.kv_mode == "fixed":
+            if contract.kv_mode == KvMode.FIXED:
                 k_all = layers.write_kv_slot(past_k, k, cache_pos)
                 v_all = layers.write_kv_slot(past_v, v, cache_pos)
             else:

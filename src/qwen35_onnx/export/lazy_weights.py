@@ -1,6 +1,6 @@
 """Lazy weights of a traced graph: every initializer that was traced from an empty parameter
-(or a constant computed from parameters) becomes a :class:`SourcedTensor`, a tensor computed only when it is written, from
-the checkpoint (:class:`~.weight_source.CheckpointWeights`) and the graph module's recipes
+(or a constant computed from parameters) becomes a :class:`SourcedTensor`, a tensor computed only
+when it is written, from the checkpoint (:class:`~.weight_source.CheckpointWeights`) and the graph module's recipes
 (:func:`.graphs.register_derived`).
 
 A SourcedTensor carries a ``key`` naming where its value comes from (checkpoint tensor,
@@ -66,7 +66,8 @@ def attach_weights(model: ir.Model, module: nn.Module, source: CheckpointWeights
         value = source.tensor(name)
         if tuple(value.shape) != tuple(parameter.shape):
             raise WeightsError(
-                f"checkpoint tensor {name!r} has shape {list(value.shape)}, the model's config expects {list(parameter.shape)}"
+                f"checkpoint tensor {name!r} has shape {list(value.shape)}, the model's config expects "
+                f"{list(parameter.shape)}"
             )
         return value
 
@@ -114,7 +115,9 @@ def fold_weight_transposes(model: ir.Model) -> int:
 
         shape = [tensor.shape[p] for p in perm]
         folded = ir.Value(name=f"{source.name}_t", shape=ir.Shape(shape), type=ir.TensorType(tensor.dtype))
-        folded.const_value = SourcedTensor(transposed, tensor.dtype, shape, (tensor.key, "transpose", perm), folded.name)
+        folded.const_value = SourcedTensor(
+            transposed, tensor.dtype, shape, (tensor.key, "transpose", perm), folded.name
+        )
         node.outputs[0].replace_all_uses_with(folded, replace_graph_outputs=True)
         graph.remove(node, safe=True)
         graph.initializers.pop(source.name)

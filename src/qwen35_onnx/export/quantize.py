@@ -34,26 +34,16 @@ otherwise (``--no-quantize-embedding``): row by row along the hidden axis, which
 lm_head's bytes, stored once) or as int8 ``Gather`` + ``DequantizeLinear`` (``portable``), see
 :func:`_quantize_embedding`; the README gives the accuracy measured for the choice.
 
-Measured (``tests/test_portable_quantize.py`` checks the structure, the fusion, the agreement
-with ``--ops ort`` and with OpenVINO): on the demo checkpoint trained 200 steps
-(``checkpoints.train_checkpoint``), last-logit cosine against fp32 is the same in both formats,
-int4 0.9982 and int8 1.0000. ONNX Runtime fuses every pair into MatMulNBits (accuracy level 4, its
-default for this fusion, or the export's ``--quant-accuracy-level``). Decode at 0.8B, 2 cores
-(bench of 0.5.0): portable int4 on ONNX Runtime 39-53 ms per token against 32-36 ms for
-``--ops ort`` int4 (the portable graph's unfused operators, not the weights); OpenVINO's CPU
-plugin runs the same portable int4 graph in 36-40 ms, its fully connected layers holding i4
-weights (compiled decode graph 2.1 GB resident against 5.9 GB for fp32), logits within 1e-6 of
-ONNX Runtime's.
+``tests/test_portable_quantize.py`` checks the structure, the fusion, the agreement with ``--ops ort``
+and with OpenVINO; the accuracy and speed measured are in ``docs/design.md``.
 """
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx_ir as ir
 
-from ..contract import DEFAULT_QUANT_ACCURACY_LEVEL
+from ..contract import DEFAULT_QUANT_ACCURACY_LEVEL, Ops
 from .lazy_weights import SourcedTensor, numpy_tensor
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
@@ -78,7 +68,7 @@ def check_scheme(scheme: str, block_size: int, ops: str) -> int:
         raise ValueError(f"quantization {scheme!r} must be one of {', '.join(QUANTIZE_BITS)}")
     if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
         raise ValueError(f"quantization block size {block_size} must be a power of two from 16 to 256")
-    if ops not in ("ort", "portable"):
+    if ops not in tuple(Ops):
         raise ValueError(f"ops {ops!r} must be 'portable' or 'ort'")
     return QUANTIZE_BITS[scheme]
 
@@ -104,8 +94,11 @@ class _Parts:
         key = getattr(self.weight, "key", None)
         value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
         value.const_value = SourcedTensor(
-            lambda: numpy_tensor(self.get(i), dtype), dtype, shape,
-            None if key is None else (key, tag), name,
+            lambda: numpy_tensor(self.get(i), dtype),
+            dtype,
+            shape,
+            None if key is None else (key, tag),
+            name,
         )
         return value
 
@@ -121,8 +114,14 @@ def _weights(graph: ir.Graph):
             yield node, weight
 
 
-def quantize_model(model: ir.Model, scheme: str, block_size: int, ops: str = "ort",
-                   accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL, embedding_ids: str | None = None) -> int:
+def quantize_model(
+    model: ir.Model,
+    scheme: str,
+    block_size: int,
+    ops: Ops = Ops.ORT,
+    accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL,
+    embedding_ids: str | None = None,
+) -> int:
     """Quantize every MatMul of ``model`` (main graph) whose weight is a 2-D float initializer,
     in place; returns the number of quantized weights. The quantized tensors are lazy: each
     weight is read and quantized when the graph is written (:mod:`.weights`), one at a time.
@@ -146,7 +145,7 @@ def quantize_model(model: ir.Model, scheme: str, block_size: int, ops: str = "or
     """
     bits = check_scheme(scheme, block_size, ops)
     graph = model.graph
-    if ops == "portable":
+    if ops == Ops.PORTABLE:
         from onnxscript import version_converter
 
         if model.opset_imports.get("", 0) < DQ_OPSET:
@@ -161,7 +160,7 @@ def quantize_model(model: ir.Model, scheme: str, block_size: int, ops: str = "or
         name = weight.name
         if name not in replaced:
             blocks = -(-k // block_size)
-            if ops == "ort":
+            if ops == Ops.ORT:
                 parts = _Parts(tensor, lambda w: nbits_blocks(w, bits, block_size), 2)
                 blob = block_size * bits // 8
                 replaced[name] = [
@@ -177,19 +176,35 @@ def quantize_model(model: ir.Model, scheme: str, block_size: int, ops: str = "or
                 scale = parts.tensor(1, f"{name}_scale", tensor.dtype, [blocks, n], f"dq{bits}-scale")
                 graph.register_initializer(q)
                 graph.register_initializer(scale)
-                dq = ir.Node("", "DequantizeLinear", [q, scale], attributes=[
-                    ir.AttrInt64("axis", 0), ir.AttrInt64("block_size", block_size),
-                ], name=f"{node.name or name}_dq")
+                dq = ir.Node(
+                    "",
+                    "DequantizeLinear",
+                    [q, scale],
+                    attributes=[
+                        ir.AttrInt64("axis", 0),
+                        ir.AttrInt64("block_size", block_size),
+                    ],
+                    name=f"{node.name or name}_dq",
+                )
                 dq.outputs[0].name = f"{name}_dq"
                 graph.insert_before(node, dq)
                 replaced[name] = [dq.outputs[0]]
-        if ops == "ort":
-            attributes = [ir.AttrInt64("K", k), ir.AttrInt64("N", n), ir.AttrInt64("bits", bits),
-                          ir.AttrInt64("block_size", block_size)]
+        if ops == Ops.ORT:
+            attributes = [
+                ir.AttrInt64("K", k),
+                ir.AttrInt64("N", n),
+                ir.AttrInt64("bits", bits),
+                ir.AttrInt64("block_size", block_size),
+            ]
             if accuracy_level:
                 attributes.append(ir.AttrInt64("accuracy_level", accuracy_level))
-            new = ir.Node(MS_DOMAIN, "MatMulNBits", [node.inputs[0], *replaced[name]], attributes=attributes,
-                          name=f"{node.name}_Q{bits}" if node.name else None)
+            new = ir.Node(
+                MS_DOMAIN,
+                "MatMulNBits",
+                [node.inputs[0], *replaced[name]],
+                attributes=attributes,
+                name=f"{node.name}_Q{bits}" if node.name else None,
+            )
             ir.convenience.replace_nodes_and_values(graph, node, [node], [new], node.outputs, new.outputs)
         else:
             node.replace_input_with(1, replaced[name][0])
@@ -222,42 +237,74 @@ def _quantize_embedding(graph: ir.Graph, ids_name: str, bits: int, block_size: i
         axis = gather.attributes.get("axis")
         table = gather.inputs[0]
         tensor = table.const_value if table.is_initializer() else None
-        if (axis is not None and axis.as_int() != 0) or tensor is None or len(tensor.shape) != 2 \
-                or tensor.dtype not in FLOAT_TYPES:
+        if (
+            (axis is not None and axis.as_int() != 0)
+            or tensor is None
+            or len(tensor.shape) != 2
+            or tensor.dtype not in FLOAT_TYPES
+        ):
             continue
         vocab, hidden = (int(d) for d in tensor.shape)
         blocks = -(-hidden // block_size)
         name = table.name
         if name not in found:
-            if ops == "ort":
+            if ops == Ops.ORT:
                 if hidden % block_size:
-                    raise ValueError(f"the embedding's hidden size {hidden} is not a multiple of the quantization "
-                                     f"block size {block_size}, which GatherBlockQuantized needs")
+                    raise ValueError(
+                        f"the embedding's hidden size {hidden} is not a multiple of the quantization "
+                        f"block size {block_size}, which GatherBlockQuantized needs"
+                    )
                 parts = _Parts(tensor, lambda w: _rows(w, lambda c: nbits_blocks(c.T, bits, block_size)), 2)
                 found[name] = [
                     parts.tensor(0, f"{name}_Q{bits}", ir.DataType.UINT8, [vocab, hidden * bits // 8], "nbits-rows"),
                     parts.tensor(1, f"{name}_scales", tensor.dtype, [vocab, blocks], "nbits-rows-scales"),
                 ]
             else:
-                parts = _Parts(tensor, lambda w: _rows(w, lambda c: tuple(
-                    a.T for a in quantize_blocks(c.T, 8, block_size, scale_dtype=w.dtype))), 2)
+                parts = _Parts(
+                    tensor,
+                    lambda w: _rows(
+                        w, lambda c: tuple(a.T for a in quantize_blocks(c.T, 8, block_size, scale_dtype=w.dtype))
+                    ),
+                    2,
+                )
                 found[name] = [
                     parts.tensor(0, f"{name}_q8", ir.DataType.INT8, [vocab, hidden], "dq8-rows"),
                     parts.tensor(1, f"{name}_scale", tensor.dtype, [vocab, blocks], "dq8-rows-scale"),
                 ]
             for value in found[name]:
                 graph.register_initializer(value)
-        if ops == "ort":
-            new = [ir.Node(MS_DOMAIN, "GatherBlockQuantized", [found[name][0], ids, found[name][1]], attributes=[
-                ir.AttrInt64("gather_axis", 0), ir.AttrInt64("quantize_axis", 1),
-                ir.AttrInt64("block_size", block_size), ir.AttrInt64("bits", bits),
-            ], name=f"{gather.name or name}_Q{bits}")]
+        if ops == Ops.ORT:
+            new = [
+                ir.Node(
+                    MS_DOMAIN,
+                    "GatherBlockQuantized",
+                    [found[name][0], ids, found[name][1]],
+                    attributes=[
+                        ir.AttrInt64("gather_axis", 0),
+                        ir.AttrInt64("quantize_axis", 1),
+                        ir.AttrInt64("block_size", block_size),
+                        ir.AttrInt64("bits", bits),
+                    ],
+                    name=f"{gather.name or name}_Q{bits}",
+                )
+            ]
         else:
             codes = ir.Node("", "Gather", [found[name][0], ids], name=f"{gather.name or name}_codes")
             scales = ir.Node("", "Gather", [found[name][1], ids], name=f"{gather.name or name}_scales")
-            new = [codes, scales, ir.Node("", "DequantizeLinear", [codes.outputs[0], scales.outputs[0]], attributes=[
-                ir.AttrInt64("axis", -1), ir.AttrInt64("block_size", block_size),
-            ], name=f"{gather.name or name}_dq")]
+            new = [
+                codes,
+                scales,
+                ir.Node(
+                    "",
+                    "DequantizeLinear",
+                    [codes.outputs[0], scales.outputs[0]],
+                    attributes=[
+                        ir.AttrInt64("axis", -1),
+                        ir.AttrInt64("block_size", block_size),
+                    ],
+                    name=f"{gather.name or name}_dq",
+                ),
+            ]
         ir.convenience.replace_nodes_and_values(graph, gather, [gather], new, gather.outputs, new[-1].outputs)
     return found
 
@@ -310,7 +357,9 @@ def _dq_blocks(weight: np.ndarray, bits: int, block_size: int):
 # ----------------------------------------------------------------------------------------
 # --ops portable: blocked DequantizeLinear (opset 21)
 # ----------------------------------------------------------------------------------------
-def quantize_blocks(weight: np.ndarray, bits: int, block_size: int, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+def quantize_blocks(
+    weight: np.ndarray, bits: int, block_size: int, scale_dtype=np.float32
+) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric blocked quantization of ``weight`` ``[K, N]`` along K (ONNX Runtime's rule, see the
     module docstring), the codes rounded with the scale as stored in ``scale_dtype`` (fp32, or the
     fp16 / bf16 of a weight in that dtype, which is what the dequantization will multiply by).

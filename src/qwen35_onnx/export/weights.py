@@ -2,7 +2,7 @@
 
 Every prefill bucket graph and the decode graph hold the same text weights. Saved one by one,
 each graph would carry its own copy (for Qwen3.5-0.8B in fp32, 3.4 GB per graph).
-:class:`SharedWeights` writes every initializer of at least ``min_bytes`` bytes of each graph
+:class:`WeightsFileWriter` writes every initializer of at least ``min_bytes`` bytes of each graph
 into one external-data file next to the graphs, storing each distinct tensor once; the graphs
 keep only references (ONNX external data: location, offset, length). Tensors of 64 KiB or more
 start at 64 KiB offsets, so ONNX Runtime can memory-map them.
@@ -58,7 +58,7 @@ def _buffer(tensor: ir.TensorProtocol) -> bytes | memoryview:
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
-class SharedWeights:
+class WeightsFileWriter:
     """Writes graphs of one folder with their large initializers in one shared file ``data_name``.
 
     :meth:`add_model` writes a traced graph (ONNX IR, weights possibly lazy); :meth:`add`
@@ -102,8 +102,9 @@ class SharedWeights:
         self.references += 1
         return self.index[content]
 
-    def add_model(self, model: ir.Model, path: Path,
-                  convert: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None) -> None:
+    def add_model(
+        self, model: ir.Model, path: Path, convert: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None
+    ) -> None:
         """Write the initializers of ``model`` of at least ``min_bytes`` into the shared file
         (materializing one at a time; a tensor with a ``key`` attribute seen before is not
         computed again) and save the graph at ``path`` referencing them. ``convert`` is applied
@@ -114,10 +115,16 @@ class SharedWeights:
                 tensor = value.const_value
                 if tensor is None or tensor.nbytes < self.min_bytes:
                     continue
-                offset, length = self._store(int(tensor.dtype), getattr(tensor, "key", None),
-                                             lambda tensor=tensor: _buffer(tensor))
+                offset, length = self._store(
+                    int(tensor.dtype), getattr(tensor, "key", None), lambda tensor=tensor: _buffer(tensor)
+                )
                 value.const_value = ir.ExternalTensor(
-                    self.data_name, offset, length, tensor.dtype, shape=tensor.shape, name=value.name,
+                    self.data_name,
+                    offset,
+                    length,
+                    tensor.dtype,
+                    shape=tensor.shape,
+                    name=value.name,
                     base_dir=self.folder,
                 )
         proto = ir.to_proto(model)
@@ -134,7 +141,11 @@ class SharedWeights:
         old_files = set()
         for tensor in _proto_initializers(model.graph):
             external = tensor.data_location == onnx.TensorProto.EXTERNAL
-            size = int(next((e.value for e in tensor.external_data if e.key == "length"), 0)) if external else len(tensor.raw_data)
+            size = (
+                int(next((e.value for e in tensor.external_data if e.key == "length"), 0))
+                if external
+                else len(tensor.raw_data)
+            )
             if (not external and not tensor.HasField("raw_data")) or size < self.min_bytes:
                 if external:  # a small tensor kept outside: bring it inline
                     tensor.raw_data = _read_external(tensor, self.folder)
@@ -148,8 +159,10 @@ class SharedWeights:
                 def produce(tensor=tensor):
                     return _read_external(tensor, self.folder)
             else:
+
                 def produce(tensor=tensor):
                     return tensor.raw_data
+
             offset, length = self._store(tensor.data_type, None, produce)
             tensor.ClearField("raw_data")
             del tensor.external_data[:]

@@ -1,35 +1,101 @@
-"""The one small interface between the shared decode loop and a runtime (no torch).
+"""The one small interface between the shared runtime code and a runtime backend (no torch).
 
-:class:`~qwen35_onnx.pipeline.Pipeline` owns everything that is the same on every runtime:
-preprocessing, positions, masks, sampling, stop criteria, the decode loop and the contract
-checks (:mod:`.checks`). A backend only
+Everything that is the same on every runtime lives beside this module: the decode loop
+(:mod:`.generation`), prompt checks and positions (:mod:`.prompt`, :mod:`.positions`), masks,
+sampling and the contract checks (:mod:`.checks`). A backend only
 
 - loads (compiles) the graphs and describes each one as a :class:`~.checks.GraphSpec` for the
   shared checks (:class:`GraphSet`: vision and decode at once, each prefill bucket on first use);
 - runs the vision graph (host in, host out);
 - runs a prefill graph: host feeds in, the last logits on the host and the three states in the
   runtime's own device-resident form out (host arrays with ``host_state_roundtrip``);
-- builds a :class:`Decoder` from those states, whose ``step`` runs one decode step.
+- builds a :class:`Decoder` from those states, whose ``step`` runs one decode step;
+- says what memory its graphs share (:meth:`Backend.shared_weight_bytes`) and drops prefill
+  graphs on request (:meth:`Backend.unload_prefill`).
 
-Two backends: ONNX Runtime (:mod:`.ort_backend`, the default) and OpenVINO
-(:mod:`.openvino_backend`). :func:`open_backend` picks one and checks the options first.
+Two backends, each in its own package: ONNX Runtime (:mod:`.onnxruntime`) and OpenVINO
+(:mod:`.openvino`); :func:`~.select.open_backend` picks one by name and hands it the
+:class:`RuntimeOptions` every surface shares. The backends import this module, never each other.
 """
 
 from __future__ import annotations
 
 import abc
+import numbers
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..contract import ContractError, ShapeContract
+from ..options import option
 from .checks import GraphSpec, check_decode, check_export_files, check_metadata, check_prefill, check_vision
 
-RUNTIMES = ("onnxruntime", "openvino")
-PRECISIONS = ("f32", "bf16", "f16")
-"""Inference precision: f32 (the default; parity with transformers), bf16 / f16 (OpenVINO only:
-its ``INFERENCE_PRECISION_HINT``; inputs, outputs and states stay fp32)."""
+
+class Runtime(StrEnum):
+    """The runtimes that run an export."""
+
+    ONNXRUNTIME, OPENVINO = "onnxruntime", "openvino"
+
+
+class Precision(StrEnum):
+    """Inference precision: f32 (the default; parity with transformers), bf16 / f16 (OpenVINO only:
+    its ``INFERENCE_PRECISION_HINT``; inputs, outputs and states stay fp32)."""
+
+    F32, BF16, F16 = "f32", "bf16", "f16"
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How an export is run (``generate``, ``chat``, ``serve``, ``verify`` and
+    :meth:`~qwen35_onnx.pipeline.Pipeline.from_exported` take these).
+
+    Attributes:
+        runtime: ONNX Runtime (the default) or OpenVINO.
+        device: ONNX Runtime 'cpu' or 'cuda'; OpenVINO a device name ('CPU', 'GPU', 'NPU', ... as
+            present; lowercase accepted).
+        precision: 'f32', or with OpenVINO 'bf16' / 'f16' (its inference precision hint).
+        threads: intra-op threads, 0 lets the runtime choose.
+        host_state_roundtrip: copy every state to host every decode step (for comparison).
+    """
+
+    runtime: Runtime = option(
+        Runtime.ONNXRUNTIME, "--runtime", "onnxruntime or openvino (static graphs of a fixed-KV --ops portable export)."
+    )
+    device: str = option(
+        "cpu", "--device", "onnxruntime: cpu or cuda; openvino: an OpenVINO device (cpu, gpu, npu, ... as present)."
+    )
+    precision: Precision = option(
+        Precision.F32,
+        "--precision",
+        "f32 (parity with transformers); openvino also bf16 or f16 (its inference precision hint).",
+    )
+    threads: int = option(0, "--threads", "Intra-op threads (0: the runtime's default).")
+    host_state_roundtrip: bool = option(
+        False, "--host-state-roundtrip", "Copy states to host every decode step (for comparison)."
+    )
+
+    def validate(self) -> None:
+        """Check the names and numbers (the device is checked by the backend that opens it).
+
+        Raises:
+            ValueError: naming the value and the choices.
+        """
+        if self.runtime not in tuple(Runtime):
+            raise ValueError(f"runtime {self.runtime!r} must be one of {', '.join(Runtime)}")
+        if self.precision not in tuple(Precision):
+            raise ValueError(f"precision {self.precision!r} must be one of {', '.join(Precision)}")
+        if self.runtime == Runtime.ONNXRUNTIME and self.precision != Precision.F32:
+            raise ValueError(
+                f"precision {self.precision!r} needs runtime 'openvino' (ONNX Runtime runs the graphs in their "
+                "exported dtype: precision f32)"
+            )
+        if isinstance(self.threads, bool) or not isinstance(self.threads, numbers.Integral) or self.threads < 0:
+            raise ValueError(f"threads must be an integer >= 0 (0: the runtime's default), got {self.threads!r}")
+        if not isinstance(self.host_state_roundtrip, bool):
+            raise ValueError(f"host_state_roundtrip must be true or false, got {self.host_state_roundtrip!r}")
 
 
 class Decoder(Protocol):
@@ -46,7 +112,7 @@ class GraphSet(abc.ABC):
     """The graphs of one export as one backend loaded them. Vision and decode load (and are
     cross-checked) at once; each prefill graph (one per bucket in fixed mode) loads on first use
     and is cross-checked then, before it runs, so unused buckets cost no memory. Each graph is
-    loaded once per GraphSet.
+    loaded once per GraphSet (until :meth:`unload_prefill`).
 
     A backend implements :meth:`_read` (open one graph file and describe it) and may implement
     :meth:`_prepare` (compile it, after it passed the checks).
@@ -89,25 +155,54 @@ class GraphSet(abc.ABC):
             self._prefill[bucket] = self._load(key, lambda contract, graph: check_prefill(contract, graph, bucket))
         return self._prefill[bucket]
 
+    @property
+    def loaded_buckets(self) -> list[int | None]:
+        """The prefill buckets loaded now, least recently used first."""
+        return list(self._prefill)
+
+    def unload_prefill(self) -> None:
+        """Drop every loaded prefill graph; each loads again on its next use."""
+        self._prefill.clear()
+
 
 class Backend(abc.ABC):
     """A runtime that runs the graphs of one export.
 
     Attributes:
-        runtime: one of :data:`RUNTIMES`.
+        runtime: which runtime this is.
         contract: the manifest's contract.
         graphs: the loaded, cross-checked graphs.
         device: the device the graphs run on, in the runtime's words.
-        precision: one of :data:`PRECISIONS`.
+        precision: the inference precision.
         host_state_roundtrip: states go through host arrays between steps (for comparison).
     """
 
-    runtime: str
+    runtime: Runtime
     contract: ShapeContract
     graphs: GraphSet
     device: str
-    precision: str
+    precision: Precision
     host_state_roundtrip: bool
+
+    def load_prefill(self, bucket: int | None) -> None:
+        """Load (compile) and cross-check the prefill graph of ``bucket`` now, before it runs.
+
+        Raises:
+            ContractError: the graph is missing or disagrees with the manifest.
+        """
+        self.graphs.prefill(bucket)
+
+    def unload_prefill(self) -> None:
+        """Drop the loaded prefill graphs (they load again on next use) and hand their memory back."""
+        from .host_memory import release_freed_memory
+
+        self.graphs.unload_prefill()
+        release_freed_memory()
+
+    def shared_weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights the loaded graphs share instead of each holding its own copy, by kind
+        (empty where they share nothing); see each backend."""
+        return {}
 
     @abc.abstractmethod
     def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
@@ -130,53 +225,3 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def state_shape(value: Any) -> list[int]:
         """Shape of one state as :meth:`run_prefill` returned it."""
-
-
-def check_runtime_options(runtime: str, precision: str) -> None:
-    """Check the runtime and precision names (the device is checked by the backend).
-
-    Raises:
-        ValueError: naming the value and the choices.
-    """
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime {runtime!r} must be one of {', '.join(RUNTIMES)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} must be one of {', '.join(PRECISIONS)}")
-    if runtime == "onnxruntime" and precision != "f32":
-        raise ValueError(
-            f"precision {precision!r} needs runtime 'openvino' (ONNX Runtime runs the graphs in their "
-            "exported dtype: precision f32)"
-        )
-
-
-def open_backend(root: Path, contract: ShapeContract, runtime: str = "onnxruntime", device: str = "cpu",
-                 precision: str = "f32", threads: int = 0, host_state_roundtrip: bool = False) -> Backend:
-    """Load the graphs of the export at ``root`` with ``runtime``.
-
-    Args:
-        runtime: 'onnxruntime' or 'openvino'.
-        device: ONNX Runtime: 'cpu' or 'cuda'; OpenVINO: a device name ('CPU', 'GPU', 'NPU', ...;
-            lowercase accepted).
-        precision: 'f32', or with OpenVINO 'bf16' / 'f16' (its inference precision hint).
-        threads: intra-op threads, 0 lets the runtime choose.
-        host_state_roundtrip: copy every state to host every decode step (for comparison).
-
-    Raises:
-        ValueError: unknown runtime, device or precision (naming the value and the choices), or
-            the runtime is not installed.
-        ContractError: see :class:`GraphSet`; with OpenVINO also exports it cannot run (operators
-            it cannot read, dynamic shapes).
-    """
-    check_runtime_options(runtime, precision)
-    if runtime == "onnxruntime":
-        from .ort_backend import OrtBackend
-
-        return OrtBackend(root, contract, device=device, threads=threads, host_state_roundtrip=host_state_roundtrip)
-    try:
-        from .openvino_backend import OpenVinoBackend
-    except ImportError as exc:
-        raise ValueError(
-            f"runtime 'openvino' needs the openvino package (pip install 'qwen35-onnx[openvino]'): {exc}"
-        ) from None
-    return OpenVinoBackend(root, contract, device=device, precision=precision, threads=threads,
-                           host_state_roundtrip=host_state_roundtrip)

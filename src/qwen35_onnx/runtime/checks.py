@@ -23,15 +23,24 @@ from ..contract import STATE_NAMES, ContractError, ShapeContract
 ONNX_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 #: Tensors that cross between the host and the graphs, fp32 in every export dtype: (graph kind,
 #: 'input'/'output', name).
-HOST_FP32 = (("vision", "input", "pixel_values"), ("vision", "output", "image_embeds"),
-             ("prefill", "input", "image_embeds"), ("prefill", "output", "logits"), ("decode", "output", "logits"))
+HOST_FP32 = (
+    ("vision", "input", "pixel_values"),
+    ("vision", "output", "image_embeds"),
+    ("prefill", "input", "image_embeds"),
+    ("prefill", "output", "logits"),
+    ("decode", "output", "logits"),
+)
 
 
-def _check_host_types(graph: "GraphSpec", kind: str) -> None:
+def _check_host_types(graph: GraphSpec, kind: str) -> None:
     for graph_kind, io, name in HOST_FP32:
         if graph_kind == kind:
-            _expect(f"{graph.name} {io} {name} element type", graph.types.get(name), ONNX_TYPES["fp32"],
-                    "the contract keeps host-facing tensors fp32 in every dtype:")
+            _expect(
+                f"{graph.name} {io} {name} element type",
+                graph.types.get(name),
+                ONNX_TYPES["fp32"],
+                "the contract keeps host-facing tensors fp32 in every dtype:",
+            )
 
 
 @dataclass
@@ -95,7 +104,10 @@ def _check_tensor(graph: GraphSpec, kind: str, name: str, shape: list, dtype: st
     """``name`` is a ``kind`` ('input'/'output') of ``graph`` with ``shape`` and element type ``dtype``."""
     table = graph.inputs if kind == "input" else graph.outputs
     if name not in table:
-        raise ContractError(f"{graph.name} graph has no {kind} {name!r}; the manifest expects one of shape {shape} (has {sorted(table)})")
+        raise ContractError(
+            f"{graph.name} graph has no {kind} {name!r}; the manifest expects one of shape {shape} "
+            f"(has {sorted(table)})"
+        )
     _expect(f"{graph.name} {kind} {name} shape", table[name], shape)
     _expect(f"{graph.name} {kind} {name} element type", graph.types.get(name), ONNX_TYPES[dtype])
 
@@ -103,8 +115,11 @@ def _check_tensor(graph: GraphSpec, kind: str, name: str, shape: list, dtype: st
 def _check_states(contract: ShapeContract, graph: GraphSpec, kind: str, prefix: str) -> None:
     for state in STATE_NAMES[:2]:  # the KV cache's shape is checked with the capacity
         _check_tensor(graph, kind, f"{prefix}_{state}", list(contract.state_shape(state)), contract.state_dtype(state))
-    _expect(f"{graph.name} {kind} {prefix}_kv_cache element type", graph.types.get(f"{prefix}_kv_cache"),
-            ONNX_TYPES[contract.state_dtype("kv_cache")])
+    _expect(
+        f"{graph.name} {kind} {prefix}_kv_cache element type",
+        graph.types.get(f"{prefix}_kv_cache"),
+        ONNX_TYPES[contract.state_dtype("kv_cache")],
+    )
 
 
 def _check_names(graph: GraphSpec, kind: str, expected: list[str]) -> None:
@@ -131,7 +146,9 @@ def _check_capacity(contract: ShapeContract, widths: dict[str, object]) -> None:
 
 def check_vision(contract: ShapeContract, vision: GraphSpec) -> None:
     """pixel_values ``[n_patches, patch_dim]`` and image_embeds ``[n_image_tokens, dim]``."""
-    _expect("vision input pixel_values shape", vision.inputs.get("pixel_values"), [contract.n_patches, contract.patch_dim])
+    _expect(
+        "vision input pixel_values shape", vision.inputs.get("pixel_values"), [contract.n_patches, contract.patch_dim]
+    )
     _expect(
         "vision output image_embeds shape",
         vision.outputs.get("image_embeds"),
@@ -144,8 +161,13 @@ def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
     """Input and output names exactly as the contract says; state shapes and element types; and
     in fixed mode: mask width == past KV width == present KV width == capacity (for every entry
     when the graph takes the states one entry at a time)."""
-    for kind, prefix, fixed in (("input", "past", ["input_ids", "attention_mask", "position_ids"]), ("output", "present", ["logits"])):
-        _check_names(decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)])
+    for kind, prefix, fixed in (
+        ("input", "past", ["input_ids", "attention_mask", "position_ids"]),
+        ("output", "present", ["logits"]),
+    ):
+        _check_names(
+            decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)]
+        )
     _check_host_types(decode, "decode")
     if contract.kv_in_place:
         for kind, prefix in (("input", "past"), ("output", "present")):
@@ -161,11 +183,14 @@ def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
     _check_states(contract, decode, "input", "past")
     _check_states(contract, decode, "output", "present")
     if contract.kv_mode == "fixed":
-        _check_capacity(contract, {
-            "decode attention_mask width": decode.dim("input", "attention_mask", 1),
-            "decode past_kv_cache token axis": decode.dim("input", "past_kv_cache", 3),
-            "decode present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
-        })
+        _check_capacity(
+            contract,
+            {
+                "decode attention_mask width": decode.dim("input", "attention_mask", 1),
+                "decode past_kv_cache token axis": decode.dim("input", "past_kv_cache", 3),
+                "decode present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
+            },
+        )
 
 
 def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | None) -> None:
@@ -175,8 +200,11 @@ def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | Non
     _check_host_types(prefill, "prefill")
     if contract.kv_mode == "fixed":
         _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})
-    _expect(f"{prefill.name} input image_embeds shape", prefill.inputs.get("image_embeds"),
-            [contract.n_image_rows, contract.image_embed_dim])
+    _expect(
+        f"{prefill.name} input image_embeds shape",
+        prefill.inputs.get("image_embeds"),
+        [contract.n_image_rows, contract.image_embed_dim],
+    )
     if bucket is not None:
         _expect(f"{prefill.name} input_ids shape", prefill.inputs.get("input_ids"), [contract.batch, bucket])
     if contract.prefill_logits == "last":

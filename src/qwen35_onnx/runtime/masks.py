@@ -75,9 +75,7 @@ def prepare_decode_mask(prompt_mask: np.ndarray, capacity: int, prefill_kv_width
         raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
     mask = np.asarray(prompt_mask)
     if mask.ndim != 2:
-        raise ValueError(
-            f"attention mask must be 2-D [batch, seq], got {mask.ndim}-D with shape {mask.shape}"
-        )
+        raise ValueError(f"attention mask must be 2-D [batch, seq], got {mask.ndim}-D with shape {mask.shape}")
     if mask.shape[0] != 1:
         raise ValueError(f"attention mask batch is {mask.shape[0]}, but only batch 1 is supported")
     length = mask.shape[1]

@@ -170,7 +170,6 @@ def _check_grid(image_grid_thw: tuple[int, int, int], merge: int) -> tuple[int, 
         raise ValueError(f"image_grid_thw must be three positive ints (t, h, w), got {image_grid_thw!r}")
     if merge <= 0 or grid[1] % merge or grid[2] % merge:
         raise ValueError(
-            f"image grid height {grid[1]} and width {grid[2]} must be divisible by the spatial "
-            f"merge size {merge}"
+            f"image grid height {grid[1]} and width {grid[2]} must be divisible by the spatial merge size {merge}"
         )
     return grid

@@ -15,15 +15,17 @@ from pathlib import Path
 
 import numpy as np
 
+from ..options import option
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """temperature >= 0 (0 = greedy); top_k >= 0 (0 = off); 0 < top_p <= 1; seed: int or None."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    temperature: float = option(0.0, "--temperature", "0 = greedy.")
+    top_k: int = option(0, "--top-k", "Keep the k most likely tokens (0 = off).")
+    top_p: float = option(1.0, "--top-p", "Nucleus sampling mass in (0, 1].")
+    seed: int | None = option(None, "--seed", "Sampling seed (same seed, same text).")
 
     def validate(self) -> None:
         """Raises ValueError naming the parameter and its allowed range."""
@@ -146,8 +148,7 @@ def sampling_defaults(export_dir: str | os.PathLike) -> SamplingConfig:
         got = config.get(name)
         return default if got is None else got
 
-    sampling = SamplingConfig(temperature=value("temperature", 1.0), top_p=value("top_p", 1.0),
-                              top_k=value("top_k", 0))
+    sampling = SamplingConfig(temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0))
     try:
         sampling.validate()
     except ValueError as exc:

@@ -3,20 +3,19 @@ session of an export (quantized, fp16 and bf16 exports).
 
 Why. When ONNX Runtime loads a graph it *pre-packs* the constant weights of MatMulNBits, MatMul,
 Gemm and Conv into the layout its CPU kernels read (MLAS); the packed copy lives on the session's
-heap, so decode and every prefill bucket of an export each hold one (Qwen3.5-4B int4: 3.7 GB
-per session, 18 GB for vision, decode and four buckets). The C API can share packed weights
-between sessions (a prepacked-weights container); the Python API cannot. Running unpacked is
-no way out for MatMulNBits (it then dequantizes at every call: prefill 2.2x slower at 4B).
+heap, so decode and every prefill bucket of an export each hold one. The C API can share packed
+weights between sessions (a prepacked-weights container); the Python API cannot, and
+MatMulNBits cannot run unpacked (it then dequantizes at every call). Sizes: ``docs/design.md``.
 
 How. ONNX Runtime (>= 1.21) can save the optimized graph of a session with its pre-packed
 weights in the external-data file (session config
 ``session.save_external_prepacked_constant_initializers``, each packed blob listed in the
 initializer's ``external_data`` as ``prepacked_N = key|offset;length;checksum...``), and a session
 made from that saved graph memory-maps the packed blobs instead of packing again. Every saved
-graph has its own data file (original and packed weights, 4B int4: 6 GB), but the blobs are the
-same across graphs (the prefill buckets' files are byte-identical, decode's nearly), so this
+graph has its own data file (original and packed weights), but the blobs are the same across
+graphs (the prefill buckets' files are byte-identical, decode's nearly), so this
 cache merges them **by content** (SHA-256) into one file, ``packed.data``, and rewrites each
-saved graph to read it (:func:`~.onnx_edit.write_model`). All sessions then map the pages of one
+saved graph to read it (:func:`qwen35_onnx.onnxfile.edit.write_model`). All sessions then map the pages of one
 file: one copy in physical memory. Note that ``VmRSS`` counts a file page once per mapping of it
 and ONNX Runtime maps each tensor per session, so VmRSS overstates this memory; ``Pss`` (smaps)
 divides shared pages among their mappings and is the figure to read.
@@ -34,7 +33,6 @@ changed or was deleted.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import mmap
@@ -42,12 +40,13 @@ import os
 import platform
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from ..checkpoints import cache_root
-from ..contract import ContractError
-from .onnx_edit import read_model, write_model
+from ...contract import ContractError
+from ...onnxfile.edit import read_model, write_model
+from ...paths import cache_root
+from ..host_memory import c_library
 
 PACKED = "packed.data"
 """The cache's one data file, shared by every saved graph."""
@@ -116,7 +115,7 @@ class PrepackedCache:
     Args:
         export_root: the export folder.
         settings: what else decides the packed bytes (ONNX Runtime version and session config:
-            :class:`~.sessions.GraphSet` passes them), part of the key.
+            :class:`~.sessions.OrtGraphSet` passes them), part of the key.
         directory: where caches live.
         space: which entry of :data:`SPACE_FACTOR` applies ('int' for quantized exports,
             'float16' for fp16 / bf16 ones).
@@ -134,8 +133,13 @@ class PrepackedCache:
             stamps = _file_stamps(self.export_root)
         except OSError as exc:
             raise PrepackedCacheError(f"cannot read the export {str(self.export_root)!r}: {exc}") from exc
-        self.key = {"format": FORMAT, "export": str(self.export_root), "machine": machine_key(), **settings,
-                    "files": stamps}
+        self.key = {
+            "format": FORMAT,
+            "export": str(self.export_root),
+            "machine": machine_key(),
+            **settings,
+            "files": stamps,
+        }
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = self.directory / f"{self.export_root.name[:40]}-{digest}"
         self.released = 0
@@ -159,10 +163,14 @@ class PrepackedCache:
         another key, or describes more data than ``packed.data`` holds."""
         try:
             index = json.loads((self.path / "index.json").read_text())
-            ok = (isinstance(index, dict) and index.get("key") == self.key
-                  and isinstance(index.get("end"), int) and isinstance(index.get("blobs"), dict)
-                  and isinstance(index.get("graphs"), dict)
-                  and (self.path / PACKED).stat().st_size >= index["end"])
+            ok = (
+                isinstance(index, dict)
+                and index.get("key") == self.key
+                and isinstance(index.get("end"), int)
+                and isinstance(index.get("blobs"), dict)
+                and isinstance(index.get("graphs"), dict)
+                and (self.path / PACKED).stat().st_size >= index["end"]
+            )
         except (OSError, ValueError):
             ok = False
         return index if ok else {"key": self.key, "end": 0, "blobs": {}, "graphs": {}, "fresh": True}
@@ -196,8 +204,9 @@ class PrepackedCache:
                     for old in self.path.iterdir():
                         if not old.name.endswith(".lock"):
                             shutil.rmtree(old) if old.is_dir() else old.unlink()
-                needed = self.space_factor * sum(f.stat().st_size for f in source.parent.iterdir()
-                                            if f.is_file() and f.suffix != ".onnx")
+                needed = self.space_factor * sum(
+                    f.stat().st_size for f in source.parent.iterdir() if f.is_file() and f.suffix != ".onnx"
+                )
                 free = shutil.disk_usage(self.path).free
                 if free < needed:
                     raise PrepackedCacheError(
@@ -256,8 +265,9 @@ class PrepackedCache:
                 with open(source, "rb") as handle:
                     view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
             try:
+
                 def place(offset: int, length: int) -> int:
-                    blob = view[offset:offset + length]
+                    blob = view[offset : offset + length]
                     if len(blob) != length:
                         raise PrepackedCacheError(f"{graph.name}: external data {offset}+{length} past the end")
                     digest = hashlib.sha256(blob).hexdigest() + f":{length}"
@@ -277,10 +287,15 @@ class PrepackedCache:
                     if tensor.location is None:
                         continue
                     if tensor.location != data.name:
-                        raise PrepackedCacheError(f"{graph.name}: initializer {tensor.name!r} reads "
-                                                  f"{tensor.location!r}, not the saved data file")
-                    entries = [("location", PACKED), ("offset", str(place(tensor.offset, tensor.length))),
-                               ("length", str(tensor.length))]
+                        raise PrepackedCacheError(
+                            f"{graph.name}: initializer {tensor.name!r} reads "
+                            f"{tensor.location!r}, not the saved data file"
+                        )
+                    entries = [
+                        ("location", PACKED),
+                        ("offset", str(place(tensor.offset, tensor.length))),
+                        ("length", str(tensor.length)),
+                    ]
                     for key, value in tensor.external:
                         if key.startswith("prepacked"):
                             entries.append((key, _replace_blobs(value, place)))
@@ -370,18 +385,6 @@ def _mappings(path: Path) -> list[tuple[int, int, int]]:
     return [tuple(m) for m in found]
 
 
-@functools.lru_cache(maxsize=1)
-def c_library():
-    """The C library (ctypes), or None where it cannot be loaded."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
 def mapped_starts(path: Path) -> set[int]:
     """Start addresses of this process's mappings of ``path`` (see :func:`release_new_pages`)."""
     return {start for start, _, _ in _mappings(path)}
@@ -416,5 +419,6 @@ def release_new_pages(path: Path, before: set[int]) -> int:
 def warn_unavailable(exc: Exception) -> None:
     """Say once per cause that the cache is not used (the graphs then load with their own packed
     weights, as ONNX Runtime does by default)."""
-    warnings.warn(f"pre-packed weights cache not used: {exc}; each session packs its own weights",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"pre-packed weights cache not used: {exc}; each session packs its own weights", RuntimeWarning, stacklevel=3
+    )

@@ -1,13 +1,9 @@
 """One copy of an export's text weights for every ONNX Runtime session of the export (CPU).
 
 All text graphs of an export (each prefill bucket and decode) read one external-data file,
-``text/weights.data``. Left to itself, ONNX Runtime 1.32 memory-maps that file once per session
-and then makes each session's own copy of most of it while loading (measured on Qwen3.5-0.8B
-fp32, 3.0 GB of text weights: 2.84 GB of private memory per session, so decode and four buckets
-hold five copies): pre-packing copies every MatMul weight into the kernel's blocked layout
-(2.0 GB), and constant folding stores the transposed tied ``lm_head`` (1.0 GB). The C API can
-share pre-packed weights between sessions (a prepacked-weights container); the Python API
-cannot.
+``text/weights.data``. Left to itself, ONNX Runtime memory-maps that file once per session and
+then copies most of it into each session while loading (pre-packing, constant folding of the
+transposed tied ``lm_head``); why that matters, with numbers: ``docs/design.md``.
 
 :class:`SharedWeights` maps each external-data file once (read-only, shared pages) and hands the
 mapping to every session as an in-memory external file read in place
@@ -15,18 +11,16 @@ mapping to every session as an in-memory external file read in place
 ``session.use_external_initializer_file_buffers_directly``: zero copy, where
 ``add_external_initializers`` copies). Then:
 
-- fp32 exports (``relayout``): no pre-packing, so no session copies a weight. Unpacked, the
-  M = 1 decode MatMul streams wide weights ``[K, N]`` (K < N) as fast as pre-packed ones, but
-  narrow ones (K > N, e.g. ``down_proj`` ``[3584, 1024]``) about 40 % slower and the transposed
-  ``lm_head`` about 14 % slower, 9 % of decode in all. So the graphs are rewritten before loading
-  (:mod:`.onnx_edit`): a narrow ``MatMul(x, W)`` becomes ``FusedMatMul(x, W^T, transB=1)``, and
-  ``MatMul(x, Transpose(W))`` reads ``W^T``; each ``W^T`` is made once per export (anonymous
-  memory, shared by all sessions) and the file pages of ``W`` read to make it are released.
-  Decode then runs within 1 % of the pre-packed graphs, and the export holds one copy of its
-  text weights (file pages + the transposed ones).
-- quantized exports (MatMulNBits: 45x slower without pre-packing, since it dequantizes its
-  weights at every call) and fp16 / bf16: pre-packing stays on, so each session keeps its own
-  packed weights (0.8B int4: 0.53 GB per session); only the unpacked rest (the token embedding,
+- fp32 exports (``relayout``): no pre-packing, so no session copies a weight. Unpacked, narrow
+  weights ``[K, N]`` (K > N) and the transposed ``lm_head`` are slower for the M = 1 decode
+  MatMul, so the graphs are rewritten before loading (:mod:`qwen35_onnx.onnxfile.edit`): a narrow
+  ``MatMul(x, W)`` becomes ``FusedMatMul(x, W^T, transB=1)``, and ``MatMul(x, Transpose(W))``
+  reads ``W^T``; each ``W^T`` is made once per export (anonymous memory, shared by all sessions)
+  and the file pages of ``W`` read to make it are released. The export then holds one copy of
+  its text weights (file pages + the transposed ones).
+- quantized exports (MatMulNBits dequantizes at every call without pre-packing) and fp16 / bf16:
+  pre-packing stays on, so each session keeps its own packed weights (unless the pre-packed
+  weights cache, :mod:`.prepacked`, serves them); only the unpacked rest (the token embedding,
   scales, norms) is shared, and the file pages read by pre-packing are released.
 
 A mapping and the transposed weights live as long as any session made from them.
@@ -41,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from .onnx_edit import FLOAT, Initializer, Model, Node, read_model, write_model
+from ...contract import Dtype, Quantization
+from ...onnxfile.edit import FLOAT, Initializer, Model, Node, read_model, write_model
 
 PREPACKED_OPS = frozenset({"MatMul", "FusedMatMul", "Gemm", "MatMulNBits", "DequantizeLinear", "Conv"})
 """Operators whose constant inputs ONNX Runtime may copy at load (pre-packing, or the
@@ -53,7 +48,7 @@ MS_DOMAIN = "com.microsoft"
 def relayout_for(dtype: str, quantize: str) -> bool:
     """Whether an export's text graphs run unpacked from the shared weights, narrow MatMul weights
     transposed (see the module docstring): fp32 exports without quantization."""
-    return dtype == "fp32" and quantize == "none"
+    return dtype == Dtype.FP32 and quantize == Quantization.NONE
 
 
 class SharedWeights:
@@ -132,7 +127,7 @@ class SharedWeights:
         key = (str((folder / tensor.location).resolve()), tensor.offset, tensor.length, tensor.dims)
         if key not in self._transposed:
             _, array = self._map(folder / tensor.location)
-            weight = array[tensor.offset:tensor.offset + tensor.length].view(np.float32).reshape(tensor.dims)
+            weight = array[tensor.offset : tensor.offset + tensor.length].view(np.float32).reshape(tensor.dims)
             self._transposed[key] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(weight.T))
         return self._transposed[key]
 
@@ -160,20 +155,33 @@ class SharedWeights:
             if node.op_type == "Transpose" and node.ints.get("perm", [1, 0]) == [1, 0]:
                 weight, out = movable(node.inputs[0]), node.outputs[0]
                 uses = consumers.get(out, [])
-                if weight and uses and out not in model.outputs and out not in model.subgraph_inputs and all(
-                        model.nodes[j].op_type == "MatMul" and model.nodes[j].inputs[1:] == [out]
-                        and out not in model.nodes[j].inputs[:1] for j in uses):
+                if (
+                    weight
+                    and uses
+                    and out not in model.outputs
+                    and out not in model.subgraph_inputs
+                    and all(
+                        model.nodes[j].op_type == "MatMul"
+                        and model.nodes[j].inputs[1:] == [out]
+                        and out not in model.nodes[j].inputs[:1]
+                        for j in uses
+                    )
+                ):
                     edits[i] = None
-                    added[out] = Initializer(out, weight.dims[::-1], FLOAT, weight.location, weight.offset, weight.length)
+                    added[out] = Initializer(
+                        out, weight.dims[::-1], FLOAT, weight.location, weight.offset, weight.length
+                    )
                     sources[out] = weight
             elif node.op_type == "MatMul" and len(node.inputs) == 2:
                 weight = movable(node.inputs[1])
                 if weight and weight.dims[0] > weight.dims[1] and node.inputs[0] != node.inputs[1]:
                     name = weight.name + "/transposed"
-                    edits[i] = Node("FusedMatMul", [node.inputs[0], name], list(node.outputs), node.name,
-                                    MS_DOMAIN, {"transB": [1]})
-                    added[name] = Initializer(name, weight.dims[::-1], FLOAT, weight.location, weight.offset,
-                                              weight.length)
+                    edits[i] = Node(
+                        "FusedMatMul", [node.inputs[0], name], list(node.outputs), node.name, MS_DOMAIN, {"transB": [1]}
+                    )
+                    added[name] = Initializer(
+                        name, weight.dims[::-1], FLOAT, weight.location, weight.offset, weight.length
+                    )
                     sources[name] = weight
         if not edits:
             return model.data, []
@@ -181,8 +189,12 @@ class SharedWeights:
             # the placeholder's external data (the original bytes, same size) is never read: the
             # session takes the transposed values from here
             options.add_initializer(name, self._transpose(folder, weight))
-        still_read = {name for i, node in enumerate(model.nodes) if i not in edits or edits[i] is not None
-                      for name in (edits.get(i) or node).inputs}
+        still_read = {
+            name
+            for i, node in enumerate(model.nodes)
+            if i not in edits or edits[i] is not None
+            for name in (edits.get(i) or node).inputs
+        }
         unused = {w.name for w in sources.values()} - still_read - model.subgraph_inputs - model.outputs
         data = write_model(model, edits, drop=unused, add=list(added.values()), domains={MS_DOMAIN: 1})
         return data, list({w.name: w for w in sources.values()}.values())

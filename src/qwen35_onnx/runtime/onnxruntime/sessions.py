@@ -1,6 +1,7 @@
 """ONNX Runtime sessions for the exported graphs (no torch): providers, one
 ``InferenceSession`` per graph, described for the shared cross-checks of
-:mod:`qwen35_onnx.runtime.checks` (re-exported here).
+:mod:`qwen35_onnx.runtime.checks`, and the graph set that loads them with one copy of the
+weights (:mod:`.shared_weights`, :mod:`.prepacked`).
 """
 
 from __future__ import annotations
@@ -12,21 +13,24 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from ..contract import METADATA_KEY, ContractError, ShapeContract
-from . import backend
-from .checks import (  # noqa: F401  (re-exported: the checks used to live here)
-    ONNX_TYPES, GraphSpec, check_decode, check_metadata, check_prefill, check_vision,
-)
+from ...contract import METADATA_KEY, ContractError, Ops, Quantization, ShapeContract
+from ..backend import GraphSet, RuntimeOptions
+from ..checks import GraphSpec
+from ..host_memory import available_memory, release_freed_memory, trim_heap
 from .prepacked import (
-    PACKED, PrepackedCache, PrepackedCacheError, c_library, default_directory, mapped_starts, release_new_pages, warn_unavailable,
+    PACKED,
+    PrepackedCache,
+    PrepackedCacheError,
+    default_directory,
+    mapped_starts,
+    release_new_pages,
+    warn_unavailable,
 )
 from .shared_weights import SharedWeights, relayout_for
 
 DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 MISSING_KERNEL = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
 """ONNX Runtime's NOT_IMPLEMENTED message for an operator without a kernel for the graph's types."""
-ORT_TYPES = ONNX_TYPES
-"""ONNX Runtime names element types as ONNX does (``'tensor(float)'``)."""
 
 
 def providers_for(device: str) -> list[str]:
@@ -52,10 +56,18 @@ class GraphSession(GraphSpec):
     session: ort.InferenceSession | None = None
 
     @classmethod
-    def load(cls, name: str, path: Path, device: str = "cpu", threads: int = 0,
-             config: dict[str, str] | None = None, dtype: str = "fp32",
-             weights: SharedWeights | None = None, arena: bool = True,
-             save_to: tuple[Path, str] | None = None) -> "GraphSession":
+    def load(
+        cls,
+        name: str,
+        path: Path,
+        device: str = "cpu",
+        threads: int = 0,
+        config: dict[str, str] | None = None,
+        dtype: str = "fp32",
+        weights: SharedWeights | None = None,
+        arena: bool = True,
+        save_to: tuple[Path, str] | None = None,
+    ) -> GraphSession:
         """Load ``path`` with the providers of ``device``; ``threads`` 0 lets ORT choose;
         ``config``: session config entries (``SessionOptions.add_session_config_entry``);
         ``dtype``: the export's dtype (named in the error when ONNX Runtime lacks a kernel);
@@ -94,8 +106,11 @@ class GraphSession(GraphSpec):
             missing = MISSING_KERNEL.search(str(exc))
             if missing:
                 op, version, node = missing.groups()
-                advice = ("run this bf16 export with --runtime openvino, or re-export with --dtype fp16 or fp32"
-                          if dtype == "bf16" else "re-export with --dtype fp32")
+                advice = (
+                    "run this bf16 export with --runtime openvino, or re-export with --dtype fp16 or fp32"
+                    if dtype == "bf16"
+                    else "re-export with --dtype fp32"
+                )
                 raise ContractError(
                     f"{name} graph {str(path)!r}: ONNX Runtime's {providers[0]} has no kernel for the operator {op} "
                     f"(opset {version}, node {node!r}) with the element types of this {dtype} export; {advice}"
@@ -103,7 +118,9 @@ class GraphSession(GraphSpec):
             raise ContractError(f"{name} graph {str(path)!r} cannot be loaded by ONNX Runtime: {exc}") from exc
         meta = session.get_modelmeta().custom_metadata_map
         if METADATA_KEY not in meta:
-            raise ContractError(f"{name} graph {str(path)!r} has no {METADATA_KEY!r} metadata: not a qwen35-onnx export")
+            raise ContractError(
+                f"{name} graph {str(path)!r} has no {METADATA_KEY!r} metadata: not a qwen35-onnx export"
+            )
         return cls(
             name=name,
             session=session,
@@ -114,28 +131,25 @@ class GraphSession(GraphSpec):
         )
 
 
-class GraphSet(backend.GraphSet):
+class OrtGraphSet(GraphSet):
     """The graphs of one export as ONNX Runtime sessions (see
-    :class:`qwen35_onnx.runtime.backend.GraphSet`: vision and decode at once, prefill buckets on
+    :class:`~qwen35_onnx.runtime.backend.GraphSet`: vision and decode at once, prefill buckets on
     first use, every graph cross-checked against the manifest). On CPU every session of an export
     reads one copy of the weights: fp32 exports share one map of the text weights
     (:attr:`weights`, see :mod:`.shared_weights`); quantized, fp16 and bf16 exports load every
     graph through the pre-packed weights cache (:attr:`prepacked`, see :mod:`.prepacked`;
     ``prepacked_cache``: True for its default folder (``$QWEN35_ONNX_PREPACKED_CACHE``, ``off``
     there turns it off), a folder, or False). ``share_weights=False`` gives each session its own
-    (for comparison). Prefill sessions run without ONNX Runtime's memory arena: with it, each
-    loaded bucket kept the activation memory of its last run (0.8B: 0.2 / 0.9 / 1.7 / 3.8 GB for
-    32 / 512 / 1024 / 2048 tokens, summed over the buckets used), without it none, at the same
-    prefill speed.
+    (for comparison). Prefill sessions run without ONNX Runtime's memory arena (with it, each
+    loaded bucket would keep the activation memory of its last run; ``docs/design.md``).
 
     Loaded prefill sessions are at most ``max_prefill_sessions`` (None: no fixed number; the least
     recently used go first). Where each session holds its own pre-packed weights (the cache off
-    or unusable, e.g. too little disk, which warns; or ``share_weights=False``: 4B int4 about
-    3.7 GB per prefill bucket, so four buckets and decode reached 22 GB), they are also bounded by
-    memory: before another one loads, the least recently used are dropped until the system's
-    available memory (``MemAvailable``) holds one more session's weights (:meth:`session_cost`)
-    plus :data:`MEMORY_RESERVE`. A dropped bucket
-    loads again on its next use (4B int4: about 8 s; 0.8B: about 1 s).
+    or unusable, e.g. too little disk, which warns; or ``share_weights=False``), they are also
+    bounded by memory: before another one loads, the least recently used are dropped until the
+    system's available memory (``MemAvailable``) holds one more session's weights
+    (:meth:`session_cost`) plus :data:`MEMORY_RESERVE`. A dropped bucket loads again on its next
+    use.
 
     Raises (constructor and :meth:`prefill`):
         ContractError: a graph is missing, or disagrees with the manifest.
@@ -143,12 +157,20 @@ class GraphSet(backend.GraphSet):
             folder.
     """
 
-    def __init__(self, root: Path, contract: ShapeContract, device: str = "cpu", threads: int = 0,
-                 share_weights: bool = True, max_prefill_sessions: int | None = None,
-                 prepacked_cache: bool | Path = True):
+    def __init__(
+        self,
+        root: Path,
+        contract: ShapeContract,
+        options: RuntimeOptions,
+        *,
+        share_weights: bool = True,
+        max_prefill_sessions: int | None = None,
+        prepacked_cache: bool | Path = True,
+    ):
         if max_prefill_sessions is not None and (isinstance(max_prefill_sessions, bool) or max_prefill_sessions < 1):
             raise ValueError(f"max_prefill_sessions must be None or an integer >= 1, got {max_prefill_sessions!r}")
-        self.device, self.threads = device, threads
+        device = self.device = options.device
+        self.threads = options.threads
         relayout = relayout_for(contract.dtype, contract.quantize)
         self.prepacked: PrepackedCache | None = None
         """The pre-packed weights cache every graph loads through (quantized, fp16 and bf16
@@ -158,8 +180,12 @@ class GraphSet(backend.GraphSet):
         folder = default_directory() if prepacked_cache is True else prepacked_cache or None
         if share_weights and device == "cpu" and not relayout and folder is not None:
             try:
-                self.prepacked = PrepackedCache(root, {"onnxruntime": ort.__version__, "config": session_config(contract)},
-                                                Path(folder), "int" if contract.quantize != "none" else "float16")
+                self.prepacked = PrepackedCache(
+                    root,
+                    {"onnxruntime": ort.__version__, "config": session_config(contract)},
+                    Path(folder),
+                    "int" if contract.quantize != Quantization.NONE else "float16",
+                )
             except PrepackedCacheError as exc:
                 warn_unavailable(exc)
         self.weights = SharedWeights(relayout) if share_weights and device == "cpu" and not self.prepacked else None
@@ -178,11 +204,13 @@ class GraphSet(backend.GraphSet):
         a packed bucket), else 0 (they share the mapped weights)."""
         if not self.packs_per_session:
             return 0
-        files = {(self.root / rel).parent / "weights.data" for key, rel in self.contract.graphs.items() if key != "vision"}
+        files = {
+            (self.root / rel).parent / "weights.data" for key, rel in self.contract.graphs.items() if key != "vision"
+        }
         return int(1.5 * sum(f.stat().st_size for f in files if f.is_file()))
 
     def prefill(self, bucket: int | None) -> GraphSession:
-        """The prefill session for ``bucket`` (see :class:`GraphSet` for which stay loaded)."""
+        """The prefill session for ``bucket`` (see :class:`OrtGraphSet` for which stay loaded)."""
         if bucket in self._prefill:
             self._prefill[bucket] = self._prefill.pop(bucket)  # most recently used last
         elif self._prefill and (self.packs_per_session or self.max_prefill_sessions is not None):
@@ -190,7 +218,7 @@ class GraphSet(backend.GraphSet):
         return super().prefill(bucket)
 
     def _make_room(self) -> None:
-        """Drop least recently used prefill sessions for one more (see :class:`GraphSet`)."""
+        """Drop least recently used prefill sessions for one more (see :class:`OrtGraphSet`)."""
         cost = self.session_cost()  # 0 where sessions share their weights: only the fixed bound applies
         while self._prefill and (
             (self.max_prefill_sessions is not None and len(self._prefill) >= self.max_prefill_sessions)
@@ -217,21 +245,26 @@ class GraphSet(backend.GraphSet):
                 warn_unavailable(exc)
                 return graph
         weights = None if key == "vision" else self.weights  # the vision graph has its own weights
-        return GraphSession.load(key, path, self.device, self.threads, session_config(self.contract),
-                                 self.contract.dtype, weights, arena=arena)
+        return self._session(key, path, weights=weights, arena=arena)
+
+    def _session(self, key: str, path: Path, **extra) -> GraphSession:
+        """:meth:`GraphSession.load` of ``path`` with this set's device, threads, the export's session
+        config and dtype, and ``extra`` (its ``weights``, ``arena``, ``save_to``)."""
+        return GraphSession.load(
+            key, path, self.device, self.threads, session_config(self.contract), self.contract.dtype, **extra
+        )
 
     def _read_cached(self, key: str, path: Path, arena: bool) -> GraphSession:
         """Load ``key`` from the pre-packed weights cache (saving it there first if needed)."""
+
         def save(target: Path, data_name: str) -> None:
-            GraphSession.load(key, path, self.device, self.threads, session_config(self.contract),
-                              self.contract.dtype, arena=arena, save_to=(target, data_name))
+            self._session(key, path, arena=arena, save_to=(target, data_name))
             trim_heap()  # the packed weights of that session
 
         saved = self.prepacked.graph(key, path, save)
         packed = self.prepacked.path / PACKED
         before = mapped_starts(packed)
-        graph = GraphSession.load(key, saved, self.device, self.threads, session_config(self.contract),
-                                  self.contract.dtype, arena=arena)
+        graph = self._session(key, saved, arena=arena)
         self.prepacked.released += release_new_pages(packed, before)
         trim_heap()  # what loading allocated and freed (4B: about 0.17 GB per graph)
         return graph
@@ -241,43 +274,11 @@ MEMORY_RESERVE = 1 << 30
 """Bytes of available memory kept free when deciding whether another prefill session fits."""
 
 
-def available_memory() -> int:
-    """The system's available memory in bytes (``MemAvailable`` of ``/proc/meminfo``: free memory
-    plus what the kernel can reclaim, such as the page cache); very large where unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
-def release_freed_memory() -> None:
-    """Collect garbage and hand the C heap's freed memory back to the system (see
-    :func:`trim_heap`): what a dropped session held."""
-    import gc
-
-    gc.collect()
-    trim_heap()
-
-
-def trim_heap() -> None:
-    """Hand the C heap's freed memory back to the system (glibc ``malloc_trim``; a no-op
-    elsewhere). ONNX Runtime's pre-packed weights and what loading a graph allocates are many
-    blocks below glibc's mmap threshold, so freed, they otherwise stay resident (measured: 18 GB
-    kept after a 4B int4 Pipeline was released; 0.17 GB per loaded 4B graph)."""
-    libc = c_library()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
 def session_config(contract: ShapeContract) -> dict[str, str]:
     """Session config entries an export needs: a portable quantized export (blocked
     DequantizeLinear, which ONNX Runtime fuses into MatMulNBits when it loads the graph) gets the
     manifest's ``quant_accuracy_level`` as ``session.qdq_matmulnbits_accuracy_level`` (ONNX
     Runtime's session option for that fusion; its own default is 4)."""
-    if contract.quantize != "none" and contract.ops == "portable":
+    if contract.quantize != Quantization.NONE and contract.ops == Ops.PORTABLE:
         return {"session.qdq_matmulnbits_accuracy_level": str(contract.quant_accuracy_level)}
     return {}

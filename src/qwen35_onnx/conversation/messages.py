@@ -32,7 +32,7 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .preprocess import to_rgb
+from .images import to_rgb
 
 __all__ = ["ChatInputError", "ImageTooLarge", "ImagePolicy", "ROLES", "normalize_messages", "decode_image_url"]
 
@@ -76,7 +76,7 @@ class ImagePolicy:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     @classmethod
-    def trusted(cls) -> "ImagePolicy":
+    def trusted(cls) -> ImagePolicy:
         """Local files from anywhere: for a caller that is the operator (the Python API)."""
         return cls(allow_any_local=True)
 
@@ -181,12 +181,12 @@ def decode_image_url(url: str, param: str, policy: ImagePolicy) -> Image.Image:
             raise ChatInputError(
                 f"{param}: media type {media or 'none'!r} is not one of {', '.join(IMAGE_MEDIA_TYPES)}", param
             )
-        payload = url[match.end():]
+        payload = url[match.end() :]
         decoded_size = len(payload.rstrip("=")) * 3 // 4  # exact for valid base64
         if decoded_size > policy.max_image_bytes:
             raise ImageTooLarge(
-                f"{param}: the image is {decoded_size} bytes, more than the limit of "
-                f"{policy.max_image_bytes} bytes", param
+                f"{param}: the image is {decoded_size} bytes, more than the limit of {policy.max_image_bytes} bytes",
+                param,
             )
         try:
             data = base64.b64decode(payload, validate=True)
@@ -214,7 +214,8 @@ def _local_image(path: str, param: str, policy: ImagePolicy) -> Image.Image:
     if not policy.allow_any_local and policy.local_dir is None:
         raise ChatInputError(
             f"{param}: local image paths are not allowed here (the server reads local images only from a folder "
-            "given with --allowed-image-dir); send the image as a data: URL", param
+            "given with --allowed-image-dir); send the image as a data: URL",
+            param,
         )
     shown = repr(path[:200])
     outside = False
@@ -260,12 +261,15 @@ def _open_image_bytes(data: bytes, param: str, max_pixels: int, formats=WEB_FORM
             if width * height > max_pixels:
                 raise ImageTooLarge(
                     f"{param}: the image is {width}x{height} = {width * height} pixels, more than the limit of "
-                    f"{max_pixels} pixels", param
+                    f"{max_pixels} pixels",
+                    param,
                 )
             image.load()  # the first frame of an animated GIF / WebP
             return to_rgb(ImageOps.exif_transpose(image))
     except Image.DecompressionBombError as exc:  # raised by Image.open itself above ~179 megapixels
-        raise ImageTooLarge(f"{param}: the image is more than the limit of {max_pixels} pixels ({exc})", param) from None
+        raise ImageTooLarge(
+            f"{param}: the image is more than the limit of {max_pixels} pixels ({exc})", param
+        ) from None
     except UnidentifiedImageError:
         raise ChatInputError(f"{param}: the data is not a readable image (no known image format)", param) from None
     except (OSError, SyntaxError, ValueError) as exc:

@@ -4,9 +4,9 @@
 :func:`read_model` lists the main graph's nodes and initializers (with their external-data
 references: file, offset, length); :func:`write_model` writes the model back with some nodes
 replaced or dropped, some initializers dropped and external-data initializers added. Every other
-field is copied byte for byte. Used by :mod:`.shared_weights` to change the layout of weights at
-load time; graph files are a few megabytes (weights live in external data), so this takes
-milliseconds.
+field is copied byte for byte. The ONNX Runtime backend uses it to change the layout of weights
+at load time and to point saved graphs at shared data; graph files are a few megabytes (weights live in
+external data), so this takes milliseconds.
 
 Field numbers (onnx/onnx.proto): ModelProto 7 graph, 8 opset_import; OperatorSetIdProto 1 domain,
 2 version; GraphProto 1 node, 5 initializer, 12 output; NodeProto 1 input, 2 output, 3 name,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .onnx_scan import OnnxScanError, _entries, _varint  # noqa: F401
+from .scan import OnnxScanError, read_varint, wire_entries
 
 FLOAT = 1
 """``TensorProto.DataType`` of fp32."""
@@ -77,7 +77,7 @@ class Model:
 
 
 def _text(buf, span) -> str:
-    return bytes(buf[span[0]:span[1]]).decode("utf-8")
+    return bytes(buf[span[0] : span[1]]).decode("utf-8")
 
 
 def _signed(value: int) -> int:
@@ -90,14 +90,14 @@ def _ints(buf, wire: int, value) -> list[int]:
         return [_signed(value)]
     out, pos = [], value[0]
     while pos < value[1]:
-        item, pos = _varint(buf, pos)
+        item, pos = read_varint(buf, pos)
         out.append(_signed(item))
     return out
 
 
 def _node(buf, span, subgraph_inputs: set[str] | None) -> Node:
     node = Node("", [], [])
-    for number, wire, value, _, _ in _entries(buf, *span):
+    for number, wire, value, _, _ in wire_entries(buf, *span):
         if number == 1 and wire == 2:
             node.inputs.append(_text(buf, value))
         elif number == 2 and wire == 2:
@@ -110,7 +110,7 @@ def _node(buf, span, subgraph_inputs: set[str] | None) -> Node:
             node.domain = _text(buf, value)
         elif number == 5 and wire == 2:
             name, ints = "", []
-            for a_number, a_wire, a_value, _, _ in _entries(buf, *value):
+            for a_number, a_wire, a_value, _, _ in wire_entries(buf, *value):
                 if a_number == 1 and a_wire == 2:
                     name = _text(buf, a_value)
                 elif a_number == 3 and a_wire == 0:
@@ -126,7 +126,7 @@ def _node(buf, span, subgraph_inputs: set[str] | None) -> Node:
 
 def _subgraph_inputs(buf, span, found: set[str]) -> None:
     """Add the inputs of every node of the GraphProto at ``span`` (and of its subgraphs)."""
-    for number, wire, value, _, _ in _entries(buf, *span):
+    for number, wire, value, _, _ in wire_entries(buf, *span):
         if number == 1 and wire == 2:
             found.update(_node(buf, value, found).inputs)
 
@@ -134,7 +134,7 @@ def _subgraph_inputs(buf, span, found: set[str]) -> None:
 def _initializer(buf, span) -> Initializer:
     tensor = Initializer("", (), 0)
     dims, external, location = [], {}, 0
-    for number, wire, value, _, _ in _entries(buf, *span):
+    for number, wire, value, _, _ in wire_entries(buf, *span):
         if number == 1 and wire in (0, 2):
             dims += _ints(buf, wire, value)
         elif number == 2 and wire == 0:
@@ -144,7 +144,7 @@ def _initializer(buf, span) -> Initializer:
         elif number == 14 and wire == 0:
             location = value
         elif number == 13 and wire == 2:
-            entry = {n: _text(buf, v) for n, w, v, _, _ in _entries(buf, *value) if w == 2}
+            entry = {n: _text(buf, v) for n, w, v, _, _ in wire_entries(buf, *value) if w == 2}
             external[entry.get(1, "")] = entry.get(2, "")
             tensor.external += ((entry.get(1, ""), entry.get(2, "")),)
     tensor.dims = tuple(dims)
@@ -164,15 +164,15 @@ def read_model(data: bytes) -> Model:
     buf = memoryview(data)
     model = Model(data, [], {}, set(), set(), set())
     found = False
-    for number, wire, value, _, _ in _entries(buf):
+    for number, wire, value, _, _ in wire_entries(buf):
         if number == 8 and wire == 2:
-            domain = next((_text(buf, v) for n, w, v, _, _ in _entries(buf, *value) if n == 1 and w == 2), "")
+            domain = next((_text(buf, v) for n, w, v, _, _ in wire_entries(buf, *value) if n == 1 and w == 2), "")
             model.domains.add("" if domain == "ai.onnx" else domain)
         elif number == 7 and wire == 2:
             found, model.graph_span = True, value
     if not found:
         raise OnnxScanError("the model has no main graph")
-    for number, wire, value, start, end in _entries(buf, *model.graph_span):
+    for number, wire, value, start, end in wire_entries(buf, *model.graph_span):
         if wire != 2:
             continue
         if number == 1:
@@ -183,7 +183,9 @@ def read_model(data: bytes) -> Model:
             model.initializers[tensor.name] = tensor
             model.initializer_spans[tensor.name] = (start, end)
         elif number == 12:
-            model.outputs.add(next((_text(buf, v) for n, w, v, _, _ in _entries(buf, *value) if n == 1 and w == 2), ""))
+            model.outputs.add(
+                next((_text(buf, v) for n, w, v, _, _ in wire_entries(buf, *value) if n == 1 and w == 2), "")
+            )
     return model
 
 
@@ -245,14 +247,19 @@ def encode_initializer(tensor: Initializer) -> bytes:
 def _with_external(buf, span: tuple[int, int], entries) -> bytes:
     """The TensorProto at ``span`` (an entry of the graph, key included) with its
     ``external_data`` replaced by ``entries`` ((key, value) pairs); every other field as it was."""
-    _, _, value, _, _ = next(_entries(buf, *span))
-    kept = b"".join(bytes(buf[start:end]) for number, _, _, start, end in _entries(buf, *value) if number != 13)
+    _, _, value, _, _ = next(wire_entries(buf, *span))
+    kept = b"".join(bytes(buf[start:end]) for number, _, _, start, end in wire_entries(buf, *value) if number != 13)
     return _bytes_field(5, kept + b"".join(_bytes_field(13, _str_field(1, k) + _str_field(2, v)) for k, v in entries))
 
 
-def write_model(model: Model, nodes: dict[int, Node | None] | None = None, drop: set[str] = frozenset(),
-                add: list[Initializer] = (), domains: dict[str, int] | None = None,
-                external: dict[str, list[tuple[str, str]]] | None = None) -> bytes:
+def write_model(
+    model: Model,
+    nodes: dict[int, Node | None] | None = None,
+    drop: set[str] = frozenset(),
+    add: list[Initializer] = (),
+    domains: dict[str, int] | None = None,
+    external: dict[str, list[tuple[str, str]]] | None = None,
+) -> bytes:
     """The model with node ``i`` replaced by ``nodes[i]`` (None: dropped), the initializers named
     in ``drop`` removed, ``add`` appended (external-data initializers), the ``external_data``
     entries of the initializers named in ``external`` replaced by the given (key, value) pairs,
@@ -264,24 +271,35 @@ def write_model(model: Model, nodes: dict[int, Node | None] | None = None, drop:
     """
     nodes = nodes or {}
     buf = model.data
-    cuts = {span: (b"" if nodes[i] is None else _bytes_field(1, encode_node(nodes[i])))
-            for i, span in enumerate(model.node_spans) if i in nodes}
-    cuts.update({model.initializer_spans[name]: _with_external(buf, model.initializer_spans[name], entries)
-                 for name, entries in (external or {}).items() if name not in drop})
+    cuts = {
+        span: (b"" if nodes[i] is None else _bytes_field(1, encode_node(nodes[i])))
+        for i, span in enumerate(model.node_spans)
+        if i in nodes
+    }
+    cuts.update(
+        {
+            model.initializer_spans[name]: _with_external(buf, model.initializer_spans[name], entries)
+            for name, entries in (external or {}).items()
+            if name not in drop
+        }
+    )
     cuts.update({model.initializer_spans[name]: b"" for name in drop})
     parts, pos = [], model.graph_span[0]
     for start, end in sorted(cuts):
         parts += [buf[pos:start], cuts[(start, end)]]
         pos = end
-    parts += [buf[pos:model.graph_span[1]]]
+    parts += [buf[pos : model.graph_span[1]]]
     parts += [_bytes_field(5, encode_initializer(t)) for t in add]
     graph = b"".join(parts)
-    tail = buf[model.graph_span[1]:]
+    tail = buf[model.graph_span[1] :]
     # the graph entry's key and length prefix precede its span: rewrite them
     prefix = _enc_varint(7 << 3 | 2)
     key_start = model.graph_span[0] - len(_enc_varint(model.graph_span[1] - model.graph_span[0])) - len(prefix)
-    if buf[key_start:key_start + len(prefix)] != prefix:
+    if buf[key_start : key_start + len(prefix)] != prefix:
         raise OnnxScanError("unexpected encoding of the model's graph field")
-    imports = b"".join(_bytes_field(8, _str_field(1, d) + _varint_field(2, v))
-                       for d, v in (domains or {}).items() if d not in model.domains)
+    imports = b"".join(
+        _bytes_field(8, _str_field(1, d) + _varint_field(2, v))
+        for d, v in (domains or {}).items()
+        if d not in model.domains
+    )
     return bytes(buf[:key_start]) + _bytes_field(7, graph) + bytes(tail) + imports

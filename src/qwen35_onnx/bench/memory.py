@@ -6,7 +6,8 @@ process's resident memory (``VmRSS``, split into file-backed and anonymous pages
 after loading vision, decode and every prefill bucket and again after running each graph once,
 the budget ``1.2 x weights + states + 0.5 GB`` (judged by ``Pss``: ONNX Runtime maps the shared
 pre-packed weights once per session, and ``VmRSS`` counts a shared page once per mapping), and
-decode ms/token with the shared weights and with a decode session that holds its own copy (ONNX Runtime's default), side by side: the two
+decode ms/token with the shared weights and with a decode session that holds its own copy (ONNX Runtime's
+default), side by side: the two
 decoders start from runs of the same prefill (deterministic) and take turns (see :data:`BLOCK`; median of
 ``steps`` steps after 3 warm-ups each). GB are 10^9 bytes.
 """
@@ -71,7 +72,7 @@ def reset_peak() -> bool:
 def weight_bytes(root: Path, graphs: dict[str, str]) -> dict[str, int]:
     """Bytes of the external-data files the graphs of an export read, per kind: ``{'text': ...,
     'vision': ...}`` (each file counted once; ``graphs``: manifest key -> path under ``root``)."""
-    from .runtime.onnx_edit import read_model
+    from ..onnxfile.edit import read_model
 
     files: dict[Path, str] = {}
     for key, rel in graphs.items():
@@ -86,15 +87,17 @@ def weight_bytes(root: Path, graphs: dict[str, str]) -> dict[str, int]:
 
 
 def state_bytes(contract) -> int:
-    """Bytes of the decode state buffers of :class:`~.runtime.state.BoundDecoder`: two sets of
+    """Bytes of the decode state buffers of :class:`~qwen35_onnx.runtime.onnxruntime.decoders.BoundDecoder`: two sets of
     conv and recurrent states and logits (A/B), the KV cache at capacity once (updated in place,
     ``--ops ort``) or twice."""
-    from .contract import STATE_NAMES
+    from ..contract import STATE_NAMES
 
     itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}
     sizes = {s: int(np.prod(contract.state_shape(s))) * itemsize[contract.state_dtype(s)] for s in STATE_NAMES}
     kv_sets = 1 if contract.kv_in_place else 2
-    return 2 * (sizes["conv_states"] + sizes["recurrent_states"] + 4 * contract.vocab_size) + kv_sets * sizes["kv_cache"]
+    return (
+        2 * (sizes["conv_states"] + sizes["recurrent_states"] + 4 * contract.vocab_size) + kv_sets * sizes["kv_cache"]
+    )
 
 
 @dataclass
@@ -115,9 +118,13 @@ class MemoryReport:
         return BUDGET_FACTOR * sum(self.weights.values()) + self.states + BUDGET_SLACK
 
     def lines(self) -> list[str]:
-        gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
-        mem = lambda m: (f"VmRSS {gb(m['VmRSS'])} (file {gb(m['RssFile'])}, anonymous {gb(m['RssAnon'])})"  # noqa: E731
-                         + (f", Pss {gb(m['Pss'])}" if "Pss" in m else ""))
+        def gb(n: float) -> str:
+            return f"{n / 1e9:.2f} GB"
+
+        def mem(m: dict) -> str:
+            pss = f", Pss {gb(m['Pss'])}" if "Pss" in m else ""
+            return f"VmRSS {gb(m['VmRSS'])} (file {gb(m['RssFile'])}, anonymous {gb(m['RssAnon'])}){pss}"
+
         w = self.weights
         out = [
             f"weights: {gb(sum(w.values()))} (text {gb(w['text'])}, vision {gb(w['vision'])})",
@@ -127,19 +134,27 @@ class MemoryReport:
             f"after running vision, the smallest prefill bucket and decode: {mem(self.ran)}",
         ]
         if "mapped" in self.shared:
-            out.append(f"shared text weights: {gb(self.shared['mapped'])} mapped once, "
-                       f"{gb(self.shared['transposed'])} of them held transposed")
+            out.append(
+                f"shared text weights: {gb(self.shared['mapped'])} mapped once, "
+                f"{gb(self.shared['transposed'])} of them held transposed"
+            )
         if "prepacked" in self.shared:
-            out.append(f"pre-packed weights cache: {gb(self.shared['prepacked'])} on disk, mapped by every session "
-                       "(VmRSS counts its pages once per session: read Pss)")
+            out.append(
+                f"pre-packed weights cache: {gb(self.shared['prepacked'])} on disk, mapped by every session "
+                "(VmRSS counts its pages once per session: read Pss)"
+            )
         used = "Pss" if "Pss" in self.loaded else "VmRSS"
-        out.append(f"budget 1.2 x weights + states + 0.5 GB: {gb(self.budget)}; {used} loaded: "
-                   f"{'within' if self.loaded[used] <= self.budget else 'OVER'}, after running: "
-                   f"{'within' if self.ran[used] <= self.budget else 'OVER'}")
+        out.append(
+            f"budget 1.2 x weights + states + 0.5 GB: {gb(self.budget)}; {used} loaded: "
+            f"{'within' if self.loaded[used] <= self.budget else 'OVER'}, after running: "
+            f"{'within' if self.ran[used] <= self.budget else 'OVER'}"
+        )
         if len(self.decode_ms) == 2:
             own, shared = self.decode_ms["own copy"], self.decode_ms["shared"]
-            out.append(f"decode ms/token (median, alternating steps): shared {shared:.2f}, own copy {own:.2f} "
-                       f"(shared / own {shared / own:.3f}); greedy tokens identical: {self.tokens_identical}")
+            out.append(
+                f"decode ms/token (median, alternating steps): shared {shared:.2f}, own copy {own:.2f} "
+                f"(shared / own {shared / own:.3f}); greedy tokens identical: {self.tokens_identical}"
+            )
         return out
 
 
@@ -157,11 +172,9 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
         ContractError / ValueError: see :meth:`~qwen35_onnx.pipeline.Pipeline.from_exported`.
         OSError: no ``/proc`` (not Linux).
     """
-    from .pipeline import Pipeline
-    from .runtime.masks import advance_mask, prepare_decode_mask
-    from .runtime.positions import decode_position_ids
-    from .runtime.sessions import GraphSession, session_config
-    from .runtime.state import BoundDecoder
+    from ..pipeline import Pipeline
+    from ..runtime.generation import Generation
+    from ..runtime.onnxruntime.backend import OrtBackend
 
     gc.collect()
     baseline = resident()
@@ -169,56 +182,50 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
     pipe = Pipeline.from_exported(export_dir)
     contract = pipe.contract
     for bucket in contract.prefill_buckets or [None]:
-        pipe.graphs.prefill(bucket)
+        pipe.backend.load_prefill(bucket)
     gc.collect()
     loaded = resident()
-    log(f"[memory] loaded vision, decode and {len(contract.prefill_buckets or [None])} prefill graph(s) "
-        f"in {time.perf_counter() - start:.1f} s")
-    zeros = np.zeros((contract.n_image_rows, contract.image_embed_dim), dtype=np.float32)
+    log(
+        f"[memory] loaded vision, decode and {len(contract.prefill_buckets or [None])} prefill graph(s) "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
     pipe.backend.run_vision(np.zeros((contract.n_patches, contract.patch_dim), dtype=np.float32))
     prepared = pipe.prepare_ids(_prompt(pipe, min(20, contract.capacity - 1)))  # the smallest bucket
-    _, prompt_mask, _ = pipe.padded_prompt(prepared)
 
-    def start(decoder_of=pipe.decoder):
-        """A decoder after one step from a fresh prefill (prefill is deterministic: every decoder
-        starts from the same states), and its first token."""
-        logits, states = pipe.run_prefill(prepared, zeros)
-        decoder = decoder_of(states)
-        mask = prepare_decode_mask(prompt_mask, contract.capacity, contract.capacity)
-        out = decoder.step(np.array([[int(np.argmax(logits))]], dtype=np.int64), mask,
-                           decode_position_ids(advance_mask(mask), prepared.rope_deltas))
-        return decoder, mask, int(np.argmax(out[0, -1]))
+    def begin(backend):
+        """A generation on ``backend`` after one step from a fresh prefill of the pipeline (prefill
+        is deterministic: every generation starts from the same states), and its next token."""
+        prefill = pipe.generation(prepared)
+        token = int(np.argmax(prefill.prefill()))
+        generation = Generation(backend, prepared, states=prefill.states)
+        return generation, int(np.argmax(generation.step(token)))
 
-    decoders = {"shared": start()}
+    generations = {"shared": begin(pipe.backend)}
     gc.collect()
     ran = resident()
-    weights, cache = pipe.graphs.weights, getattr(pipe.graphs, "prepacked", None)
-    shared = {"mapped": weights.mapped_bytes(), "transposed": weights.transposed_bytes()} if weights else {}
-    if cache is not None:
-        shared["prepacked"] = cache.disk_bytes()
-    report = MemoryReport(weight_bytes(export_dir, contract.graphs), state_bytes(contract), baseline, loaded, ran,
-                          shared=shared)
+    report = MemoryReport(
+        weight_bytes(export_dir, contract.graphs),
+        state_bytes(contract),
+        baseline,
+        loaded,
+        ran,
+        shared=pipe.backend.shared_weight_bytes(),
+    )
     if not compare:
         return report
-    own = GraphSession.load("decode", Path(export_dir) / contract.graphs["decode"], config=session_config(contract),
-                            dtype=contract.dtype)
-    decoders["own copy"] = start(lambda states: BoundDecoder(own, contract, states, "cpu"))
-    runs = {name: {"mask": mask, "token": token, "tokens": [], "ms": []}
-            for name, (_, mask, token) in decoders.items()}
-    decoders = {name: decoder for name, (decoder, _, _) in decoders.items()}
-    order = list(decoders)
+    own = OrtBackend(export_dir, contract, share_weights=False, prepacked_cache=False)  # ONNX Runtime's default
+    generations["own copy"] = begin(own)
+    runs = {name: {"token": token, "tokens": [], "ms": []} for name, (_, token) in generations.items()}
+    order = list(generations)
     while min(len(r["ms"]) for r in runs.values()) < steps:
-        if max(int(r["mask"].sum()) for r in runs.values()) + BLOCK >= contract.capacity:
+        if max(g.length for g, _ in generations.values()) + BLOCK >= contract.capacity:
             break
         for name in order:
             time.sleep(SWITCH_PAUSE_S)  # the other session's idle threads stop spinning
-            r = runs[name]
+            r, (generation, _) = runs[name], generations[name]
             for _ in range(BLOCK):
                 t0 = time.perf_counter()
-                pos = advance_mask(r["mask"])
-                out = decoders[name].step(np.array([[r["token"]]], dtype=np.int64), r["mask"],
-                                          decode_position_ids(pos, prepared.rope_deltas))
-                r["token"] = int(np.argmax(out[0, -1]))
+                r["token"] = int(np.argmax(generation.step(r["token"])))
                 if len(r["tokens"]) >= WARMUP:
                     r["ms"].append(1000 * (time.perf_counter() - t0))
                 r["tokens"].append(r["token"])

@@ -79,7 +79,7 @@ class ReasoningParser:
             if self._may_open:
                 stripped = text.lstrip()
                 if stripped.startswith(THINK_START):
-                    text = stripped[len(THINK_START):]
+                    text = stripped[len(THINK_START) :]
                     self.in_reasoning, self._may_open, self._strip_newlines = True, False, True
                     self.entered_reasoning = True
                     continue
@@ -91,12 +91,12 @@ class ReasoningParser:
                 at = text.find(THINK_END)
                 if at >= 0:
                     self._emit(delta, text[:at])
-                    text = text[at + len(THINK_END):]
+                    text = text[at + len(THINK_END) :]
                     self.in_reasoning, self._strip_newlines = False, True
                     continue
                 keep = _partial_suffix(text, THINK_END)
                 self._emit(delta, text[: len(text) - keep])
-                self._held = text[len(text) - keep:]
+                self._held = text[len(text) - keep :]
                 break
             self._emit(delta, text)
             break

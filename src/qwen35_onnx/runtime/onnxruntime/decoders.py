@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from ..contract import STATE_NAMES, ShapeContract
+from ...contract import STATE_NAMES, KvMode, ShapeContract
 from .sessions import GraphSession
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -46,20 +46,26 @@ class BoundDecoder:
             step's past (and, in fixed mode, one of the two A/B buffer sets).
     """
 
-    def __init__(self, decode: GraphSession, contract: ShapeContract, states: dict[str, ort.OrtValue], device: str = "cpu"):
+    def __init__(
+        self, decode: GraphSession, contract: ShapeContract, states: dict[str, ort.OrtValue], device: str = "cpu"
+    ):
         self.session = decode.session
         self.contract = contract
         self.device = device
-        self.fixed = contract.kv_mode == "fixed"
+        self.fixed = contract.kv_mode == KvMode.FIXED
         self.in_place = contract.kv_in_place
         # KV: in place (not double-buffered) with kv_in_place; allocated by ORT in dynamic mode
         buffered = STATE_NAMES if self.fixed and not self.in_place else STATE_NAMES[:2]
         shapes = {"logits": ((contract.batch, 1, contract.vocab_size), np.float32)}
-        shapes.update({
-            f"present_{name}": (contract.state_shape(name), NP_DTYPES[contract.state_dtype(name)]) for name in buffered
-        })
+        shapes.update(
+            {
+                f"present_{name}": (contract.state_shape(name), NP_DTYPES[contract.state_dtype(name)])
+                for name in buffered
+            }
+        )
         new = lambda: {  # noqa: E731
-            name: ort.OrtValue.ortvalue_from_shape_and_type(shape, dt, device, 0) for name, (shape, dt) in shapes.items()
+            name: ort.OrtValue.ortvalue_from_shape_and_type(shape, dt, device, 0)
+            for name, (shape, dt) in shapes.items()
         }
         # Two complete sets of output buffers: set p is written at steps of parity p; the
         # prefill's states serve as set 1 (read by step 0).

@@ -38,7 +38,7 @@ class GraphScan:
         return sorted(f"{domain}.{op}" for domain, op in self.operators if domain not in STANDARD_DOMAINS)
 
 
-def _entries(buf, start: int = 0, end: int | None = None):
+def wire_entries(buf, start: int = 0, end: int | None = None):
     """Yield ``(number, wire, value, entry_start, entry_end)`` for the protobuf fields of
     ``buf[start:end]``: length-delimited values as ``(start, end)``, and the byte span of the whole
     entry (key included), which :mod:`.onnx_edit` needs to rewrite a message."""
@@ -46,12 +46,12 @@ def _entries(buf, start: int = 0, end: int | None = None):
     pos = start
     while pos < end:
         entry = pos
-        key, pos = _varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         number, wire = key >> 3, key & 7
         if wire == 0:
-            value, pos = _varint(buf, pos)
+            value, pos = read_varint(buf, pos)
         elif wire == 2:
-            length, pos = _varint(buf, pos)
+            length, pos = read_varint(buf, pos)
             value = (pos, pos + length)
             pos += length
         elif wire in (1, 5):
@@ -65,11 +65,11 @@ def _entries(buf, start: int = 0, end: int | None = None):
 
 def _fields(buf: memoryview, start: int = 0, end: int | None = None):
     """Yield ``(field_number, wire_type, value)``; length-delimited values as ``(start, end)``."""
-    for number, wire, value, _, _ in _entries(buf, start, end):
+    for number, wire, value, _, _ in wire_entries(buf, start, end):
         yield number, wire, value
 
 
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+def read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(buf):
@@ -85,7 +85,7 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 
 def _text(buf: memoryview, span) -> str:
-    return bytes(buf[span[0]:span[1]]).decode("utf-8", "replace")
+    return bytes(buf[span[0] : span[1]]).decode("utf-8", "replace")
 
 
 def _nodes(buf: memoryview, span, node_field: int, found: set) -> None:
@@ -135,7 +135,9 @@ def scan(path: str | Path) -> GraphScan:
                             if g_number == 1:
                                 _node(buf, g_value, result.operators)
                             elif g_number in (11, 12):
-                                name = next((_text(buf, v) for n, w, v in _fields(buf, *g_value) if n == 1 and w == 2), "")
+                                name = next(
+                                    (_text(buf, v) for n, w, v in _fields(buf, *g_value) if n == 1 and w == 2), ""
+                                )
                                 (result.inputs if g_number == 11 else result.outputs).append(name)
                     elif number == 20:  # local functions
                         _nodes(buf, value, 7, result.operators)

@@ -1,0 +1,119 @@
+"""The bench's report: ``bench.md`` (tables, ratios against each peer), ``bench.json`` and
+``bench.png`` (matplotlib, when installed)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from .protocol import PeerResult, Protocol
+
+TARGETS = (
+    ("openvino int4 f32", "ov-genai int4 f32"),
+    ("openvino int4 bf16", "ov-genai int4 bf16"),
+    ("openvino int4 f32", "ov-genai int4 bf16"),
+)
+"""(ours, peer) decode pairs reported at every length under the tables (issue 10: our OpenVINO int4
+decode <= OpenVINO's own pipeline's)."""
+
+
+def report(
+    results: list[PeerResult],
+    bandwidth_gbps: float,
+    out_dir: Path,
+    state_bytes: dict[int, int],
+    protocol: Protocol | None = None,
+) -> str:
+    """Write bench.md / bench.json / bench.png; returns the Markdown."""
+    lengths = sorted({n for r in results for n in r.decode_ms})
+    lines = [f"Read bandwidth: {bandwidth_gbps:.1f} GB/s (measured in this run)", ""]
+    protocol = protocol or Protocol()
+    if not protocol.is_reference:
+        lines += [
+            f"Prefill: median of {protocol.prefill_runs} runs after {protocol.prefill_warmup} warm-up(s) "
+            "(`--prefill-runs`; the reference protocol is 5 after 2).",
+            "",
+        ]
+    first, last = lengths[0], lengths[-1]
+    lines += [
+        f"Times in ms (prefill: whole prompt; decode: per token). `decode {last}/{first}`: flatness in "
+        "context length. floor: bytes of weights and states one decode step reads / read bandwidth; "
+        f"`x floor`: decode at {first} over it. peak RSS: the most resident memory of the process that "
+        "ran the peer while it ran (its load, every length, the end-to-end run; GB = 1e9 bytes); marked *: "
+        "the largest Pss sampled after each length's prefill and decode and the end-to-end run (this "
+        "project's ONNX Runtime rows with shared pre-packed weights, whose pages VmRSS counts once per "
+        "session; transient activations between samples are not in it).",
+        "",
+    ]
+    head = (
+        "| peer | "
+        + " | ".join(f"prefill {n}" for n in lengths)
+        + " | "
+        + " | ".join(f"decode {n}" for n in lengths)
+        + f" | decode {last}/{first} | e2e tok/s | floor ms/tok @{first} | x floor | peak RSS GB |"
+    )
+    lines += [head, "|" + "---|" * (1 + 2 * len(lengths) + 5)]
+    for r in results:
+        floor = (r.decode_bytes + state_bytes.get(first, 0)) / (bandwidth_gbps * 1e9) * 1000 if r.decode_bytes else None
+        row = [r.name] + [f"{r.prefill_ms.get(n, float('nan')):.1f}" for n in lengths]
+        row += [f"{r.decode_ms.get(n, float('nan')):.2f}" for n in lengths]
+        row += [f"{r.decode_ms[last] / r.decode_ms[first]:.2f}"]
+        row += [f"{r.e2e_tokens_per_s:.1f}" if r.e2e_tokens_per_s else "-", f"{floor:.3f}" if floor else "-"]
+        row += [f"{r.decode_ms[first] / floor:.1f}" if floor else "-"]
+        row += [f"{r.peak_rss_bytes / 1e9:.2f}{'*' if r.peak_sampled else ''}" if r.peak_rss_bytes else "-"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", f"Decode ms/token at {first} tokens, ratio row/column (> 1: the column peer is faster):", ""]
+    lines.append("| | " + " | ".join(r.name for r in results) + " |")
+    lines.append("|" + "---|" * (len(results) + 1))
+    for a in results:
+        cells = [f"{a.decode_ms[first] / b.decode_ms[first]:.2f}" for b in results]
+        lines.append(f"| {a.name} | " + " | ".join(cells) + " |")
+    markdown = "\n".join(lines) + "\n"
+    (out_dir / "bench.json").write_text(
+        json.dumps(
+            {"bandwidth_gbps": bandwidth_gbps, "state_bytes": state_bytes, "peers": [asdict(r) for r in results]},
+            indent=2,
+        )
+    )
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for r in results:
+            ax1.plot(lengths, [r.prefill_ms[n] for n in lengths], marker="o", label=r.name)
+            ax2.plot(lengths, [r.decode_ms[n] for n in lengths], marker="o", label=r.name)
+        ax1.set(xlabel="tokens", ylabel="prefill ms", xscale="log", yscale="log", title="prefill")
+        ax2.set(xlabel="context tokens", ylabel="decode ms/token", xscale="log", title="decode")
+        ax2.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "bench.png", dpi=120)
+    except ImportError:
+        markdown += "\n(matplotlib not installed: no bench.png)\n"
+    (out_dir / "bench.md").write_text(markdown)
+    return markdown
+
+
+def target_lines(results: list[PeerResult]) -> list[str]:
+    """Markdown lines comparing the decode of each :data:`TARGETS` pair at every length."""
+    by_name = {r.name: r for r in results}
+    lines = []
+    for ours, peer in TARGETS:
+        if ours in by_name and peer in by_name:
+            a, b = by_name[ours], by_name[peer]
+            cells = [
+                f"{n}: {a.decode_ms[n]:.2f} vs {b.decode_ms[n]:.2f} ms ({b.decode_ms[n] / a.decode_ms[n]:.2f}x)"
+                for n in sorted(a.decode_ms)
+                if n in b.decode_ms
+            ]
+            lines.append(f"- {ours} vs {peer} (decode, peer / ours): " + "; ".join(cells))
+    if lines:
+        lines = [
+            "",
+            "Target (issue 10): our OpenVINO int4 decode <= OpenVINO's own pipeline's, side by side:",
+            "",
+        ] + lines
+    return lines

@@ -1,0 +1,266 @@
+"""Side-by-side speed benchmark (``qwen35-onnx bench``, ``make bench``); not part of the tests.
+
+The protocol of the reference system (:class:`~.protocol.Protocol`). Prompts are random ordinary
+tokens (the same ids for every peer). All peers run in one command, one after the other,
+on the same checkpoint:
+
+- this project on ONNX Runtime: portable fp32, ort fp32, ort int8, ort int4, portable int4
+  (exported here, fixed KV);
+- this project on OpenVINO (``runtime="openvino"``): the portable fp32 and portable int4
+  exports, each with inference precision f32 and bf16; the same measuring function as the ONNX
+  Runtime rows (:func:`bench_pipeline` takes a Pipeline, whatever its runtime);
+- ``transformers`` eager on CPU (the PyTorch reference);
+- ``onnxruntime-genai`` (its model builder run on the same checkpoint, fp32 and int4), when
+  the package is installed;
+- OpenVINO's own Qwen3.5 pipeline: optimum-intel's export to OpenVINO IR (int4, symmetric,
+  group size 32) run by openvino-genai's ``VLMPipeline``, with the f32 and bf16 precision hints.
+  optimum-intel pins an older transformers, so it runs from its own virtual environment
+  (``WORK_DIR/../.venv-optimum``, created with :data:`~.peers.OPTIMUM_VENV_PINS`), in a subprocess
+  that runs :mod:`.ovgenai_peer` and prints JSON;
+- the floor: bytes read per decode token (weights + states) / the machine's read
+  bandwidth, measured in the same run (ONNX Runtime ReduceSum over 1 GiB).
+
+Outputs ``bench.md`` (table, ratios against each peer), ``bench.json`` and ``bench.png`` (:mod:`.report`).
+Times are milliseconds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..contract import ContractError, read_manifest
+from ..export.options import ExportOptions
+from ..runtime.host_memory import release_freed_memory
+from .memory import reset_peak, resident
+from .peers import bench_genai, bench_ovgenai, bench_transformers, build_genai, build_optimum, ensure_optimum_venv
+from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read_bandwidth_gbps
+from .report import report, target_lines
+
+LENGTHS = (32, 512, 1024, 2048)
+#: The exports this project's rows run: folder name (spaces as dashes) -> ExportOptions fields.
+EXPORTS = {
+    "portable fp32": dict(ops="portable"),
+    "ort fp32": dict(ops="ort"),
+    "ort int8": dict(ops="ort", quantize="int8"),
+    "ort int4": dict(ops="ort", quantize="int4"),
+    "portable int4": dict(ops="portable", quantize="int4"),
+}
+#: This project's rows: row name -> (export, runtime, precision).
+PIPELINE_ROWS = {
+    "portable fp32": ("portable fp32", "onnxruntime", "f32"),
+    "ort fp32": ("ort fp32", "onnxruntime", "f32"),
+    "ort int8": ("ort int8", "onnxruntime", "f32"),
+    "ort int4": ("ort int4", "onnxruntime", "f32"),
+    "portable int4": ("portable int4", "onnxruntime", "f32"),
+    "openvino fp32 f32": ("portable fp32", "openvino", "f32"),
+    "openvino fp32 bf16": ("portable fp32", "openvino", "bf16"),
+    "openvino int4 f32": ("portable int4", "openvino", "f32"),
+    "openvino int4 bf16": ("portable int4", "openvino", "bf16"),
+}
+#: OpenVINO's own pipeline: row name -> its inference precision hint.
+OVGENAI_ROWS = {"ov-genai int4 f32": "f32", "ov-genai int4 bf16": "bf16"}
+ROWS = tuple(PIPELINE_ROWS) + ("transformers eager", "genai fp32", "genai int4") + tuple(OVGENAI_ROWS)
+"""Every row, in table order; ``run_bench(rows=...)`` measures a subset."""
+
+
+# ---- this project -------------------------------------------------------------------------
+def bench_pipeline(
+    name: str, pipe, prompts: dict[int, np.ndarray], protocol: Protocol, decode_bytes: int | None = None
+) -> PeerResult:
+    """Measure a loaded :class:`~qwen35_onnx.pipeline.Pipeline` (ONNX Runtime or OpenVINO: only its
+    backend interface and :class:`~qwen35_onnx.runtime.generation.Generation` are used) with
+    ``protocol``. After each length the backend drops its prefill graphs (OpenVINO's compiled
+    buckets do not share weights: one at a time)."""
+    result = PeerResult(name, decode_bytes=decode_bytes)
+    result.peak_sampled = "prepacked" in pipe.backend.shared_weight_bytes()
+
+    def sample():
+        if result.peak_sampled:
+            result.peak_rss_bytes = max(result.peak_rss_bytes or 0, resident().get("Pss", 0))
+
+    def one_length(prepared) -> tuple[float, float]:
+        """Prefill ms and decode ms/token of ``prepared`` (the generation is released on return)."""
+        prefill = median_ms(lambda: pipe.generation(prepared).prefill(), protocol.prefill_warmup, protocol.prefill_runs)
+        sample()
+        generation = pipe.generation(prepared)
+        token = int(np.argmax(generation.prefill()))
+
+        def step():
+            nonlocal token
+            token = int(np.argmax(generation.step(token)))
+
+        decode = median_ms(step, protocol.decode_warmup, protocol.decode_runs)
+        sample()
+        return prefill, decode
+
+    for length, ids in prompts.items():
+        result.prefill_ms[length], result.decode_ms[length] = one_length(pipe.prepare_ids(ids))
+        pipe.backend.unload_prefill()
+    prepared = pipe.prepare_ids(prompts[min(prompts)])
+    pipe.backend.load_prefill(prepared.bucket)  # loaded (compiled) before the clock starts, as for the other lengths
+    start = time.perf_counter()
+    out = pipe.generate_prepared(prepared, max_new_tokens=protocol.e2e_tokens)
+    result.e2e_tokens_per_s = len(out.token_ids) / (time.perf_counter() - start)
+    sample()
+    return result
+
+
+def bench_export(
+    name: str,
+    export_dir: Path,
+    prompts: dict[int, np.ndarray],
+    protocol: Protocol,
+    runtime: str = "onnxruntime",
+    precision: str = "f32",
+) -> PeerResult:
+    """:func:`bench_pipeline` on the export at ``export_dir`` loaded with ``runtime`` / ``precision``;
+    the pipeline is released before returning (the next row needs the memory)."""
+    from ..pipeline import Pipeline
+
+    pipe = Pipeline.from_exported(export_dir, runtime=runtime, precision=precision)
+    try:
+        return bench_pipeline(
+            name, pipe, prompts, protocol, decode_weight_bytes(export_dir / pipe.contract.graphs["decode"])
+        )
+    finally:
+        del pipe
+        release_freed_memory()
+
+
+def _is_cached(folder: Path, options) -> bool:
+    """An export of this version with these options is already in ``folder``."""
+    from .. import __version__
+
+    try:
+        c = read_manifest(folder)
+    except ContractError:
+        return False
+    return (c.exporter_version, c.capacity, c.prefill_buckets, c.ops, c.quantize) == (
+        __version__,
+        options.capacity,
+        tuple(options.prefill_buckets),
+        options.ops,
+        options.quantize,
+    )
+
+
+def check_rows(rows) -> tuple[str, ...]:
+    """The rows to measure: ``rows`` as a tuple (names from :data:`ROWS`), or every row for None.
+
+    Raises:
+        ValueError: no row, or a name that is not a row, naming it and the choices.
+    """
+    rows = tuple(ROWS if rows is None else rows)
+    unknown = [r for r in rows if r not in ROWS]
+    if not rows or unknown:
+        raise ValueError(
+            f"bench rows {list(rows)}: {'unknown ' + repr(unknown) if unknown else 'none given'}; "
+            f"choices: {', '.join(ROWS)}"
+        )
+    return rows
+
+
+def run_bench(
+    checkpoint: Path,
+    work_dir: Path,
+    lengths=LENGTHS,
+    seed: int = 0,
+    log=print,
+    rows=None,
+    prefill_runs: int = Protocol().prefill_runs,
+) -> str:
+    """Export the variants (cached in ``work_dir``), measure every peer of ``rows`` (names from
+    :data:`ROWS`; None: all), write the report. A peer that cannot run (a package missing, a
+    failed export of OpenVINO's own pipeline) is skipped with its reason, logged and written
+    under the tables. ``prefill_runs``: timed prefill runs per length, after ``min(2, prefill_runs)``
+    warm-ups (the reference protocol: 5 after 2; fewer keep a 4B bench at 2048 tokens in reach:
+    onnxruntime-genai's prefill there takes minutes).
+
+    Raises:
+        ValueError: ``prefill_runs`` below 1, or unknown ``rows``.
+    """
+    protocol = Protocol.with_prefill_runs(prefill_runs)
+    from ..export.exporter import export  # needs torch: the export extra
+
+    rows = check_rows(rows)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    capacity = max(lengths) + 256
+    buckets = tuple(sorted(set(lengths)))  # the capacity itself needs no bucket here
+    needed = {PIPELINE_ROWS[r][0] for r in rows if r in PIPELINE_ROWS} or {"portable fp32"}  # + the contract
+    exports = {}
+    for name, opts in EXPORTS.items():
+        if name not in needed:
+            continue
+        folder = work_dir / name.replace(" ", "-")
+        options = ExportOptions(capacity=capacity, prefill_buckets=buckets, overwrite=True, **opts)
+        if not _is_cached(folder, options):
+            log(f"[bench] exporting {name} ...")
+            export(checkpoint, folder, options)
+        exports[name] = folder
+    contract = read_manifest(next(iter(exports.values())))
+    rng = np.random.default_rng(seed)
+    prompts = {n: rng.integers(0, min(contract.vocab_size, 1000), size=(1, n)).astype(np.int64) for n in lengths}
+    state_bytes = {
+        n: 4
+        * (
+            int(np.prod(contract.conv_state_shape))
+            + int(np.prod(contract.recurrent_state_shape))
+            + int(np.prod(contract.kv_shape(n)))
+        )
+        for n in lengths
+    }
+    bandwidth = read_bandwidth_gbps()
+    results, skipped = [], []
+    optimum = None
+    for row in rows:
+        release_freed_memory()  # what the previous row freed leaves the process (and the next row's peak)
+        reset_peak()
+        done = len(results)
+        if row in PIPELINE_ROWS:
+            export_name, runtime, precision = PIPELINE_ROWS[row]
+            log(f"[bench] {row} ({export_name} export, {runtime}, precision {precision})")
+            results.append(bench_export(row, exports[export_name], prompts, protocol, runtime, precision))
+        elif row == "transformers eager":
+            log("[bench] transformers eager")
+            results.append(bench_transformers(checkpoint, prompts, protocol))
+        elif row.startswith("genai "):
+            try:
+                import onnxruntime_genai  # noqa: F401
+            except ImportError:
+                skipped.append(f"{row}: onnxruntime-genai is not installed (pip install onnxruntime-genai)")
+                log(f"[bench] {skipped[-1]}")
+                continue
+            precision = row.split()[1]
+            log(f"[bench] onnxruntime-genai {precision}")
+            try:
+                folder = build_genai(checkpoint, work_dir / f"genai-{precision}", precision)
+            except subprocess.CalledProcessError as exc:  # its builder failed: the row is skipped, not the bench
+                tail = (exc.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
+                skipped.append(
+                    f"{row}: onnxruntime-genai's model builder exited with {exc.returncode}: {' / '.join(tail)}"
+                )
+                log(f"[bench] skipped {skipped[-1]}")
+                continue
+            results.append(bench_genai(row, folder, prompts, protocol))
+        else:  # OpenVINO's own pipeline
+            log(f"[bench] {row} (optimum-intel + openvino-genai VLMPipeline)")
+            try:
+                if optimum is None:
+                    python = ensure_optimum_venv(work_dir.parent / ".venv-optimum", log)
+                    optimum = (python, build_optimum(python, checkpoint, work_dir / "optimum-int4", log))
+                results.append(bench_ovgenai(row, *optimum, prompts, OVGENAI_ROWS[row], protocol))
+            except (RuntimeError, OSError, ValueError) as exc:
+                skipped.append(f"{row}: {exc}")
+                log(f"[bench] skipped {skipped[-1]}")
+        if len(results) > done and results[-1].peak_rss_bytes is None:
+            results[-1].peak_rss_bytes = resident().get("VmHWM")
+    markdown = report(results, bandwidth, work_dir, state_bytes, protocol)
+    extra = target_lines(results) + (["", "Not measured:", ""] + [f"- {s}" for s in skipped] if skipped else [])
+    if extra:
+        markdown += "\n".join(extra) + "\n"
+        (work_dir / "bench.md").write_text(markdown)
+    return markdown

@@ -1,0 +1,237 @@
+"""The options of ``qwen35-onnx export``, each declared once (no torch).
+
+:class:`ExportOptions` is the one declaration: each field's default, flag, help and whether it
+shapes the contract (:func:`~qwen35_onnx.options.option`). The command line builds its options
+from it, :meth:`ExportOptions.contract_fields` feeds the contract (the field names are the
+contract's), and a one-graph re-export (``--component``) keeps an existing export's contract
+options through :meth:`ExportOptions.from_contract`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from ..contract import (
+    DEFAULT_QUANT_ACCURACY_LEVEL,
+    QUANT_ACCURACY_LEVELS,
+    Dtype,
+    GraphKind,
+    KvMode,
+    Ops,
+    PrefillLogits,
+    Quantization,
+    ShapeContract,
+    check_buckets,
+    check_capacity,
+    check_dummy_seq_len,
+    default_buckets,
+)
+from ..options import declared, option
+
+ALL_COMPONENTS = "all"
+"""``--component`` value for a whole export."""
+
+
+class ExportError(ValueError):
+    """The checkpoint or the export options cannot be exported."""
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """``"32,512,1024"`` -> ``(32, 512, 1024)``.
+
+    Raises:
+        ValueError: not comma-separated integers, naming the text.
+    """
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--prefill-buckets {text!r} must be comma-separated integers, e.g. 32,512,1024,2048"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Options of ``qwen35-onnx export``; see each field's help. ``capacity`` (tokens) and
+    ``kv_mode`` are independent of every other option. Fields marked ``contract=True`` are
+    written to the manifest under the same name."""
+
+    # fmt: off
+    capacity: int = option(2048, "--max-seq-len", "Capacity in tokens: KV cache and mask width.", contract=True)
+    kv_mode: KvMode = option(KvMode.FIXED, "--kv-cache", contract=True,
+                             help="fixed (constant-width KV, static graphs) or dynamic (growing).")
+    dtype: Dtype = option(Dtype.FP32, "--dtype", contract=True,
+                          help="fp32, fp16 or bf16: weights, activations, conv state and KV cache (the recurrent state "
+                               "and the host-facing pixel_values, image_embeds and logits stay fp32; bf16 runs on "
+                               "OpenVINO).")
+    image_size: int = option(128, "--vision-image-size", "Image side in pixels (multiple of patch x merge).",
+                             contract=True)
+    dummy_seq_len: int | None = option(None, "--dummy-seq-len", "Trace length in tokens (at most capacity - 1).")
+    component: str = option(ALL_COMPONENTS, "--component",
+                            "all, vision, prefill or decode (one graph of an existing export, keeping its settings).")
+    prefill_buckets: tuple[int, ...] | None = option(
+        None, "--prefill-buckets", contract=True, parse=parse_buckets,
+        help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode); by default those below "
+             "capacity, plus capacity.")
+    prefill_logits: PrefillLogits = option(PrefillLogits.LAST, "--prefill-logits", contract=True,
+                                           help="last (the last real token) or all (every position, for verification).")
+    ops: Ops = option(Ops.ORT, "--ops", contract=True,
+                      help="ort (ONNX Runtime fused operators, KV cache updated in place) or portable (standard ONNX "
+                           "operators only, for other runtimes and compilers).")
+    quantize: Quantization = option(
+        Quantization.NONE, "--quantize", contract=True,
+        help="none, int4 or int8: weight-only quantization of the text graphs (MatMulNBits with --ops ort, standard "
+             "blocked DequantizeLinear with --ops portable).")
+    quant_block_size: int = option(32, "--quant-block-size", contract=True,
+                                   help="Weights per quantization scale (power of two from 16 to 256).")
+    quant_accuracy_level: int = option(
+        DEFAULT_QUANT_ACCURACY_LEVEL, "--quant-accuracy-level", contract=True,
+        help="ONNX Runtime's MatMulNBits accuracy level of a quantized export: 0 unset, 1 fp32, 2 fp16, 3 bf16, "
+             "4 int8 activations (fastest on CPU). Written into --ops ort graphs, read from the manifest for --ops "
+             "portable.")
+    quantize_embedding: bool | None = option(
+        None, "--quantize-embedding/--no-quantize-embedding", contract=True,
+        help="Quantize the token-embedding table with the text weights (GatherBlockQuantized with the export's bits "
+             "for --ops ort, sharing a tied lm_head's bytes; int8 Gather + DequantizeLinear for --ops portable); by "
+             "default on when --quantize is int4 or int8.")
+    max_images: int = option(1, "--max-images", contract=True,
+                             help="Images per prompt the prefill graphs take (each adds its image tokens to the "
+                                  "prompt).")
+    # fmt: on
+    overwrite: bool = option(False, "--overwrite", "Replace a previous export in --output-dir.")
+    chunk_size: int = 64
+    """Largest Gated DeltaNet chunk (tokens, a power of two): the contract's ``chunk_size`` is the
+    largest power of two up to this that divides the capacity and every bucket."""
+
+    @staticmethod
+    def contract_fields() -> list[str]:
+        """Names of the options that shape the contract (the contract's fields of the same names)."""
+        return [o.name for o in declared(ExportOptions) if o.contract]
+
+    @staticmethod
+    def flag(name: str) -> str:
+        """The command-line flag of the option ``name`` (its first spelling)."""
+        return next(o.flag for o in declared(ExportOptions) if o.name == name).split("/")[0]
+
+    def validate(self) -> None:
+        """Raises ExportError naming the option and the rule it broke."""
+        for o in declared(ExportOptions):
+            value = getattr(self, o.name)
+            if isinstance(o.type, type) and issubclass(o.type, StrEnum) and value not in tuple(o.type):
+                raise ExportError(f"{o.flag} {value!r} must be one of {', '.join(o.type)}")
+        try:
+            check_capacity(self.capacity)
+            check_dummy_seq_len(self.trace_len, self.capacity)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from exc
+        if self.component not in (ALL_COMPONENTS, *GraphKind):
+            raise ExportError(f"--component {self.component!r} must be one of all, {', '.join(GraphKind)}")
+        if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
+            raise ExportError(f"chunk size {self.chunk_size} must be a power of two")
+        bs = self.quant_block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
+            raise ExportError(f"--quant-block-size {bs!r} must be a power of two from 16 to 256")
+        level = self.quant_accuracy_level
+        if isinstance(level, bool) or not isinstance(level, int) or level not in QUANT_ACCURACY_LEVELS:
+            raise ExportError(
+                f"--quant-accuracy-level {level!r} must be one of {', '.join(map(str, QUANT_ACCURACY_LEVELS))} "
+                "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8)"
+            )
+        if level != DEFAULT_QUANT_ACCURACY_LEVEL and self.quantize == Quantization.NONE:
+            raise ExportError(
+                f"--quant-accuracy-level {level} applies to quantized exports only (add --quantize int4|int8)"
+            )
+        if self.quantize_embedding is not None and not isinstance(self.quantize_embedding, bool):
+            raise ExportError(f"--quantize-embedding must be true or false, got {self.quantize_embedding!r}")
+        if self.quantize_embedding and self.quantize == Quantization.NONE:
+            raise ExportError("--quantize-embedding applies to quantized exports only (add --quantize int4|int8)")
+        if self.dtype == Dtype.BF16 and self.ops == Ops.ORT:
+            raise ExportError(
+                "--dtype bf16 needs --ops portable: ONNX Runtime's fused operators (--ops ort) take fp32 and fp16 "
+                "only, and OpenVINO, which runs bf16, reads portable graphs only"
+            )
+        if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 1:
+            raise ExportError(f"--max-images must be an integer >= 1, got {self.max_images!r}")
+        if self.prefill_buckets is not None:
+            if self.kv_mode != KvMode.FIXED:
+                raise ExportError(
+                    "--prefill-buckets needs --kv-cache fixed (dynamic mode has one dynamic-length prefill graph)"
+                )
+            if not self.prefill_buckets:
+                raise ExportError("--prefill-buckets is empty; give at least one length")
+            try:
+                check_buckets(self.prefill_buckets, self.capacity)
+            except ValueError as exc:
+                raise ExportError(f"--prefill-buckets: {exc}") from exc
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Prefill buckets in tokens: as given, or the standard tiers below capacity plus
+        capacity (fixed mode); none in dynamic mode."""
+        if self.kv_mode != KvMode.FIXED:
+            return ()
+        return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
+
+    @property
+    def embedding_quantized(self) -> bool:
+        """Whether the token-embedding table is quantized: ``quantize_embedding``, by default
+        (None) whenever the text weights are."""
+        return self.quantize != Quantization.NONE and self.quantize_embedding is not False
+
+    @property
+    def trace_len(self) -> int:
+        """Trace length in tokens: ``dummy_seq_len``, or by default 8 capped at capacity - 1."""
+        return self.dummy_seq_len if self.dummy_seq_len is not None else min(8, self.capacity - 1)
+
+    @property
+    def components(self) -> tuple[GraphKind, ...]:
+        """The graph kinds this export writes."""
+        return tuple(GraphKind) if self.component == ALL_COMPONENTS else (GraphKind(self.component),)
+
+    def contract_values(self) -> dict[str, Any]:
+        """The contract-shaping options as the contract records them: defaults resolved
+        (:attr:`buckets`, :attr:`embedding_quantized`)."""
+        values = {name: getattr(self, name) for name in self.contract_fields()}
+        values.update(prefill_buckets=self.buckets, quantize_embedding=self.embedding_quantized)
+        return values
+
+    @classmethod
+    def from_contract(cls, contract: ShapeContract, **others) -> ExportOptions:
+        """The options that made ``contract`` (the contract-shaping ones), plus ``others``."""
+        values = {name: getattr(contract, name) for name in cls.contract_fields()}
+        values["prefill_buckets"] = contract.prefill_buckets or None  # none in dynamic mode
+        return cls(**values, **others)
+
+
+def component_options(existing: ShapeContract, options: ExportOptions, explicit: set[str] | None) -> ExportOptions:
+    """Options for re-exporting one graph of an existing export: its contract options come from
+    the existing manifest, so the updated folder stays consistent.
+
+    Raises:
+        ExportError: an option given explicitly (``explicit``; when None, any option that is
+            not its default) differs from the existing export.
+    """
+    current = ExportOptions.from_contract(existing)
+    defaults = ExportOptions()
+    conflicts = []
+    for name in ExportOptions.contract_fields():
+        given, kept = getattr(options, name), getattr(current, name)
+        if given is not None and name == "prefill_buckets":
+            given = tuple(given)
+        chosen = name in explicit if explicit is not None else given != getattr(defaults, name)
+        if chosen and given != kept:
+            conflicts.append(f"{ExportOptions.flag(name)} {_shown(given)} (the export has {_shown(kept)})")
+    if conflicts:
+        raise ExportError(
+            "--component updates one graph of an existing export and keeps its contract, but "
+            + "; ".join(conflicts)
+            + ": export everything again with --component all --overwrite to change it"
+        )
+    return replace(options, **{name: getattr(current, name) for name in ExportOptions.contract_fields()})
+
+
+def _shown(value) -> str:
+    """``repr`` with modes shown as their plain strings."""
+    return repr(value.value if isinstance(value, StrEnum) else value)

@@ -1,0 +1,84 @@
+"""The ONNX Runtime backend (no torch): sessions (:mod:`.sessions`), prefill through IOBinding
+with the states left in ``OrtValue``s on the device, and the decoders of :mod:`.decoders`
+(:class:`~.decoders.BoundDecoder`: A/B buffers bound once, KV in place with ``--ops ort``;
+:class:`~.decoders.HostDecoder`: ``--host-state-roundtrip``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ...contract import ContractError, ShapeContract
+from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions
+from .decoders import NP_DTYPES, BoundDecoder, HostDecoder
+from .sessions import OrtGraphSet, providers_for
+
+
+class OrtBackend(Backend):
+    """ONNX Runtime with ``options`` (device 'cpu' or 'cuda', threads, host-state roundtrip; default
+    :class:`~qwen35_onnx.runtime.backend.RuntimeOptions`). ``loading`` is how the graphs share their
+    weights, passed to :class:`~.sessions.OrtGraphSet`: ``share_weights`` (False: every session its
+    own, as ONNX Runtime does by default, for comparison), ``prepacked_cache`` (True: the pre-packed
+    weights cache of :mod:`.prepacked` in its default folder; a folder; False: each session packs
+    its own weights) and ``max_prefill_sessions``.
+
+    Raises:
+        ValueError: unknown device, or an onnxruntime without its provider.
+        ContractError: see :class:`~.sessions.OrtGraphSet`.
+    """
+
+    runtime = Runtime.ONNXRUNTIME
+    precision = Precision.F32  # no precision hint: the graphs compute in their exported dtype
+
+    def __init__(self, root: Path, contract: ShapeContract, options: RuntimeOptions | None = None, **loading):
+        options = options or RuntimeOptions()
+        providers_for(options.device)  # a bad device fails before any graph loads
+        self.contract, self.device, self.host_state_roundtrip = contract, options.device, options.host_state_roundtrip
+        self.graphs = OrtGraphSet(root, contract, options, **loading)
+        if contract.dtype not in NP_DTYPES:  # a provider loaded the graphs, but numpy cannot hold the states
+            raise ContractError(
+                f"the export at {str(root)!r} is {contract.dtype}: this runtime's ONNX Runtime path keeps decode "
+                f"states in buffers of {', '.join(NP_DTYPES)} only; run it with --runtime openvino"
+            )
+
+    def shared_weight_bytes(self) -> dict[str, int]:
+        """``{'mapped': ..., 'transposed': ...}``: fp32 text weights mapped once and the narrow ones
+        held transposed (:mod:`.shared_weights`); or ``{'prepacked': ...}``: the pre-packed weights
+        cache's bytes on disk, which every session maps (:mod:`.prepacked`); empty where each
+        session holds its own weights."""
+        graphs = self.graphs
+        if graphs.prepacked is not None:
+            return {"prepacked": graphs.prepacked.disk_bytes()}
+        if graphs.weights is not None:
+            return {"mapped": graphs.weights.mapped_bytes(), "transposed": graphs.weights.transposed_bytes()}
+        return {}
+
+    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
+        (embeds,) = self.graphs.vision.session.run(None, {"pixel_values": pixel_values})
+        return embeds
+
+    def run_prefill(self, bucket: int | None, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:
+        session = self.graphs.prefill(bucket).session
+        names = [o.name for o in session.get_outputs()]
+        if self.host_state_roundtrip:
+            outputs = dict(zip(names, session.run(None, feeds)))
+            return outputs.pop("logits"), outputs
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for name in names:
+            binding.bind_output(name, self.device)  # fresh OrtValues on the device each run
+        session.run_with_iobinding(binding)
+        outputs = dict(zip(names, binding.get_outputs()))
+        return outputs.pop("logits").numpy(), outputs
+
+    def decoder(self, states: dict) -> Decoder:
+        if self.host_state_roundtrip:
+            return HostDecoder(self.graphs.decode, self.contract, states)
+        return BoundDecoder(self.graphs.decode, self.contract, states, self.device)
+
+    @staticmethod
+    def state_shape(value) -> list[int]:
+        return list(value.shape()) if isinstance(value, ort.OrtValue) else list(value.shape)

@@ -1,0 +1,2 @@
+"""The OpenVINO backend, whole: static compilation and checks (:mod:`.backend`) and the A/B
+infer-request decoders (:mod:`.decoders`)."""

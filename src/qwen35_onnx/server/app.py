@@ -1,0 +1,404 @@
+"""``qwen35-onnx serve``: the OpenAI-compatible HTTP application, a thin layer over the pipeline
+(the protocol in :mod:`.protocol`, the slot, queue and worker thread in :mod:`.scheduler`).
+
+Routes:
+
+- ``POST /v1/chat/completions``: see :mod:`.protocol` for the fields. ``model`` may be any
+  string: one model is served and its id is echoed.
+- ``GET /v1/models``, ``GET /v1/models/{id}``: the served model.
+- ``GET /health`` (no auth): status, running / waiting generations and counters.
+
+How a request runs: its body and fields are checked first (400 at once, whatever the load); a
+request that finds the queue full then gets 429 before anything costly; otherwise it is prepared
+(``Pipeline.prepare_chat``: messages, images, chat template, prompt length; 400 on bad input)
+beside the running generation, then waits for the generation slot (:mod:`.scheduler`). A
+streamed generation sends one delta per worker-thread step; a whole one runs up to
+``STEP_SECONDS`` of tokens per step. A client that disconnects (while waiting, while its stream
+runs, or during a non-streamed generation) is noticed at once: its generation is closed between
+two tokens and the slot passes on.
+
+Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for
+malformed JSON, wrong types, bad values, bad messages or images, prompts over the capacity;
+401 for a missing or wrong API key; 413 for a body over ``max_body_bytes`` or an image over
+``max_image_bytes``; 429 for a full queue; 500 (``server_error``, logged) only when a
+generation itself fails. Layering: this package imports the pipeline, never the reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from ..conversation.messages import ChatInputError, ImageTooLarge
+from ..conversation.processor import TemplateKwargsError
+from ..pipeline import Pipeline
+from ..runtime.backend import RuntimeOptions
+from ..runtime.prompt import PreparedPrompt
+from ..runtime.sampling import SamplingConfig, sampling_defaults
+from .options import MIB, ServerOptions
+from .protocol import (
+    SSE_DONE,
+    APIError,
+    ChatRequest,
+    bad_request,
+    chunk,
+    chunk_choice,
+    completion,
+    delta_dict,
+    parse_chat_request,
+    sse,
+    usage,
+)
+from .scheduler import ScheduledGeneration, Scheduler
+
+log = logging.getLogger(__name__)
+
+__all__ = ["create_app", "serve"]
+
+STEP_SECONDS = 0.05
+"""A non-streamed generation's step: tokens for up to this long per worker-thread job."""
+
+
+class _EventStream(StreamingResponse):
+    """``text/event-stream`` response that cancels its generation however the response ends
+    (finished, client gone, server shutting down)."""
+
+    def __init__(self, content: AsyncIterator[str], on_exit: Callable[[], None]):
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self._on_exit = on_exit
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_exit()
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client has gone (call after the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ChatServer:
+    """The state behind the routes: the pipeline, its scheduler, the options and sampling defaults."""
+
+    def __init__(self, pipeline: Pipeline, options: ServerOptions, defaults: SamplingConfig):
+        self.pipeline = pipeline
+        self.options = options
+        self.defaults = defaults
+        self.image_policy = options.image_policy
+        self.scheduler = Scheduler(pipeline, options.max_queue)
+        self.created = int(time.time())
+
+    def authorize(self, request: Request) -> None:
+        key = self.options.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
+
+    async def read_json(self, request: Request):
+        limit = self.options.max_body_bytes
+        too_large = f"more than the limit of {limit} bytes (--max-body-bytes)"
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise bad_request(f"Content-Length {length[:40]!r} is not a number")
+            if int(length) > limit:
+                raise APIError(413, f"the request body is {int(length)} bytes, {too_large}", code="request_too_large")
+        body = bytearray()
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > limit:
+                    raise APIError(413, f"the request body is {too_large}", code="request_too_large")
+        except ClientDisconnect:
+            raise bad_request("the client disconnected before sending the whole body") from None
+        if not body:
+            raise bad_request("the request body is empty; send a JSON object")
+        try:
+            if len(body) > MIB:
+                return await asyncio.to_thread(json.loads, bytes(body))
+            return json.loads(bytes(body))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise bad_request(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+
+    def prepare(self, req: ChatRequest) -> PreparedPrompt:  # preparation thread
+        try:
+            return self.pipeline.prepare_chat(req.messages, req.chat_template_kwargs, self.image_policy)
+        except ImageTooLarge as exc:
+            raise APIError(
+                413, f"{exc} (--max-image-bytes, --max-image-pixels)", exc.param, "image_too_large"
+            ) from None
+        except ChatInputError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        except ValueError as exc:  # invalid Unicode, template errors, prompt over the capacity
+            param = "chat_template_kwargs" if isinstance(exc, TemplateKwargsError) else "messages"
+            raise bad_request(str(exc), param) from None
+
+    async def chat_completions(self, request: Request) -> Response:
+        self.authorize(request)
+        req = parse_chat_request(
+            await self.read_json(request), self.defaults, self.pipeline.preprocessor.reserved_template_kwargs()
+        )
+        scheduler = self.scheduler
+        scheduler.refuse_if_full()  # cheap refusal before the costly preparation
+        prepared = await scheduler.prepare(self.prepare, req)
+        room = self.pipeline.token_room(prepared)
+        max_tokens = room if req.max_tokens is None else min(req.max_tokens, room)
+
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            if not await scheduler.admit(gone):
+                return Response(status_code=499)  # nobody is listening
+            try:
+                generation = await scheduler.start(
+                    self.pipeline.stream_chat_prepared, prepared, max_tokens, req.sampling, req.stop
+                )
+            except ValueError as exc:
+                raise bad_request(str(exc)) from None
+            completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+            if req.stream:
+                gone.cancel()  # the streaming response watches the connection itself
+                return _EventStream(self._events(generation, req, completion_id), generation.cancel)
+            try:
+                return await self._whole(generation, gone, completion_id)
+            finally:
+                generation.cancel()  # no-op once it has ended
+        finally:
+            gone.cancel()
+
+    async def _events(
+        self, generation: ScheduledGeneration, req: ChatRequest, completion_id: str
+    ) -> AsyncIterator[str]:
+        created, model, usage_on = int(time.time()), self.options.model_name, req.include_usage
+        yield sse(
+            chunk(
+                completion_id,
+                created,
+                model,
+                chunk_choice({"role": "assistant", "content": ""}),
+                include_usage=usage_on,
+            )
+        )
+        ended = False
+        while not ended:
+            try:
+                deltas, ended = await generation.step(0.0)
+            except Exception as exc:  # noqa: BLE001 - a failed generation ends the stream cleanly
+                log.exception("generation %s failed", completion_id)
+                yield sse(
+                    APIError(500, f"the generation failed: {exc}", type="server_error", code="generation_failed").body()
+                )
+                yield SSE_DONE
+                return
+            for delta in deltas:
+                if delta:
+                    yield sse(
+                        chunk(completion_id, created, model, chunk_choice(delta_dict(delta)), include_usage=usage_on)
+                    )
+        result = generation.stream.result
+        yield sse(chunk(completion_id, created, model, chunk_choice({}, result.finish_reason), include_usage=usage_on))
+        if usage_on:
+            yield sse(
+                chunk(
+                    completion_id,
+                    created,
+                    model,
+                    [],
+                    usage(result.prompt_tokens, result.completion_tokens),
+                    include_usage=True,
+                )
+            )
+        yield SSE_DONE
+
+    async def _whole(self, generation: ScheduledGeneration, gone: asyncio.Future, completion_id: str) -> Response:
+        ended = False
+        while not ended:
+            if gone.done():
+                return Response(status_code=499)  # the caller cancels the generation
+            try:
+                _, ended = await generation.step(STEP_SECONDS)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("generation %s failed", completion_id)
+                raise APIError(
+                    500, f"the generation failed: {exc}", type="server_error", code="generation_failed"
+                ) from None
+        result = generation.stream.result
+        message = {"role": "assistant", "content": result.content, "reasoning_content": result.reasoning_content}
+        return JSONResponse(
+            completion(
+                completion_id,
+                int(time.time()),
+                self.options.model_name,
+                message,
+                result.finish_reason,
+                usage(result.prompt_tokens, result.completion_tokens),
+            )
+        )
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.options.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "qwen35-onnx",
+            "max_model_len": self.pipeline.contract.capacity,
+        }
+
+    def health(self) -> dict:
+        return {"status": "ok", "model": self.options.model_name, **self.scheduler.state()}
+
+
+def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingConfig | None = None) -> FastAPI:
+    """The FastAPI application serving ``pipeline`` (see the module docstring).
+
+    Args:
+        pipeline: a loaded export; the application becomes its only user.
+        options: limits, auth and names.
+        defaults: sampling when a request sets none (default: :func:`sampling_defaults` of the export).
+
+    Raises:
+        ValueError: bad ``options`` (see :meth:`ServerOptions.validate`).
+    """
+    options.validate()
+    if defaults is None:
+        defaults = sampling_defaults(pipeline.root)
+    server = ChatServer(pipeline, options, defaults)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.scheduler.loop = asyncio.get_running_loop()
+        try:
+            yield
+        finally:
+            server.scheduler.shutdown()
+
+    app = FastAPI(title="qwen35-onnx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error_response(bad_request(first.get("msg", "invalid request"), param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(
+            APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        )
+
+    @app.exception_handler(Exception)
+    async def server_bug(request: Request, exc: Exception):
+        log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
+        return _error_response(
+            APIError(500, "internal server error (logged)", type="server_error", code="internal_error")
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.chat_completions(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.authorize(request)
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        server.authorize(request)
+        if model_id != options.model_name:
+            raise APIError(
+                404,
+                f"model {model_id!r} is not served here; this server serves {options.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        return server.model_card()
+
+    @app.get("/health")
+    async def health():
+        return server.health()
+
+    return app
+
+
+def serve(
+    model: str | Path,
+    options: ServerOptions,
+    runtime: RuntimeOptions | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    announce: Callable[[str], None] = print,
+) -> None:
+    """Load the export with ``runtime`` (default: ONNX Runtime on the CPU), bind ``host:port``
+    (port 0: a free port), call ``announce`` with the listening URL, and serve until interrupted.
+    ``options.model_name`` None serves the export under its folder's name.
+
+    Raises:
+        ContractError / ValueError / OSError: a bad export, bad options, an address in use.
+    """
+    import dataclasses
+    import socket
+
+    import uvicorn
+
+    if options.model_name is None:
+        options = dataclasses.replace(options, model_name=Path(model).resolve().name)
+    options.validate()
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    pipeline = Pipeline.from_exported(model, runtime)
+    app = create_app(pipeline, options)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(128)
+    bound_port = sock.getsockname()[1]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=True)
+    server = uvicorn.Server(config)
+    backend = pipeline.backend
+    announce(
+        f"serving {options.model_name} on http://{shown}:{bound_port}/v1 ({backend.runtime} {backend.device}, "
+        f"capacity {pipeline.contract.capacity}, queue {options.max_queue}"
+        f"{', API key required' if options.api_key else ''})"
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

@@ -1,0 +1,82 @@
+"""The options of ``qwen35-onnx serve`` besides the export, the address and the runtime, declared
+once (no HTTP import: the command line reads them without the 'serve' extra)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..conversation.messages import ImagePolicy
+from ..options import option
+
+__all__ = ["API_KEY_ENV", "ServerOptions"]
+
+MIB = 1024 * 1024
+API_KEY_ENV = "QWEN35_ONNX_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What ``qwen35-onnx serve`` takes besides the export folder, the address and the runtime.
+
+    Attributes:
+        model_name: the served model id (``/v1/models``, echoed in replies; the CLI's default is
+            the export folder's name).
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
+        max_queue: requests allowed to wait while one generation runs (0: none).
+        max_body_bytes: largest request body.
+        max_image_bytes: largest encoded image (a data URL's decoded bytes or a file).
+        max_image_pixels: largest image (width x height), read from its header before decoding.
+        allowed_image_dir: local image paths / file:// URLs are read from inside this folder
+            only; None: no local files (data: URLs only).
+    """
+
+    model_name: str | None = option(
+        None, "--model-name", "Model id shown in /v1/models and replies; by default the export folder's name."
+    )
+    api_key: str | None = option(
+        None,
+        "--api-key",
+        f"Require `Authorization: Bearer KEY` on /v1/* (or set {API_KEY_ENV}); by default no auth.",
+        env=API_KEY_ENV,
+    )
+    max_queue: int = option(8, "--max-queue", "Requests that may wait while one generation runs; more get 429.")
+    max_body_bytes: int = option(32 * MIB, "--max-body-bytes", "Largest request body; larger gets 413.")
+    max_image_bytes: int = option(20 * MIB, "--max-image-bytes", "Largest encoded image; larger gets 413.")
+    max_image_pixels: int = option(
+        50_000_000,
+        "--max-image-pixels",
+        "Largest image in pixels (width x height, read before decoding); larger gets 413.",
+    )
+    allowed_image_dir: Path | None = option(
+        None,
+        "--allowed-image-dir",
+        "Folder from which local image paths / file:// URLs may be read; by default none (data: URLs only).",
+    )
+
+    def validate(self) -> None:
+        """Raises ValueError naming the option and its allowed range."""
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise ValueError(f"--model-name must be a non-empty string, got {self.model_name!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_image_bytes < 1:
+            raise ValueError(f"--max-image-bytes must be >= 1, got {self.max_image_bytes}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
+        if self.allowed_image_dir is not None and not Path(self.allowed_image_dir).is_dir():
+            raise ValueError(f"--allowed-image-dir {str(self.allowed_image_dir)!r} is not a folder")
+
+    @property
+    def image_policy(self) -> ImagePolicy:
+        local = Path(self.allowed_image_dir).resolve() if self.allowed_image_dir is not None else None
+        return ImagePolicy(
+            local_dir=local,
+            allow_any_local=False,
+            max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
+        )

@@ -38,6 +38,22 @@ def prepacked_cache_dir(tmp_path_factory) -> Path:
         os.environ["QWEN35_ONNX_PREPACKED_CACHE"] = before
 
 
+THREADS = "1"
+"""Intra-op threads of every runtime session (``$QWEN35_ONNX_THREADS``) and of torch in each xdist
+worker: two workers on two cores, one thread each, instead of four threads spinning for two cores."""
+
+
+def pytest_configure(config) -> None:
+    """With xdist: one thread per worker (:data:`THREADS`), set before the workers start (they
+    inherit the environment) and in each worker for torch."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(int(THREADS))
+    elif getattr(config.option, "numprocesses", None):
+        os.environ.setdefault("QWEN35_ONNX_THREADS", THREADS)
+
+
 def shared_root(tmp_path_factory) -> Path:
     """A folder of this test run that every xdist worker sees (the run's base temporary folder,
     above the workers' own); the base temporary folder itself without xdist."""
@@ -75,9 +91,9 @@ def pytest_sessionfinish(session) -> None:
         shutil.rmtree(shared_root(factory), ignore_errors=True)
 
 
-#: What each of the first two xdist workers builds when the run starts, in order, before its first
-#: test (only what the run's tests use): the builds most test files wait for, on two workers at once
-#: instead of one worker building while the other waits for its lock.
+#: What each of the first xdist workers builds when the run starts, in order, before its first test
+#: (only what the run's tests use): the builds most test files wait for, on several workers at once
+#: instead of one worker building while the others wait for its lock.
 PREBUILD = {"gw0": ("fixed_export", "dynamic_export"), "gw1": ("trained_checkpoint", ("trained_export", "ort"))}
 
 

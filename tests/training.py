@@ -10,6 +10,8 @@ from pathlib import Path
 
 from qwen35_onnx.checkpoints import tokenizer_corpus
 
+TRAINING_THREADS = 2
+
 
 def train_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, steps: int = 200, seed: int = 0) -> Path:
     """Copy the checkpoint at ``src`` to ``dst`` after ``steps`` steps of language-model training
@@ -43,17 +45,24 @@ def train_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, steps: i
         shutil.copytree(src, staging, dirs_exist_ok=True)
         ids = AutoTokenizer.from_pretrained(src)("\n".join(tokenizer_corpus()), return_tensors="pt").input_ids[0]
         model = Qwen3_5ForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-            model.train()
-            for _ in range(steps):
-                starts = torch.randint(0, ids.numel() - 129, (8,)).tolist()
-                batch = torch.stack([ids[i : i + 128] for i in starts])
-                loss = model(input_ids=batch, labels=batch).loss
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+        threads = torch.get_num_threads()
+        # the weights depend on the thread count (the order of float sums): always 2, the 2-core
+        # machines' default that the measured numbers of the quantization and dtype tests were made with
+        torch.set_num_threads(TRAINING_THREADS)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+                model.train()
+                for _ in range(steps):
+                    starts = torch.randint(0, ids.numel() - 129, (8,)).tolist()
+                    batch = torch.stack([ids[i : i + 128] for i in starts])
+                    loss = model(input_ids=batch, labels=batch).loss
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+        finally:
+            torch.set_num_threads(threads)
         model.eval().save_pretrained(staging)
         (staging / ".qwen35_onnx_demo").unlink(missing_ok=True)  # no longer the demo checkpoint
         staging.rename(dst)

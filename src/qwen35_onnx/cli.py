@@ -2,7 +2,7 @@
 
 Option groups are declared once, as dataclasses (:class:`~.export.options.ExportOptions`,
 :class:`~.runtime.backend.RuntimeOptions`, :class:`~.runtime.sampling.SamplingConfig`,
-:class:`~.server.app.ServerOptions`); :func:`with_options` turns each into command-line options
+:class:`~.server.options.ServerOptions`); :func:`with_options` turns each into command-line options
 and hands the command one instance per group. Errors the user can fix (bad options, bad input,
 mismatched exports) are printed as one ``error: ...`` line with exit status 2, never as a
 traceback.
@@ -104,7 +104,12 @@ def with_options(given_only: tuple[str, ...] = (), **groups: type):
         def run(**values):
             for name, group in groups.items():
                 raw = {o.name: values.pop(o.name) for o in declared(group)}
-                given = {k for k, v in raw.items() if v is not None and (v is not False or name not in given_only)}
+                # a plain switch (--overwrite) is given when on; an optional one (--x/--no-x) when set either way
+                given = {
+                    o.name
+                    for o in declared(group)
+                    if raw[o.name] is not None and (raw[o.name] is not False or o.type is not bool)
+                }
                 chosen = {}
                 for o in declared(group):
                     value = raw[o.name]
@@ -346,11 +351,11 @@ def chat(
     """Interactive multi-turn chat: one line per turn, /image PATH attaches an image, /reset, /quit."""
     from .chat_repl import HELP, run_chat
 
-    pipe = _load(model, runtime)
     try:
         sampling.validate()
     except USER_ERRORS as exc:
         _fail(exc)
+    pipe = _load(model, runtime)
     interactive = sys.stdin.isatty()
     if interactive:
         typer.echo(HELP, err=True)

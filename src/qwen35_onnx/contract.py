@@ -79,6 +79,12 @@ STATE_NAMES = ("conv_states", "recurrent_states", "kv_cache")
 _STATE_DTYPE_KEYS = dict(zip(STATE_NAMES, ("conv", "recurrent", "kv")))  # keys of ShapeContract.state_dtypes
 
 
+def plain(value: Any) -> Any:
+    """``value`` with a mode (a ``StrEnum`` member) as its plain string, for messages: ``'fixed'``,
+    not ``<KvMode.FIXED: 'fixed'>``."""
+    return value.value if isinstance(value, StrEnum) else value
+
+
 class ContractError(ValueError):
     """A contract is missing, malformed, or disagrees with a graph or another contract."""
 
@@ -502,7 +508,7 @@ class ShapeContract:
     def same_shapes(self, other: ShapeContract) -> list[str]:
         """Fields (other than ``graphs``) on which two contracts disagree, as 'name: a != b'."""
         a, b = dataclasses.asdict(self), dataclasses.asdict(other)
-        return [f"{k}: {a[k]!r} != {b[k]!r}" for k in a if k != "graphs" and a[k] != b[k]]
+        return [f"{k}: {plain(a[k])!r} != {plain(b[k])!r}" for k in a if k != "graphs" and a[k] != b[k]]
 
 
 _MODES = {"kv_mode": KvMode, "dtype": Dtype, "prefill_logits": PrefillLogits, "ops": Ops, "quantize": Quantization}

@@ -172,7 +172,7 @@ def _at_once(streaming, name: str, doc: str, returns: str):
 
     @functools.wraps(streaming)
     def at_once(self, *args, **kwargs):
-        stream = streaming(self, *args, **kwargs)
+        stream = getattr(self, streaming.__name__)(*args, **kwargs)
         for _ in stream:
             pass
         return stream.result
@@ -221,6 +221,11 @@ class Pipeline:
             ValueError: unknown runtime, device or precision.
             TypeError: an override that is not a runtime option.
         """
+        if options is not None and not isinstance(options, RuntimeOptions):
+            raise TypeError(
+                f"options must be a RuntimeOptions or None, got {type(options).__name__} (pass runtime "
+                "options by name, e.g. device='cuda')"
+            )
         options = dataclasses.replace(options or RuntimeOptions(), **overrides)
         options.validate()  # bad options fail before the export is read
         root = Path(path)

@@ -73,8 +73,9 @@ def bench_pipeline(
 ) -> PeerResult:
     """Measure a loaded :class:`~qwen35_onnx.pipeline.Pipeline` (ONNX Runtime or OpenVINO: only its
     backend interface and :class:`~qwen35_onnx.runtime.generation.Generation` are used) with
-    ``protocol``. After each length the backend drops its prefill graphs (OpenVINO's compiled
-    buckets do not share weights: one at a time)."""
+    ``protocol``. After each length a backend whose graphs hold their own weights (OpenVINO's
+    compiled buckets; :meth:`~qwen35_onnx.runtime.backend.Backend.shared_weight_bytes` empty) drops
+    its prefill graphs: one bucket at a time."""
     result = PeerResult(name, decode_bytes=decode_bytes)
     result.peak_sampled = "prepacked" in pipe.backend.shared_weight_bytes()
 
@@ -99,7 +100,8 @@ def bench_pipeline(
 
     for length, ids in prompts.items():
         result.prefill_ms[length], result.decode_ms[length] = one_length(pipe.prepare_ids(ids))
-        pipe.backend.unload_prefill()
+        if not pipe.backend.shared_weight_bytes():
+            pipe.backend.unload_prefill()
     prepared = pipe.prepare_ids(prompts[min(prompts)])
     pipe.backend.load_prefill(prepared.bucket)  # loaded (compiled) before the clock starts, as for the other lengths
     start = time.perf_counter()

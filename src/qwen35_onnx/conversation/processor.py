@@ -168,7 +168,7 @@ class Preprocessor:
     ) -> tuple[np.ndarray, str]:
         """Render a conversation with the checkpoint's chat template and tokenize it.
 
-        ``messages`` are chat-template messages (``runtime.chat.normalize_messages``): each
+        ``messages`` are chat-template messages (:func:`.messages.normalize_messages`): each
         ``{"type": "image"}`` part becomes one image placeholder, which is replaced by
         ``n_image_tokens`` copies (as ``Qwen3VLProcessor`` does); the text is rendered with
         ``add_generation_prompt=True`` plus ``chat_template_kwargs`` (e.g. Qwen3.5's

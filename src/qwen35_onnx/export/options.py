@@ -27,6 +27,7 @@ from ..contract import (
     check_capacity,
     check_dummy_seq_len,
     default_buckets,
+    plain,
 )
 from ..options import declared, option
 
@@ -68,7 +69,8 @@ class ExportOptions:
                                "OpenVINO).")
     image_size: int = option(128, "--vision-image-size", "Image side in pixels (multiple of patch x merge).",
                              contract=True)
-    dummy_seq_len: int | None = option(None, "--dummy-seq-len", "Trace length in tokens (at most capacity - 1).")
+    dummy_seq_len: int | None = option(None, "--dummy-seq-len",
+                                       "Trace length in tokens; by default 8, at most capacity - 1.")
     component: str = option(ALL_COMPONENTS, "--component",
                             "all, vision, prefill or decode (one graph of an existing export, keeping its settings).")
     prefill_buckets: tuple[int, ...] | None = option(
@@ -120,7 +122,7 @@ class ExportOptions:
         for o in declared(ExportOptions):
             value = getattr(self, o.name)
             if isinstance(o.type, type) and issubclass(o.type, StrEnum) and value not in tuple(o.type):
-                raise ExportError(f"{o.flag} {value!r} must be one of {', '.join(o.type)}")
+                raise ExportError(f"{o.flag} {plain(value)!r} must be one of {', '.join(o.type)}")
         try:
             check_capacity(self.capacity)
             check_dummy_seq_len(self.trace_len, self.capacity)
@@ -222,7 +224,7 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
             given = tuple(given)
         chosen = name in explicit if explicit is not None else given != getattr(defaults, name)
         if chosen and given != kept:
-            conflicts.append(f"{ExportOptions.flag(name)} {_shown(given)} (the export has {_shown(kept)})")
+            conflicts.append(f"{ExportOptions.flag(name)} {plain(given)!r} (the export has {plain(kept)!r})")
     if conflicts:
         raise ExportError(
             "--component updates one graph of an existing export and keeps its contract, but "
@@ -230,8 +232,3 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
             + ": export everything again with --component all --overwrite to change it"
         )
     return replace(options, **{name: getattr(current, name) for name in ExportOptions.contract_fields()})
-
-
-def _shown(value) -> str:
-    """``repr`` with modes shown as their plain strings."""
-    return repr(value.value if isinstance(value, StrEnum) else value)

@@ -134,7 +134,7 @@ def quantize_model(
     raised to :data:`DQ_OPSET` first (onnxscript's version converter; the operators of our
     graphs keep their meaning from 18 to 21, they only gain types) and the IR version to
     :data:`DQ_IR_VERSION`. A portable graph has no place for ``accuracy_level`` (ONNX Runtime
-    reads it from the manifest when it fuses the graph, see ``runtime.sessions``).
+    reads it from the manifest when it fuses the graph, see ``runtime.onnxruntime.sessions.session_config``).
 
     ``embedding_ids``: the name of the token-ids graph input; the embedding table it gathers is
     quantized too (:func:`_quantize_embedding`; None keeps it in its float type).

@@ -41,7 +41,7 @@ class GraphScan:
 def wire_entries(buf, start: int = 0, end: int | None = None):
     """Yield ``(number, wire, value, entry_start, entry_end)`` for the protobuf fields of
     ``buf[start:end]``: length-delimited values as ``(start, end)``, and the byte span of the whole
-    entry (key included), which :mod:`.onnx_edit` needs to rewrite a message."""
+    entry (key included), which :mod:`.edit` needs to rewrite a message."""
     end = len(buf) if end is None else end
     pos = start
     while pos < end:

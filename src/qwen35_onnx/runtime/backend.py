@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import numbers
+import os
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..contract import ContractError, ShapeContract
+from ..contract import ContractError, ShapeContract, plain
 from ..options import option
 from .checks import GraphSpec, check_decode, check_export_files, check_metadata, check_prefill, check_vision
 
@@ -47,6 +48,10 @@ class Precision(StrEnum):
     F32, BF16, F16 = "f32", "bf16", "f16"
 
 
+THREADS_ENV = "QWEN35_ONNX_THREADS"
+"""Environment variable: the intra-op threads when :attr:`RuntimeOptions.threads` is 0."""
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     """How an export is run (``generate``, ``chat``, ``serve``, ``verify`` and
@@ -57,7 +62,8 @@ class RuntimeOptions:
         device: ONNX Runtime 'cpu' or 'cuda'; OpenVINO a device name ('CPU', 'GPU', 'NPU', ... as
             present; lowercase accepted).
         precision: 'f32', or with OpenVINO 'bf16' / 'f16' (its inference precision hint).
-        threads: intra-op threads, 0 lets the runtime choose.
+        threads: intra-op threads; 0: ``$QWEN35_ONNX_THREADS`` if set (e.g. for several processes
+            on one machine), else the runtime's default (see :attr:`intra_op_threads`).
         host_state_roundtrip: copy every state to host every decode step (for comparison).
     """
 
@@ -72,7 +78,7 @@ class RuntimeOptions:
         "--precision",
         "f32 (parity with transformers); openvino also bf16 or f16 (its inference precision hint).",
     )
-    threads: int = option(0, "--threads", "Intra-op threads (0: the runtime's default).")
+    threads: int = option(0, "--threads", f"Intra-op threads (0: ${THREADS_ENV} if set, else the runtime's default).")
     host_state_roundtrip: bool = option(
         False, "--host-state-roundtrip", "Copy states to host every decode step (for comparison)."
     )
@@ -84,18 +90,36 @@ class RuntimeOptions:
             ValueError: naming the value and the choices.
         """
         if self.runtime not in tuple(Runtime):
-            raise ValueError(f"runtime {self.runtime!r} must be one of {', '.join(Runtime)}")
+            raise ValueError(f"runtime {plain(self.runtime)!r} must be one of {', '.join(Runtime)}")
         if self.precision not in tuple(Precision):
-            raise ValueError(f"precision {self.precision!r} must be one of {', '.join(Precision)}")
+            raise ValueError(f"precision {plain(self.precision)!r} must be one of {', '.join(Precision)}")
         if self.runtime == Runtime.ONNXRUNTIME and self.precision != Precision.F32:
             raise ValueError(
-                f"precision {self.precision!r} needs runtime 'openvino' (ONNX Runtime runs the graphs in their "
+                f"precision {plain(self.precision)!r} needs runtime 'openvino' (ONNX Runtime runs the graphs in their "
                 "exported dtype: precision f32)"
             )
         if isinstance(self.threads, bool) or not isinstance(self.threads, numbers.Integral) or self.threads < 0:
             raise ValueError(f"threads must be an integer >= 0 (0: the runtime's default), got {self.threads!r}")
         if not isinstance(self.host_state_roundtrip, bool):
             raise ValueError(f"host_state_roundtrip must be true or false, got {self.host_state_roundtrip!r}")
+        self.intra_op_threads  # noqa: B018 - a bad environment value fails here, naming it
+
+    @property
+    def intra_op_threads(self) -> int:
+        """The intra-op thread count the backend asks for: :attr:`threads`, else
+        ``$QWEN35_ONNX_THREADS``, else 0 (the runtime's default).
+
+        Raises:
+            ValueError: ``$QWEN35_ONNX_THREADS`` is not an integer >= 0.
+        """
+        if self.threads:
+            return int(self.threads)
+        text = os.environ.get(THREADS_ENV, "").strip()
+        if not text:
+            return 0
+        if not text.isdigit():
+            raise ValueError(f"${THREADS_ENV} {text!r} must be an integer >= 0")
+        return int(text)
 
 
 class Decoder(Protocol):

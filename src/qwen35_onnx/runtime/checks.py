@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..contract import STATE_NAMES, ContractError, ShapeContract
+from ..contract import STATE_NAMES, ContractError, KvMode, PrefillLogits, ShapeContract
 
 #: Element type (ONNX's type string, the same for every backend) of each contract dtype.
 ONNX_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
@@ -182,7 +182,7 @@ def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
         return
     _check_states(contract, decode, "input", "past")
     _check_states(contract, decode, "output", "present")
-    if contract.kv_mode == "fixed":
+    if contract.kv_mode == KvMode.FIXED:
         _check_capacity(
             contract,
             {
@@ -198,7 +198,7 @@ def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | Non
     inputs have exactly ``bucket`` tokens; logits have 1 row with ``prefill_logits='last'``."""
     _check_states(contract, prefill, "output", "present")
     _check_host_types(prefill, "prefill")
-    if contract.kv_mode == "fixed":
+    if contract.kv_mode == KvMode.FIXED:
         _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})
     _expect(
         f"{prefill.name} input image_embeds shape",
@@ -207,5 +207,5 @@ def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | Non
     )
     if bucket is not None:
         _expect(f"{prefill.name} input_ids shape", prefill.inputs.get("input_ids"), [contract.batch, bucket])
-    if contract.prefill_logits == "last":
+    if contract.prefill_logits == PrefillLogits.LAST:
         _expect(f"{prefill.name} logits rows", prefill.dim("output", "logits", 1), 1)

@@ -183,9 +183,6 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
     )
 
 
-# ---- the generation slot and its queue ------------------------------------------------------------
-
-
 # ---- replies -----------------------------------------------------------------------------------
 def sse(payload) -> str:
     """One server-sent event carrying ``payload`` as compact JSON."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from ...contract import METADATA_KEY, ContractError, Ops, Quantization, ShapeContract
+from ...contract import METADATA_KEY, ContractError, Dtype, Ops, Quantization, ShapeContract
 from ..backend import GraphSet, RuntimeOptions
 from ..checks import GraphSpec
 from ..host_memory import available_memory, release_freed_memory, trim_heap
@@ -63,7 +63,7 @@ class GraphSession(GraphSpec):
         device: str = "cpu",
         threads: int = 0,
         config: dict[str, str] | None = None,
-        dtype: str = "fp32",
+        dtype: Dtype = Dtype.FP32,
         weights: SharedWeights | None = None,
         arena: bool = True,
         save_to: tuple[Path, str] | None = None,
@@ -108,7 +108,7 @@ class GraphSession(GraphSpec):
                 op, version, node = missing.groups()
                 advice = (
                     "run this bf16 export with --runtime openvino, or re-export with --dtype fp16 or fp32"
-                    if dtype == "bf16"
+                    if dtype == Dtype.BF16
                     else "re-export with --dtype fp32"
                 )
                 raise ContractError(
@@ -170,7 +170,7 @@ class OrtGraphSet(GraphSet):
         if max_prefill_sessions is not None and (isinstance(max_prefill_sessions, bool) or max_prefill_sessions < 1):
             raise ValueError(f"max_prefill_sessions must be None or an integer >= 1, got {max_prefill_sessions!r}")
         device = self.device = options.device
-        self.threads = options.threads
+        self.threads = options.intra_op_threads
         relayout = relayout_for(contract.dtype, contract.quantize)
         self.prepacked: PrepackedCache | None = None
         """The pre-packed weights cache every graph loads through (quantized, fp16 and bf16

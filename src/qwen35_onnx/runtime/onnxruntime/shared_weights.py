@@ -90,7 +90,7 @@ class SharedWeights:
 
         Raises:
             OSError: a graph or external-data file cannot be read.
-            onnx_scan.OnnxScanError: the graph file is not a well-formed ONNX model.
+            OnnxScanError: the graph file is not a well-formed ONNX model.
             Exception: whatever ``ort.InferenceSession`` raises.
         """
         path = Path(path)

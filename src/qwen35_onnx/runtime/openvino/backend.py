@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from ...contract import METADATA_KEY, ContractError, KvMode, Ops, ShapeContract
+from ...contract import METADATA_KEY, ContractError, KvMode, Ops, ShapeContract, plain
 from ...onnxfile.scan import OnnxScanError, scan
 from ..backend import Backend, Decoder, GraphSet, Runtime, RuntimeOptions
 from ..checks import GraphSpec, check_export_files
@@ -80,7 +80,7 @@ def check_precision(core: ov.Core, device: str, precision: str) -> None:
     if CAPABILITIES[precision] not in capabilities:
         supported = [p for p, cap in CAPABILITIES.items() if cap in capabilities]
         raise ValueError(
-            f"precision {precision!r} is not supported by OpenVINO device {device} "
+            f"precision {plain(precision)!r} is not supported by OpenVINO device {device} "
             f"(it supports {', '.join(supported) or 'none of ' + ', '.join(CAPABILITIES)})"
         )
 
@@ -198,7 +198,7 @@ class OpenVinoBackend(Backend):
         options = options or RuntimeOptions(runtime=Runtime.OPENVINO)
         core = ov.Core()
         self.device = resolve_device(core, options.device)
-        precision, threads = options.precision, options.threads
+        precision, threads = options.precision, options.intra_op_threads
         check_precision(core, self.device, precision)
         self.contract, self.precision, self.host_state_roundtrip = contract, precision, options.host_state_roundtrip
         root = Path(root)

@@ -1,0 +1,139 @@
+"""Options declared once: the command line is built from the option dataclasses (their flags, help
+and defaults), the contract-shaping export options are the contract's fields, every surface that
+runs an export takes the same runtime options, and what the user gave reaches the exporter."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+from typer.testing import CliRunner
+
+from qwen35_onnx.cli import app
+from qwen35_onnx.contract import ShapeContract
+from qwen35_onnx.export.options import ExportOptions
+from qwen35_onnx.options import declared
+from qwen35_onnx.runtime.backend import RuntimeOptions
+from qwen35_onnx.runtime.sampling import SamplingConfig
+from qwen35_onnx.server.options import ServerOptions
+
+
+def help_of(command: str) -> str:
+    result = CliRunner().invoke(app, [command, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize(
+    ("command", "groups"),
+    [
+        ("export", (ExportOptions,)),
+        ("generate", (RuntimeOptions, SamplingConfig)),
+        ("chat", (RuntimeOptions, SamplingConfig)),
+        ("serve", (RuntimeOptions, ServerOptions)),
+        ("verify", (RuntimeOptions,)),
+    ],
+)
+def test_each_command_takes_every_declared_option_of_its_groups(command, groups):
+    text = help_of(command)
+    for group in groups:
+        for option in declared(group):
+            for flag in option.flag.split("/"):
+                assert flag in text, (command, flag)
+
+
+def test_contract_shaping_export_options_are_the_contract_fields():
+    fields = {f.name for f in dataclasses.fields(ShapeContract)}
+    shaping = ExportOptions.contract_fields()
+    assert set(shaping) <= fields
+    assert {"capacity", "kv_mode", "dtype", "prefill_buckets", "ops", "quantize", "max_images"} <= set(shaping)
+    assert "component" not in shaping and "overwrite" not in shaping
+    assert (
+        ExportOptions.from_contract(ShapeContract.from_dict(_manifest(ExportOptions()))).contract_values()
+        == ExportOptions().contract_values()
+    )
+
+
+def _manifest(options: ExportOptions) -> dict:
+    """A contract dict of ``options`` on the demo sizes (no checkpoint needed)."""
+    from qwen35_onnx.export.exporter import build_contract
+    from qwen35_onnx.presets import tiny_config
+
+    return build_contract(tiny_config(), None, options).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("args", "given"),
+    [
+        ([], set()),
+        (["--no-quantize-embedding", "--kv-cache", "fixed"], {"quantize_embedding", "kv_mode"}),
+        (["--quantize-embedding", "--max-seq-len", "2048"], {"quantize_embedding", "capacity"}),
+        (["--overwrite", "--prefill-buckets", "32,64"], {"overwrite", "prefill_buckets"}),
+    ],
+)
+def test_the_options_a_user_gave_reach_the_exporter(args, given, monkeypatch):
+    """A one-graph re-export refuses an option given explicitly that differs from the export's,
+    the default value included, so the exporter must know exactly which were given."""
+    from qwen35_onnx.export import exporter
+
+    seen = {}
+
+    def fake(model_id, output_dir, options, show_progress, explicit):
+        seen.update(options=options, explicit=explicit)
+        raise ValueError("stopped before exporting")
+
+    monkeypatch.setattr(exporter, "export", fake)
+    result = CliRunner().invoke(app, ["export", "--model-id", "m", "--output-dir", "o", *args])
+    assert result.exit_code == 2 and "error: stopped before exporting" in result.stderr
+    assert seen["explicit"] == given
+    if "prefill_buckets" in given:
+        assert seen["options"].prefill_buckets == (32, 64)
+
+
+def test_bad_option_values_are_one_error_line():
+    result = CliRunner().invoke(app, ["export", "--model-id", "m", "--output-dir", "o", "--prefill-buckets", "32,x"])
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "error: --prefill-buckets '32,x' must be comma-separated integers, e.g. 32,512,1024,2048"
+    )
+    result = CliRunner().invoke(app, ["chat", "--model", "nowhere", "--top-p", "0"])
+    assert result.exit_code == 2 and result.stderr.strip() == "error: top_p must be in (0, 1], got 0.0"
+
+
+def test_runtime_options(monkeypatch):
+    with pytest.raises(ValueError, match="runtime 'tensorrt' must be one of onnxruntime, openvino"):
+        RuntimeOptions(runtime="tensorrt").validate()
+    with pytest.raises(ValueError, match="precision 'bf16' needs runtime 'openvino'"):
+        RuntimeOptions(precision="bf16").validate()
+    with pytest.raises(ValueError, match="threads must be an integer >= 0"):
+        RuntimeOptions(threads=-1).validate()
+    monkeypatch.delenv("QWEN35_ONNX_THREADS", raising=False)
+    assert RuntimeOptions().intra_op_threads == 0
+    monkeypatch.setenv("QWEN35_ONNX_THREADS", "3")
+    assert RuntimeOptions().intra_op_threads == 3 and RuntimeOptions(threads=2).intra_op_threads == 2
+    monkeypatch.setenv("QWEN35_ONNX_THREADS", "many")
+    with pytest.raises(ValueError, match=r"\$QWEN35_ONNX_THREADS 'many' must be an integer >= 0"):
+        RuntimeOptions().validate()
+
+
+def test_from_exported_takes_the_runtime_options_by_name(tmp_path):
+    from qwen35_onnx.pipeline import Pipeline
+
+    with pytest.raises(TypeError, match="options must be a RuntimeOptions or None, got str"):
+        Pipeline.from_exported(tmp_path, "cuda")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gpu'"):
+        Pipeline.from_exported(tmp_path, gpu=True)
+    with pytest.raises(ValueError, match="precision 'f16' needs runtime 'openvino'"):  # before the export is read
+        Pipeline.from_exported(tmp_path / "missing", precision="f16")
+
+
+def test_whole_generation_methods_take_the_streaming_methods_arguments():
+    from qwen35_onnx.pipeline import Pipeline
+
+    for at_once, streaming in (
+        ("generate", "stream"),
+        ("generate_prepared", "stream_prepared"),
+        ("chat", "stream_chat"),
+    ):
+        a, b = inspect.signature(getattr(Pipeline, at_once)), inspect.signature(getattr(Pipeline, streaming))
+        assert list(a.parameters) == list(b.parameters), at_once

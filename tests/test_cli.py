@@ -40,16 +40,9 @@ def invoke_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_streams_text_and_reports_timings(fixed_export, photo):
+    image = ["--image", str(photo)]
     proc = run_cli(
-        "generate",
-        "--model",
-        str(fixed_export),
-        "--image",
-        str(photo),
-        "--prompt",
-        "Describe this image.",
-        "--max-new-tokens",
-        "10",
+        "generate", "--model", str(fixed_export), *image, "--prompt", "Describe this image.", "--max-new-tokens", "10"
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()

@@ -19,40 +19,17 @@ VOCAB = 16
 
 def contract(capacity: int = 12, kv_mode: KvMode = KvMode.FIXED, buckets: tuple[int, ...] = (4, 8)) -> ShapeContract:
     """A small contract (one Gated DeltaNet and one full-attention layer, no real graph behind it)."""
+    # fmt: off
     c = ShapeContract(
-        capacity=capacity,
-        kv_mode=kv_mode,
-        dtype="fp32",
-        batch=1,
-        image_size=32,
-        patch_size=16,
-        temporal_patch_size=2,
-        spatial_merge_size=2,
-        in_channels=3,
-        image_embed_dim=8,
-        hidden_size=8,
-        vocab_size=VOCAB,
-        layer_types=("linear_attention", "full_attention"),
-        conv_dim=6,
-        conv_kernel=4,
-        linear_num_value_heads=1,
-        linear_key_head_dim=2,
-        linear_value_head_dim=2,
-        num_key_value_heads=1,
-        head_dim=2,
-        chunk_size=4,
-        prefill_buckets=buckets if kv_mode == KvMode.FIXED else (),
-        prefill_logits="last",
-        ops="portable",
-        quantize="none",
-        quant_block_size=32,
-        image_token_id=15,
-        vision_start_token_id=13,
-        vision_end_token_id=14,
-        eos_token_ids=(12,),
-        pad_token_id=0,
-        exporter_version="test",
+        capacity=capacity, kv_mode=kv_mode, dtype="fp32", batch=1, image_size=32, patch_size=16, temporal_patch_size=2,
+        spatial_merge_size=2, in_channels=3, image_embed_dim=8, hidden_size=8, vocab_size=VOCAB,
+        layer_types=("linear_attention", "full_attention"), conv_dim=6, conv_kernel=4, linear_num_value_heads=1,
+        linear_key_head_dim=2, linear_value_head_dim=2, num_key_value_heads=1, head_dim=2, chunk_size=4,
+        prefill_buckets=buckets if kv_mode == KvMode.FIXED else (), prefill_logits="last", ops="portable",
+        quantize="none", quant_block_size=32, image_token_id=15, vision_start_token_id=13, vision_end_token_id=14,
+        eos_token_ids=(12,), pad_token_id=0, exporter_version="test",
     )
+    # fmt: on
     c.validate()
     return c
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from qwen35_onnx.contract import METADATA_KEY, ContractError, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
 from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, random_prompt
+from .test_cli import invoke_cli, run_cli
 
 ov = pytest.importorskip("openvino")
 
@@ -359,12 +358,9 @@ def test_a_capacity_64_prefill_in_a_capacity_128_export_fails_at_load(fixed_expo
 
 
 # ---- command line ---------------------------------------------------------------------------
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "qwen35_onnx.cli", *args], capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.slow
 def test_cli_generate_on_openvino(fixed_export, photo, ov_pipe):
+    runtime = ["--runtime", "openvino", "--device", "cpu", "--precision", "f32"]
     proc = run_cli(
         "generate",
         "--model",
@@ -373,14 +369,9 @@ def test_cli_generate_on_openvino(fixed_export, photo, ov_pipe):
         str(photo),
         "--prompt",
         PROMPT,
+        *runtime,
         "--max-new-tokens",
         "8",
-        "--runtime",
-        "openvino",
-        "--device",
-        "cpu",
-        "--precision",
-        "f32",
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ov_pipe.generate(photo, PROMPT, max_new_tokens=8).text.strip()
@@ -397,8 +388,6 @@ def test_cli_generate_on_openvino(fixed_export, photo, ov_pipe):
     ],
 )
 def test_cli_bad_runtime_options(fixed_export, args, message):
-    from .test_cli import invoke_cli
-
     proc = invoke_cli("generate", "--model", str(fixed_export), "--prompt", "hi", *args)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

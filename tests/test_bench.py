@@ -75,6 +75,26 @@ def test_run_bench_refuses_unknown_rows_before_any_export(tmp_path: Path):
     assert not (tmp_path / "out").exists()
 
 
+def test_run_bench_checks_lengths_and_work_dir_before_any_export(tmp_path: Path):
+    import json
+
+    import pytest
+
+    from qwen35_onnx.bench.speed import run_bench
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
+    message = r"--lengths: the longest, 3841 tokens, plus 256 decode tokens is more than the model's max_position_em"
+    with pytest.raises(ValueError, match=message):
+        run_bench(checkpoint, tmp_path / "out", lengths=(32, 3841))
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    with pytest.raises(ValueError, match=r"--work-dir '.*a-file/tiny' is inside '.*a-file', a file, not a folder"):
+        run_bench(checkpoint, in_the_way / "tiny", lengths=(32,))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "checkpoint"]
+
+
 def test_bench_cli_checks_rows_before_building_a_checkpoint(tmp_path: Path):
     from typer.testing import CliRunner
 

@@ -275,7 +275,7 @@ def test_image_formats_and_modes(images):
         assert decoded[0].mode == "RGB" and decoded[0].size == picture.size
 
 
-def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, monkeypatch):
+def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, monkeypatch, tmp_path):
     import io as _io
 
     from qwen35_onnx.chat_repl import run_chat
@@ -288,15 +288,19 @@ def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, mo
         return original(messages, *args, **kwargs)
 
     monkeypatch.setattr(pipe, "stream_chat", spy)
+    not_an_image = tmp_path / "notes.jpg"
+    not_an_image.write_text("hello")
     lines = [
         f"/image {photo}\n",
         f"/image {photo}\n",
-        f"/image {photo}\n",
-        "three images\n",  # refused: max 2
+        f"/image {photo}\n",  # refused at once: max 2
         "/image /no/such.png\n",
+        f"/image {not_an_image}\n",
         "/frobnicate\n",
-        "hello\n",
+        "two images\n",
+        f"/image {photo}\n",  # refused: the conversation already holds 2
         "and again\n",
+        "word " * 4000 + "\n",  # refused: over the largest bucket
         "/reset\n",
         "fresh\n",
         "/quit\n",
@@ -306,11 +310,15 @@ def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, mo
     answered = run_chat(pipe, lines, out, err, system="Be brief.", max_new_tokens=4)
     assert answered == 3
     log = err.getvalue()
-    assert "3 images, more than the 2 this export takes" in log
-    assert "no image file at /no/such.png" in log and "unknown command '/frobnicate'" in log
-    # turn 2 carries turn 1 (the failed three-image turn is dropped); /reset keeps only the system prompt
-    assert [m["role"] for m in seen[1]] == ["system", "user"]
-    assert [m["role"] for m in seen[2]] == ["system", "user", "assistant", "user"]
+    assert log.count("the export takes at most 2 image(s) per prompt and this conversation already has 2") == 2
+    assert "image file not found: /no/such.png" in log and f"cannot read image {not_an_image}" in log
+    assert "unknown command '/frobnicate'" in log
+    assert "more than the largest prefill bucket" in log and "; /reset starts a new conversation" in log
+    # the refused long turn is dropped; /reset keeps only the system prompt
+    assert [m["role"] for m in seen[0]] == ["system", "user"]
+    assert sum(part["type"] == "image_url" for part in seen[0][1]["content"]) == 2
+    assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]
+    assert [m["role"] for m in seen[2]] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert [m["role"] for m in seen[3]] == ["system", "user"]
     assert len(out.getvalue().splitlines()) == 3
 

@@ -88,6 +88,45 @@ def test_bad_max_new_tokens(fixed_export, photo):
     _assert_clean_error(proc, "max_new_tokens must be an integer >= 1, got 0")
 
 
+def test_chat_and_verify_check_their_values_before_loading(fixed_export, tmp_path):
+    # tmp_path is not an export: an error about it would mean the model was loaded first
+    proc = invoke_cli("chat", "--model", str(tmp_path), "--max-new-tokens", "0")
+    _assert_clean_error(proc, "--max-new-tokens must be >= 1 (omit it: until end of sequence), got 0")
+    proc = invoke_cli("verify", "--model", str(tmp_path), "--model-id", str(fixed_export))
+    _assert_clean_error(proc, "has no checkpoint weights", "it is an export folder")
+    proc = invoke_cli("verify", "--model", str(tmp_path), "--model-id", str(tmp_path / "none"))
+    _assert_clean_error(proc, "is not a local Hugging Face checkpoint folder (no config.json)")
+
+
+def test_demo_cache_dir_that_is_a_file(tmp_path):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    proc = invoke_cli("demo", "--cache-dir", str(in_the_way))
+    _assert_clean_error(proc, f"--cache-dir {str(in_the_way)!r} is a file, not a folder")
+
+
+def test_sigterm_during_the_demo_export_leaves_nothing_behind(checkpoint, tmp_path):
+    import shutil
+    import signal
+    import time
+
+    shutil.copytree(checkpoint, tmp_path / "demo-checkpoint")  # the demo goes straight to its export
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qwen35_onnx.cli", "demo", "--cache-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not any(".tmp-" in p.name for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-checkpoint"]
+
+
 def test_export_bad_image_size(checkpoint, tmp_path):
     proc = invoke_cli(
         "export", "--model-id", str(checkpoint), "--output-dir", str(tmp_path / "o"), "--vision-image-size", "100"

@@ -265,6 +265,30 @@ def test_corrupt_graph_file(fixed_export, tmp_path):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
+@pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
+def test_damaged_export_files_are_named(fixed_export, tmp_path, runtime):
+    folder = copy_export(fixed_export, tmp_path)
+    data = folder / "text" / "weights.data"
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(
+        ContractError, match=rf"reads \d+ bytes of weights from .*weights.data', which has {size // 2} bytes"
+    ):
+        Pipeline.from_exported(folder, runtime=runtime)
+    data.unlink()
+    with pytest.raises(ContractError, match=r"weights.data', which is missing: the export is incomplete"):
+        Pipeline.from_exported(folder, runtime=runtime)
+    shutil.copy2(fixed_export / "text" / "weights.data", data)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(OSError, match=r"has no tokenizer \(tokenizer.json or vocab.json\)"):
+        Pipeline.from_exported(folder, runtime=runtime)
+    shutil.copy2(fixed_export / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(ValueError, match=r"has no chat template \(chat_template.jinja or chat_template.json"):
+        Pipeline.from_exported(folder, runtime=runtime)
+
+
 def _add_node(path, op_type: str, domain: str = "") -> None:
     """Append a node ``op_type`` (in ``domain``) reading ``input_ids`` to the graph at ``path``."""
     onnx = pytest.importorskip("onnx")

@@ -14,6 +14,7 @@ from qwen35_onnx.cli import app
 from qwen35_onnx.contract import ShapeContract
 from qwen35_onnx.export.options import ExportOptions
 from qwen35_onnx.options import declared
+from qwen35_onnx.runtime import backend
 from qwen35_onnx.runtime.backend import RuntimeOptions
 from qwen35_onnx.runtime.sampling import SamplingConfig
 from qwen35_onnx.server.options import ServerOptions
@@ -109,11 +110,15 @@ def test_runtime_options(monkeypatch):
         RuntimeOptions(threads=-1).validate()
     monkeypatch.delenv("QWEN35_ONNX_THREADS", raising=False)
     assert RuntimeOptions().intra_op_threads == 0
+    monkeypatch.setattr(backend, "usable_cpus", lambda: 4)
     monkeypatch.setenv("QWEN35_ONNX_THREADS", "3")
     assert RuntimeOptions().intra_op_threads == 3 and RuntimeOptions(threads=2).intra_op_threads == 2
-    monkeypatch.setenv("QWEN35_ONNX_THREADS", "many")
-    with pytest.raises(ValueError, match=r"\$QWEN35_ONNX_THREADS 'many' must be an integer >= 0"):
-        RuntimeOptions().validate()
+    with pytest.raises(ValueError, match="threads 5 is more than the 4 CPUs this process may run on"):
+        RuntimeOptions(threads=5).validate()
+    for bad in ("many", "5"):
+        monkeypatch.setenv("QWEN35_ONNX_THREADS", bad)
+        with pytest.raises(ValueError, match=rf"\$QWEN35_ONNX_THREADS '{bad}' must be an integer from 0 to 4"):
+            RuntimeOptions().validate()
 
 
 def test_from_exported_takes_the_runtime_options_by_name(tmp_path):

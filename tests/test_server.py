@@ -475,6 +475,14 @@ BAD_REQUESTS = [
     ({"messages": hi(), "stream": "yes"}, 400, "stream", "true or false"),
     ({"messages": hi(), "stop": [1]}, 400, "stop", "strings"),
     ({"messages": hi(), "stop": [""]}, 400, "stop", "non-empty"),
+    ({"messages": hi(), "stop": 5}, 400, "stop", "got int"),
+    ({"messages": hi(), "stop": ["x"] * 17}, 400, "stop", "holds 17 strings, more than 16"),
+    (
+        {"messages": [{"role": "user", "content": ["hi"]}]},
+        400,
+        "messages[0].content[0]",
+        "must be a content part object",
+    ),
     ({"messages": hi(), "n": 2}, 400, "n", "must be 1"),
     ({"messages": hi(), "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     (

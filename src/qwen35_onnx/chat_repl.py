@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TextIO
 
+from .contract import PromptTooLongError
+from .conversation.images import load_image
 from .conversation.messages import ChatInputError
 from .pipeline import Pipeline
 from .runtime.sampling import SamplingConfig
@@ -34,9 +36,10 @@ def run_chat(
 ) -> int:
     """Run the conversation over input ``lines``; returns the number of answered turns.
 
-    A turn whose input is refused (unreadable image, too many images, prompt over the capacity)
-    prints one ``error: ...`` line to ``err`` and is dropped from the history with its attached
-    images, so the conversation goes on (``/reset`` when the history outgrows the capacity).
+    An image is checked when attached (readable, within the export's ``max_images`` counting the
+    conversation's earlier images). A turn whose input is refused (prompt over the largest prefill
+    bucket) prints one ``error: ...`` line to ``err`` and is dropped from the history with its
+    attached images, so the conversation goes on (``/reset`` when the history outgrows the export).
     """
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     pending_images: list[str] = []
@@ -51,11 +54,13 @@ def run_chat(
             path = line[len("/image") :].strip()
             if not path:
                 err.write(f"error: /image needs a file path\n{HELP}\n")
-            elif not Path(path).expanduser().is_file():
-                err.write(f"error: no image file at {path}\n")
             else:
-                pending_images.append(str(Path(path).expanduser()))
-                err.write(f"[image {len(pending_images)} attached to the next message]\n")
+                problem = _image_problem(Path(path).expanduser(), history, pending_images, pipe.contract.max_images)
+                if problem:
+                    err.write(f"error: {problem}\n")
+                else:
+                    pending_images.append(str(Path(path).expanduser()))
+                    err.write(f"[image {len(pending_images)} attached to the next message]\n")
         elif line.strip() == "/reset":
             history, pending_images = history[:1] if system else [], []
             err.write("[new conversation]\n")
@@ -68,7 +73,8 @@ def run_chat(
             try:
                 stream = pipe.stream_chat(turn, max_new_tokens, sampling, (), chat_template_kwargs)
             except (ChatInputError, ValueError, OSError) as exc:
-                err.write(f"error: {exc}\n" + ("[attached images dropped]\n" if pending_images else ""))
+                hint = "; /reset starts a new conversation" if isinstance(exc, PromptTooLongError) and history else ""
+                err.write(f"error: {exc}{hint}\n" + ("[attached images dropped]\n" if pending_images else ""))
                 pending_images = []
             else:
                 pending_images = []
@@ -91,3 +97,25 @@ def run_chat(
         if prompt:
             prompt()
     return answered
+
+
+def _image_problem(path: Path, history: list[dict], pending: list[str], max_images: int) -> str | None:
+    """Why the image at ``path`` cannot join the next turn (unreadable, or one image more than the
+    export's ``max_images`` per prompt, whose prompt holds the whole conversation), or None."""
+    try:
+        load_image(path)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    earlier = sum(
+        1
+        for message in history
+        if isinstance(message["content"], list)
+        for part in message["content"]
+        if part.get("type") == "image_url"
+    )
+    if earlier + len(pending) >= max_images:
+        return (
+            f"cannot attach {path}: the export takes at most {max_images} image(s) per prompt and this "
+            f"conversation already has {earlier + len(pending)}; /reset starts a new conversation"
+        )
+    return None

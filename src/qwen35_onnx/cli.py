@@ -151,13 +151,10 @@ def export(
         from .export.weight_source import peak_rss_bytes
     except ImportError as exc:  # torch / onnx missing
         _fail(ValueError(f"export needs the 'export' extra (torch, onnx, onnxscript): {exc}"))
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so an interrupted export cleans up
     try:
         contract = run_export(model_id, output_dir, options, show_progress=True, explicit=set(options_given))
     except USER_ERRORS as exc:
         _fail(exc)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     typer.echo(
         f"exported {options.component} to {output_dir} (capacity {contract.capacity}, kv {contract.kv_mode}, "
         f"{contract.n_image_tokens} image tokens); peak resident memory {peak_rss_bytes() / 2**30:.2f} GiB",
@@ -227,8 +224,12 @@ def verify(
     runtime: RuntimeOptions = None,
 ) -> None:
     """Greedy token parity of the exported graphs against transformers; exit 1 on mismatch."""
-    from .verify import token_parity
+    from .verify import check_checkpoint_folder, token_parity
 
+    try:
+        check_checkpoint_folder(model_id)  # before the ONNX side runs
+    except USER_ERRORS as exc:
+        _fail(exc)
     pipe = _load(model, runtime)
     try:
         parity = token_parity(pipe, model_id, image, prompt, max_new_tokens)
@@ -355,6 +356,8 @@ def chat(
         sampling.validate()
     except USER_ERRORS as exc:
         _fail(exc)
+    if max_new_tokens is not None and max_new_tokens < 1:
+        _fail(ValueError(f"--max-new-tokens must be >= 1 (omit it: until end of sequence), got {max_new_tokens}"))
     pipe = _load(model, runtime)
     interactive = sys.stdin.isatty()
     if interactive:
@@ -399,6 +402,9 @@ def serve(
 
 def main() -> None:  # pragma: no cover
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    # SIGTERM unwinds like Ctrl-C, so every command's cleanup runs (no half-written export folders
+    # from `export`, `demo` or `bench`); `serve` installs uvicorn's own handlers while it runs
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     app()
 
 

@@ -89,6 +89,10 @@ class ContractError(ValueError):
     """A contract is missing, malformed, or disagrees with a graph or another contract."""
 
 
+class PromptTooLongError(ValueError):
+    """A prompt has more tokens than the export's largest prefill bucket (or its capacity)."""
+
+
 def check_capacity(capacity: int) -> None:
     """Check ``--max-seq-len`` (capacity, in tokens).
 
@@ -175,7 +179,8 @@ def select_bucket(prompt_len: int, buckets, capacity: int, chunk_size: int) -> i
     a multiple of ``chunk_size`` (at most ``capacity``).
 
     Raises:
-        ValueError: ``prompt_len`` < 1 or larger than the largest bucket (or the capacity),
+        ValueError: ``prompt_len`` < 1.
+        PromptTooLongError: ``prompt_len`` larger than the largest bucket (or the capacity),
             naming the prompt length and the limit.
     """
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
@@ -184,12 +189,12 @@ def select_bucket(prompt_len: int, buckets, capacity: int, chunk_size: int) -> i
         for b in buckets:
             if prompt_len <= b:
                 return b
-        raise ValueError(
+        raise PromptTooLongError(
             f"prompt is {prompt_len} tokens, more than the largest prefill bucket {buckets[-1]} "
             f"(buckets {list(buckets)}, capacity {capacity})"
         )
     if prompt_len > capacity:
-        raise ValueError(f"prompt is {prompt_len} tokens, more than the capacity {capacity}")
+        raise PromptTooLongError(f"prompt is {prompt_len} tokens, more than the capacity {capacity}")
     return -(-prompt_len // chunk_size) * chunk_size
 
 

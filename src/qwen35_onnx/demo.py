@@ -35,18 +35,18 @@ def run_demo(
     generated and all are identical to transformers.
 
     Raises:
-        ValueError: ``max_new_tokens`` below :data:`MIN_PARITY_TOKENS`.
+        ValueError: ``max_new_tokens`` below :data:`MIN_PARITY_TOKENS`; ``cache_dir`` is a file.
     """
     from .checkpoints import build_demo_checkpoint
     from .export.exporter import export
     from .export.options import ExportOptions
-    from .paths import demo_checkpoint_dir, photo_path
+    from .paths import check_folder, demo_checkpoint_dir, photo_path
     from .pipeline import Pipeline
     from .verify import token_parity
 
     if max_new_tokens < MIN_PARITY_TOKENS:
         raise ValueError(f"--max-new-tokens {max_new_tokens} is below the demo's parity minimum {MIN_PARITY_TOKENS}")
-    root = Path(cache_dir) if cache_dir else demo_checkpoint_dir().parent
+    root = check_folder(cache_dir, "--cache-dir") if cache_dir else demo_checkpoint_dir().parent
     checkpoint = root / "demo-checkpoint"
     exported = root / "demo-export"
     print(f"[demo] checkpoint: {checkpoint}", file=err)

@@ -7,13 +7,34 @@ import os
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["cache_root", "demo_checkpoint_dir", "photo_path"]
+__all__ = ["cache_root", "check_folder", "demo_checkpoint_dir", "photo_path"]
 
 
 def cache_root() -> Path:
     """The project's cache folder: the environment variable ``QWEN35_ONNX_CACHE`` if it is set
     and non-empty, else ``~/.cache/qwen35-onnx`` (absolute, ``~`` expanded; not created)."""
     return Path(os.environ.get("QWEN35_ONNX_CACHE") or "~/.cache/qwen35-onnx").expanduser().absolute()
+
+
+def check_folder(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a folder this process may create or fill: it, or its nearest existing parent,
+    is a folder (not a file). Nothing is created.
+
+    Args:
+        path: the folder.
+        what: how the user named it, for the message (e.g. ``'--cache-dir'``).
+
+    Raises:
+        ValueError: naming ``what``, ``path`` and the file in the way.
+    """
+    path = Path(path).expanduser()
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                where = "is a file" if candidate == path else f"is inside {str(candidate)!r}, a file"
+                raise ValueError(f"{what} {str(path)!r} {where}, not a folder")
+            break
+    return path
 
 
 def demo_checkpoint_dir() -> Path:

@@ -219,13 +219,15 @@ class Pipeline:
             ContractError: incomplete export, graphs that disagree with the manifest or with
                 each other (e.g. different capacities), or an export the runtime cannot run.
             ValueError: unknown runtime, device or precision.
-            TypeError: an override that is not a runtime option.
+            TypeError: ``path`` that is not a path; an override that is not a runtime option.
         """
         if options is not None and not isinstance(options, RuntimeOptions):
             raise TypeError(
                 f"options must be a RuntimeOptions or None, got {type(options).__name__} (pass runtime "
                 "options by name, e.g. device='cuda')"
             )
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be an export folder (str or os.PathLike), got {type(path).__name__}")
         options = dataclasses.replace(options or RuntimeOptions(), **overrides)
         options.validate()  # bad options fail before the export is read
         root = Path(path)

@@ -41,8 +41,40 @@ class TokenParity:
         return f"parity: {self.identical}/{self.total} tokens identical to transformers"
 
 
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""The weight files (one is enough) of a Hugging Face checkpoint folder that transformers loads."""
+
+
+def check_checkpoint_folder(model_id: str | Path) -> None:
+    """``model_id`` is a local Hugging Face checkpoint folder: ``config.json`` and one of
+    :data:`WEIGHT_FILES`.
+
+    Raises:
+        ValueError: naming the folder and what it lacks (an export folder has a ``config.json``
+            but no checkpoint weights).
+    """
+    folder = Path(model_id)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        hint = (
+            " (it is an export folder: pass the checkpoint it was exported from)"
+            if (folder / "manifest.json").is_file()
+            else ""
+        )
+        raise ValueError(f"--model-id {str(model_id)!r} has no checkpoint weights ({' or '.join(WEIGHT_FILES)}){hint}")
+
+
 def load_reference(model_id: str | Path):
     """The transformers model of a checkpoint folder: fp32, eval mode, eager attention.
+
+    Raises:
+        ValueError: not a checkpoint folder (see :func:`check_checkpoint_folder`).
 
     Eager attention because it is the accurate fp32 reference: on the demo checkpoint its
     last-token logits are within 1.4e-5 of an fp64 run, while the default SDPA kernel on CPU
@@ -51,10 +83,9 @@ def load_reference(model_id: str | Path):
     from transformers import Qwen3_5ForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
+    check_checkpoint_folder(model_id)
     # The reference runs transformers' own PyTorch kernels on purpose: its notices about
     # optional fused-kernel packages and its loading progress bar are noise here.
-    if not (Path(model_id) / "config.json").is_file():
-        raise ValueError(f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     return Qwen3_5ForConditionalGeneration.from_pretrained(

@@ -26,6 +26,7 @@ Times are milliseconds.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ import numpy as np
 
 from ..contract import ContractError, read_manifest
 from ..export.options import ExportOptions
+from ..paths import check_folder
 from ..runtime.host_memory import release_freed_memory
 from .memory import reset_peak, resident
 from .peers import bench_genai, bench_ovgenai, bench_transformers, build_genai, build_optimum, ensure_optimum_venv
@@ -41,6 +43,8 @@ from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read
 from .report import report, target_lines
 
 LENGTHS = (32, 512, 1024, 2048)
+DECODE_ROOM = 256
+"""Tokens of capacity past the longest prompt length (decode is timed at each length)."""
 #: The exports this project's rows run: folder name (spaces as dashes) -> ExportOptions fields.
 EXPORTS = {
     "portable fp32": dict(ops="portable"),
@@ -166,6 +170,12 @@ def check_rows(rows) -> tuple[str, ...]:
     return rows
 
 
+def _max_positions(checkpoint: Path) -> int:
+    """The checkpoint's ``text_config.max_position_embeddings`` (no limit when it does not say)."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return int(config.get("text_config", config).get("max_position_embeddings") or 2**62)
+
+
 def run_bench(
     checkpoint: Path,
     work_dir: Path,
@@ -183,14 +193,21 @@ def run_bench(
     onnxruntime-genai's prefill there takes minutes).
 
     Raises:
-        ValueError: ``prefill_runs`` below 1, or unknown ``rows``.
+        ValueError: ``prefill_runs`` below 1, unknown ``rows``, lengths beyond the model's
+            positions, or ``work_dir`` inside a file.
     """
     protocol = Protocol.with_prefill_runs(prefill_runs)
     from ..export.exporter import export  # needs torch: the export extra
 
     rows = check_rows(rows)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    capacity = max(lengths) + 256
+    capacity = max(lengths) + DECODE_ROOM
+    limit = _max_positions(checkpoint)
+    if capacity > limit:
+        raise ValueError(
+            f"--lengths: the longest, {max(lengths)} tokens, plus {DECODE_ROOM} decode tokens is more than the "
+            f"model's max_position_embeddings {limit}"
+        )
+    check_folder(work_dir, "--work-dir").mkdir(parents=True, exist_ok=True)
     buckets = tuple(sorted(set(lengths)))  # the capacity itself needs no bucket here
     needed = {PIPELINE_ROWS[r][0] for r in rows if r in PIPELINE_ROWS} or {"portable fp32"}  # + the contract
     exports = {}

@@ -137,8 +137,13 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
                 images.append(_part_image(part, here, policy))
                 parts.append({"type": "image"})
             else:
-                shown = kind if isinstance(part, dict) else type(part).__name__
-                raise ChatInputError(f"{here}.type {shown!r} must be 'text' or 'image_url'", f"{here}.type")
+                if not isinstance(part, dict):
+                    raise ChatInputError(
+                        f"{here} must be a content part object ({{'type': 'text', ...}} or {{'type': 'image_url', "
+                        f"...}}), got {type(part).__name__} {_clip(part)}",
+                        here,
+                    )
+                raise ChatInputError(f"{here}.type {kind!r} must be 'text' or 'image_url'", f"{here}.type")
         rendered.append({"role": _template_role(role), "content": parts})
     return rendered, images
 
@@ -276,3 +281,9 @@ def _open_image_bytes(data: bytes, param: str, max_pixels: int, formats=WEB_FORM
         if isinstance(exc, ChatInputError):
             raise
         raise ChatInputError(f"{param}: the data is not a readable image ({exc})", param) from None
+
+
+def _clip(value, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters for a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -39,6 +40,12 @@ __all__ = ["Preprocessor", "TemplateKwargsError"]
 
 class TemplateKwargsError(ValueError):
     """``chat_template_kwargs`` tries to set a parameter of ``apply_chat_template`` itself."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+"""Files of which a folder needs one for ``AutoTokenizer`` (a fast tokenizer, or a BPE vocabulary)."""
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+"""Files a chat template is read from (besides ``tokenizer_config.json``'s ``chat_template``)."""
 
 
 class Preprocessor:
@@ -102,10 +109,20 @@ class Preprocessor:
                 shape contract), e.g. 248056 for Qwen3.5.
 
         Raises:
-            OSError: the folder lacks the tokenizer or processor files (from transformers).
-            ValueError: see :meth:`__init__`.
+            OSError: the folder lacks the tokenizer or image-processor files, naming them.
+            ValueError: no chat template (naming the files it looked for); see :meth:`__init__`.
         """
+        folder = Path(path)
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise OSError(f"{str(folder)!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+        if not (folder / "preprocessor_config.json").is_file():
+            raise OSError(f"{str(folder)!r} has no image processor (preprocessor_config.json)")
         tokenizer = AutoTokenizer.from_pretrained(path)
+        if not tokenizer.chat_template:
+            raise ValueError(
+                f"{str(folder)!r} has no chat template ({' or '.join(CHAT_TEMPLATE_FILES)}, or chat_template in "
+                "tokenizer_config.json)"
+            )
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
         return cls(tokenizer, image_processor, image_size, image_token_id)
 

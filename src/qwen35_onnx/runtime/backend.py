@@ -62,8 +62,9 @@ class RuntimeOptions:
         device: ONNX Runtime 'cpu' or 'cuda'; OpenVINO a device name ('CPU', 'GPU', 'NPU', ... as
             present; lowercase accepted).
         precision: 'f32', or with OpenVINO 'bf16' / 'f16' (its inference precision hint).
-        threads: intra-op threads; 0: ``$QWEN35_ONNX_THREADS`` if set (e.g. for several processes
-            on one machine), else the runtime's default (see :attr:`intra_op_threads`).
+        threads: intra-op threads, at most the CPUs this process may run on (:func:`usable_cpus`);
+            0: ``$QWEN35_ONNX_THREADS`` if set (e.g. for several processes on one machine), else the
+            runtime's default (see :attr:`intra_op_threads`).
         host_state_roundtrip: copy every state to host every decode step (for comparison).
     """
 
@@ -78,7 +79,11 @@ class RuntimeOptions:
         "--precision",
         "f32 (parity with transformers); openvino also bf16 or f16 (its inference precision hint).",
     )
-    threads: int = option(0, "--threads", f"Intra-op threads (0: ${THREADS_ENV} if set, else the runtime's default).")
+    threads: int = option(
+        0,
+        "--threads",
+        f"Intra-op threads, at most the usable CPUs (0: ${THREADS_ENV} if set, else the runtime's default).",
+    )
     host_state_roundtrip: bool = option(
         False, "--host-state-roundtrip", "Copy states to host every decode step (for comparison)."
     )
@@ -100,6 +105,11 @@ class RuntimeOptions:
             )
         if isinstance(self.threads, bool) or not isinstance(self.threads, numbers.Integral) or self.threads < 0:
             raise ValueError(f"threads must be an integer >= 0 (0: the runtime's default), got {self.threads!r}")
+        if self.threads > usable_cpus():
+            raise ValueError(
+                f"threads {self.threads} is more than the {usable_cpus()} CPUs this process may run on "
+                "(more threads than CPUs only wait for each other)"
+            )
         if not isinstance(self.host_state_roundtrip, bool):
             raise ValueError(f"host_state_roundtrip must be true or false, got {self.host_state_roundtrip!r}")
         self.intra_op_threads  # noqa: B018 - a bad environment value fails here, naming it
@@ -110,16 +120,23 @@ class RuntimeOptions:
         ``$QWEN35_ONNX_THREADS``, else 0 (the runtime's default).
 
         Raises:
-            ValueError: ``$QWEN35_ONNX_THREADS`` is not an integer >= 0.
+            ValueError: ``$QWEN35_ONNX_THREADS`` is not an integer from 0 to :func:`usable_cpus`.
         """
         if self.threads:
             return int(self.threads)
         text = os.environ.get(THREADS_ENV, "").strip()
         if not text:
             return 0
-        if not text.isdigit():
-            raise ValueError(f"${THREADS_ENV} {text!r} must be an integer >= 0")
+        if not text.isdigit() or int(text) > usable_cpus():
+            raise ValueError(f"${THREADS_ENV} {text!r} must be an integer from 0 to {usable_cpus()} (the usable CPUs)")
         return int(text)
+
+
+def usable_cpus() -> int:
+    """The logical CPUs this process may run on (its affinity mask where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class Decoder(Protocol):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..contract import STATE_NAMES, ContractError, KvMode, PrefillLogits, ShapeContract
+from ..onnxfile.edit import read_model
 
 #: Element type (ONNX's type string, the same for every backend) of each contract dtype.
 ONNX_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
@@ -66,10 +67,13 @@ class GraphSpec:
 
 
 def check_export_files(root: Path, contract: ShapeContract) -> None:
-    """The manifest lists every graph the contract needs, and each listed file exists and is not empty.
+    """The manifest lists every graph the contract needs, each listed file exists and is not
+    empty, and each external-data file its graph reads holds every byte the graph reads from it
+    (a graph file is a few hundred kilobytes: its weights are skipped, never decoded).
 
     Raises:
-        ContractError: naming the missing graph or file.
+        ContractError: naming the missing graph or file, or the short data file with its size and
+            the bytes a graph reads.
     """
     expected = {"vision", "decode"} | {contract.prefill_graph_key(b) for b in contract.prefill_buckets or [None]}
     missing = sorted(expected - set(contract.graphs))
@@ -79,6 +83,27 @@ def check_export_files(root: Path, contract: ShapeContract) -> None:
         path = Path(root) / rel
         if not path.is_file() or path.stat().st_size == 0:
             raise ContractError(f"{key} graph {str(path)!r} is missing or empty: the export is incomplete")
+        _check_external_data(key, path)
+
+
+def _check_external_data(key: str, path: Path) -> None:
+    try:
+        model = read_model(path.read_bytes())
+    except (ValueError, IndexError) as exc:  # OnnxScanError is a ValueError
+        raise ContractError(f"{key} graph {str(path)!r} is not a readable ONNX file: {exc}") from exc
+    reads: dict[str, int] = {}
+    for tensor in model.initializers.values():
+        if tensor.location is not None:
+            reads[tensor.location] = max(reads.get(tensor.location, 0), tensor.offset + tensor.length)
+    for name, end in sorted(reads.items()):
+        data = path.parent / name
+        size = data.stat().st_size if data.is_file() else None
+        if size is None or size < end:
+            found = "is missing" if size is None else f"has {size} bytes"
+            raise ContractError(
+                f"{key} graph {str(path)!r} reads {end} bytes of weights from {str(data)!r}, which {found}: "
+                "the export is incomplete or damaged (re-export it)"
+            )
 
 
 def _expect(what: str, actual, expected, source: str = "the manifest says") -> None:

@@ -148,9 +148,11 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stop = tuple(stop)
     else:
-        raise bad_request("stop must be a string or a list of strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise bad_request(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+        raise bad_request(f"stop must be a string or a list of strings, got {type(stop).__name__}", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop holds {len(stop)} strings, more than {MAX_STOP_STRINGS}", "stop")
+    if any(not s for s in stop):
+        raise bad_request("stop strings must be non-empty, got ''", "stop")
 
     kwargs = optional("chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
     if kwargs:

@@ -187,7 +187,7 @@ def test_export_refuses_more_image_tokens_than_capacity(checkpoint, tmp_path):
         ([{"role": "user"}], "messages[0].content", "must be a string or a list"),
         ([{"role": "user", "content": 5}], "messages[0].content", "got int"),
         ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type", "'audio' must be"),
-        ([{"role": "user", "content": ["hi"]}], "messages[0].content[0].type", "'str' must be"),
+        ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]", "must be a content part object"),
         (
             [{"role": "user", "content": [{"type": "text", "text": 3}]}],
             "messages[0].content[0].text",

@@ -14,6 +14,7 @@ from PIL import Image, ImageOps
 
 from qwen35_onnx.conversation.messages import ChatInputError
 from qwen35_onnx.pipeline import Pipeline
+from qwen35_onnx.runtime.sampling import Sampler
 
 from .conftest import CAPACITY
 
@@ -395,3 +396,35 @@ def test_image_limits_are_exact_and_cover_local_files_and_bombs(tmp_path):
         ask(str(tmp_path), ImagePolicy(local_dir=tmp_path))
     with pytest.raises(ChatInputError, match=r"not a readable image \(no known image format\)$"):
         ask("data:image/png;base64," + base64.b64encode(b"junk").decode(), ImagePolicy())
+
+
+def test_sampling_none_means_the_checkpoints_sampling_and_stops_include_the_end_of_turn(
+    pipe, chat_export, tmp_path, monkeypatch, photo
+):
+    import dataclasses
+    import json
+
+    from qwen35_onnx import pipeline as pipeline_module
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    assert pipe.sampling_defaults == SamplingConfig()  # do_sample false: greedy
+    folder = shutil.copytree(chat_export, tmp_path / "export")
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(do_sample=True, temperature=0.7, top_p=0.9, top_k=20)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    sampled = Pipeline(folder, pipe.contract, pipe.backend, pipe.preprocessor)
+    assert sampled.sampling_defaults == SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)
+    used = []
+    monkeypatch.setattr(pipeline_module, "Sampler", lambda config: used.append(config) or Sampler(config))
+    sampled.generate(photo, "hi", max_new_tokens=2)
+    sampled.generate(photo, "hi", max_new_tokens=2, sampling=SamplingConfig())
+    assert used == [sampled.sampling_defaults, SamplingConfig()]
+
+    end_of_turn = pipe.preprocessor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    only_eos = dataclasses.replace(pipe.contract, eos_token_ids=(pipe.contract.pad_token_id,))
+    assert Pipeline(folder, only_eos, pipe.backend, pipe.preprocessor).stop_token_ids == only_eos.eos_token_ids
+    (folder / "generation_config.json").unlink()  # nothing lists the stops: the tokenizer's eos_token joins
+    assert Pipeline(folder, only_eos, pipe.backend, pipe.preprocessor).stop_token_ids == (
+        *only_eos.eos_token_ids,
+        end_of_turn,
+    )

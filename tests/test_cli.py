@@ -22,17 +22,17 @@ def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     )
 
 
-def invoke_cli(*args: str) -> subprocess.CompletedProcess:
+def invoke_cli(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
     """``qwen35-onnx ARGS`` in this process (typer's test runner: the same code as :func:`run_cli`
-    without a new interpreter); an exception the command let escape is written to stderr as the
-    traceback a user would see."""
+    without a new interpreter; ``input``: its standard input); an exception the command let escape
+    is written to stderr as the traceback a user would see."""
     import traceback
 
     from typer.testing import CliRunner
 
     from qwen35_onnx.cli import app
 
-    result = CliRunner().invoke(app, list(args))
+    result = CliRunner().invoke(app, list(args), input=input)
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "".join(traceback.format_exception(result.exception))
@@ -125,6 +125,55 @@ def test_sigterm_during_the_demo_export_leaves_nothing_behind(checkpoint, tmp_pa
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-checkpoint"]
+
+
+def test_generate_and_chat_sample_as_the_checkpoint_says_and_switch_thinking(fixed_export, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    seen = []
+    prepare_chat, stream_prepared = Pipeline.prepare_chat, Pipeline.stream_prepared
+
+    def record_template(self, messages, chat_template_kwargs=None, image_policy=None):
+        seen.append(chat_template_kwargs)
+        return prepare_chat(self, messages, chat_template_kwargs, image_policy)
+
+    def record_sampling(self, prepared, max_new_tokens=128, sampling=None, stop=()):
+        seen.append(sampling)
+        return stream_prepared(self, prepared, max_new_tokens, sampling, stop)
+
+    monkeypatch.setattr(Pipeline, "prepare_chat", record_template)
+    monkeypatch.setattr(Pipeline, "stream_prepared", record_sampling)
+    folder = shutil.copytree(fixed_export, tmp_path / "export")
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(do_sample=True, temperature=0.7, top_p=0.9, top_k=20)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    checkpoint = SamplingConfig(temperature=0.7, top_k=20, top_p=0.9)
+    cases = [
+        ((str(fixed_export),), [None, SamplingConfig()]),  # do_sample false: greedy
+        ((str(folder),), [None, checkpoint]),
+        (
+            (str(folder), "--temperature", "0", "--no-thinking"),
+            [{"enable_thinking": False}, SamplingConfig(0.0, 20, 0.9)],
+        ),
+        ((str(folder), "--seed", "5", "--thinking"), [{"enable_thinking": True}, SamplingConfig(0.7, 20, 0.9, 5)]),
+    ]
+    for args, expected in cases:
+        seen.clear()
+        proc = invoke_cli("generate", "--model", *args, "--prompt", "hi", "--max-new-tokens", "2")
+        assert proc.returncode == 0, proc.stderr
+        assert seen == expected, args
+    seen.clear()
+    proc = invoke_cli(
+        "chat", "--model", str(folder), "--top-k", "3", "--no-thinking", "--max-new-tokens", "2", input="hi\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert seen == [{"enable_thinking": False}, SamplingConfig(0.7, 3, 0.9)]
+    proc = invoke_cli("generate", "--model", str(folder), "--prompt", "hi", "--top-p", "1.5")
+    _assert_clean_error(proc, "top_p must be in (0, 1], got 1.5")
 
 
 def test_export_bad_image_size(checkpoint, tmp_path):

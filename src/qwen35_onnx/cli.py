@@ -10,6 +10,7 @@ traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -56,13 +57,16 @@ def _cli_type(o: Declared):
     return Optional[kind] if optional or kind is not bool else kind
 
 
-def _cli_option(o: Declared, given_only: bool) -> Any:
+def _cli_option(o: Declared, given_only: bool, default_from: str | None = None) -> Any:
     """The typer option of ``o``. ``given_only``: the command line's default is None, so the command
-    can tell a value the user gave from the group's default (shown in the help)."""
+    can tell a value the user gave from the group's default (shown in the help, or ``default_from``:
+    where the command takes the defaults from)."""
     default = o.default.value if isinstance(o.default, StrEnum) else o.default
     help_text = o.help
     if given_only and o.type is not bool:
-        if default is not None:
+        if default_from:
+            help_text += f" [default: {default_from}]"
+        elif default is not None:
             help_text += f" [default: {default}]"
         default = None
     return typer.Option(
@@ -75,16 +79,20 @@ def _cli_option(o: Declared, given_only: bool) -> Any:
     )
 
 
-def with_options(given_only: tuple[str, ...] = (), **groups: type):
+def with_options(given_only: tuple[str, ...] = (), default_from: dict[str, str] | None = None, **groups: type):
     """Decorate a command so that it takes every declared option of each dataclass in ``groups``
     (parameter name -> dataclass) and receives one instance per group under that name. A command
     parameter named ``<group>_given`` receives the set of that group's options the user gave; for
-    the groups named in ``given_only`` an option not given takes the dataclass default (the CLI
-    default is None, so giving the default value explicitly still counts as given).
+    the groups named in ``given_only`` (or in ``default_from``: group -> where the command takes
+    that group's defaults from, for the help) an option not given takes the dataclass default (the
+    CLI default is None, so giving the default value explicitly still counts as given).
 
     Raises (when the command runs):
         typer.Exit: a value the group's ``parse`` refuses (one ``error:`` line, exit status 2).
     """
+
+    default_from = default_from or {}
+    given_only = (*given_only, *default_from)
 
     def wrap(command):
         signature = inspect.signature(command)
@@ -94,7 +102,7 @@ def with_options(given_only: tuple[str, ...] = (), **groups: type):
                 o.name,
                 inspect.Parameter.KEYWORD_ONLY,
                 annotation=_cli_type(o),
-                default=_cli_option(o, name in given_only),
+                default=_cli_option(o, name in given_only, default_from.get(name)),
             )
             for name, group in groups.items()
             for o in declared(group)
@@ -176,8 +184,28 @@ def _load(model: Path, runtime: RuntimeOptions):
         _fail(exc)
 
 
+CHECKPOINT_SAMPLING = "as the export's generation_config.json says (greedy without one)"
+"""Where ``generate`` and ``chat`` take the sampling options a user does not give."""
+
+THINKING_HELP = "Turn the chat template's thinking on or off (its enable_thinking). [default: the template's own]"
+
+
+def _thinking_kwargs(thinking: bool | None) -> dict | None:
+    return None if thinking is None else {"enable_thinking": thinking}
+
+
+def _sampling(pipe, given: SamplingConfig, given_names: set[str]) -> SamplingConfig:
+    """The export's sampling defaults with the values the user gave on top, or one ``error:`` line."""
+    chosen = dataclasses.replace(pipe.sampling_defaults, **{n: getattr(given, n) for n in given_names})
+    try:
+        chosen.validate()
+    except USER_ERRORS as exc:
+        _fail(exc)
+    return chosen
+
+
 @app.command()
-@with_options(runtime=RuntimeOptions, sampling=SamplingConfig)
+@with_options(default_from={"sampling": CHECKPOINT_SAMPLING}, runtime=RuntimeOptions, sampling=SamplingConfig)
 def generate(
     model: Path = typer.Option(..., "--model", help="Export folder written by `qwen35-onnx export`."),
     image: Optional[list[Path]] = typer.Option(
@@ -189,13 +217,27 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", help="User prompt."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to generate."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not included in the output."),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
     runtime: RuntimeOptions = None,
     sampling: SamplingConfig = None,
+    sampling_given: set[str] = frozenset(),
 ) -> None:
     """Stream text for an image and a prompt; timings go to stderr."""
-    pipe = _load(model, runtime)
     try:
-        stream = pipe.stream(image or None, prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+        sampling.validate()
+    except USER_ERRORS as exc:
+        _fail(exc)
+    pipe = _load(model, runtime)
+    sampling = _sampling(pipe, sampling, sampling_given)
+    try:
+        stream = pipe.stream(
+            image or None,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop=stop,
+            chat_template_kwargs=_thinking_kwargs(thinking),
+        )
     except USER_ERRORS as exc:
         _fail(exc)
     try:
@@ -338,16 +380,17 @@ def demo(
 
 
 @app.command()
-@with_options(runtime=RuntimeOptions, sampling=SamplingConfig)
+@with_options(default_from={"sampling": CHECKPOINT_SAMPLING}, runtime=RuntimeOptions, sampling=SamplingConfig)
 def chat(
     model: Path = typer.Option(..., "--model", help="Export folder written by `qwen35-onnx export`."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
     max_new_tokens: Optional[int] = typer.Option(
         None, "--max-new-tokens", help="Most tokens per reply. [default: until end of sequence or capacity]"
     ),
-    no_thinking: bool = typer.Option(False, "--no-thinking", help="Pass enable_thinking=false to the chat template."),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
     runtime: RuntimeOptions = None,
     sampling: SamplingConfig = None,
+    sampling_given: set[str] = frozenset(),
 ) -> None:
     """Interactive multi-turn chat: one line per turn, /image PATH attaches an image, /reset, /quit."""
     from .chat_repl import HELP, run_chat
@@ -359,10 +402,11 @@ def chat(
     if max_new_tokens is not None and max_new_tokens < 1:
         _fail(ValueError(f"--max-new-tokens must be >= 1 (omit it: until end of sequence), got {max_new_tokens}"))
     pipe = _load(model, runtime)
+    sampling = _sampling(pipe, sampling, sampling_given)
     interactive = sys.stdin.isatty()
     if interactive:
         typer.echo(HELP, err=True)
-    kwargs = {"enable_thinking": False} if no_thinking else None
+    kwargs = _thinking_kwargs(thinking)
     show_prompt = (lambda: sys.stderr.write("> ") and sys.stderr.flush()) if interactive else None
     try:
         run_chat(

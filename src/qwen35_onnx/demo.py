@@ -42,6 +42,7 @@ def run_demo(
     from .export.options import ExportOptions
     from .paths import check_folder, demo_checkpoint_dir, photo_path
     from .pipeline import Pipeline
+    from .runtime.sampling import SamplingConfig
     from .verify import token_parity
 
     if max_new_tokens < MIN_PARITY_TOKENS:
@@ -60,7 +61,7 @@ def run_demo(
     pipe = Pipeline.from_exported(exported)
     image = photo_path()
     print(f"[demo] {image.name}: {DEMO_PROMPT}", file=err)
-    stream = pipe.stream(image, DEMO_PROMPT, max_new_tokens=max_new_tokens)
+    stream = pipe.stream(image, DEMO_PROMPT, max_new_tokens=max_new_tokens, sampling=SamplingConfig())  # greedy
     for piece in stream:
         out.write(piece)
         out.flush()

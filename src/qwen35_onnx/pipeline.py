@@ -45,7 +45,7 @@ from .runtime.backend import Backend, RuntimeOptions
 from .runtime.generation import Generation, Timings
 from .runtime.masks import CapacityExhausted
 from .runtime.prompt import PreparedPrompt, prepare_ids
-from .runtime.sampling import Sampler, SamplingConfig, StopStrings
+from .runtime.sampling import Sampler, SamplingConfig, StopStrings, sampling_defaults
 from .runtime.select import open_backend
 
 log = logging.getLogger(__name__)
@@ -194,16 +194,32 @@ class Pipeline:
             :mod:`qwen35_onnx.runtime.select`); everything else is shared.
         preprocessor: tokenizer, chat template and image processor.
 
+    Attributes:
+        sampling_defaults: the checkpoint's own sampling, from the export's
+            ``generation_config.json`` (greedy when it has none or ``do_sample`` is false): what
+            ``sampling=None`` means in every generation method, as in transformers' ``generate``.
+        stop_token_ids: token ids that end a generation: the export's end-of-sequence ids, plus the
+            tokenizer's ``eos_token`` (Qwen3.5: ``<|im_end|>``, the end of a turn) when the export
+            has no ``generation_config.json`` to list them (as vLLM adds it).
+
     Threads: one generation at a time (the graphs' sessions and state buffers are shared);
     ``prepare``/``prepare_chat``/``prepare_ids`` run no graph and may be called from another
     thread while a generation streams (the tokenizer is used under ``preprocessor.lock``).
     """
 
     def __init__(self, root: Path, contract: ShapeContract, backend: Backend, preprocessor: Preprocessor):
-        self.root = root
+        """Raises ValueError: the export's ``generation_config.json`` is not JSON or holds sampling
+        values out of range (see :func:`~qwen35_onnx.runtime.sampling.sampling_defaults`)."""
+        self.root = Path(root)
         self.contract = contract
         self.backend = backend
         self.preprocessor = preprocessor
+        self.sampling_defaults = sampling_defaults(self.root)
+        stops = tuple(contract.eos_token_ids)
+        end_of_turn = preprocessor.tokenizer.eos_token_id
+        if not (self.root / "generation_config.json").is_file() and end_of_turn is not None:
+            stops += () if end_of_turn in stops else (int(end_of_turn),)
+        self.stop_token_ids = stops
 
     @classmethod
     def from_exported(cls, path: str | os.PathLike, options: RuntimeOptions | None = None, **overrides) -> Pipeline:
@@ -218,7 +234,8 @@ class Pipeline:
         Raises:
             ContractError: incomplete export, graphs that disagree with the manifest or with
                 each other (e.g. different capacities), or an export the runtime cannot run.
-            ValueError: unknown runtime, device or precision.
+            ValueError: unknown runtime, device or precision; a ``generation_config.json`` that is
+                not JSON or holds sampling values out of range.
             TypeError: ``path`` that is not a path; an override that is not a runtime option.
         """
         if options is not None and not isinstance(options, RuntimeOptions):
@@ -237,10 +254,11 @@ class Pipeline:
         return cls(root, contract, backend, preprocessor)
 
     # ---- host-side preparation -----------------------------------------------------------
-    def prepare(self, image, prompt: str) -> PreparedPrompt:
+    def prepare(self, image, prompt: str, chat_template_kwargs: dict | None = None) -> PreparedPrompt:
         """Chat-template and preprocess one user turn: ``image`` (a path, a PIL image, a list of
         them, or None for text only) first, then ``prompt``; the one-turn case of
-        :meth:`prepare_chat`.
+        :meth:`prepare_chat` (``chat_template_kwargs``: template variables, e.g.
+        ``{"enable_thinking": False}``).
 
         Raises:
             FileNotFoundError / ValueError: missing or unreadable image.
@@ -265,7 +283,7 @@ class Pipeline:
                 )
             content.append({"type": "image", "image": picture})
         content.append({"type": "text", "text": prompt})
-        return self.prepare_chat([{"role": "user", "content": content}])
+        return self.prepare_chat([{"role": "user", "content": content}], chat_template_kwargs)
 
     def prepare_chat(
         self, messages: list[dict], chat_template_kwargs: dict | None = None, image_policy: ImagePolicy | None = None
@@ -339,16 +357,18 @@ class Pipeline:
         max_new_tokens: int = 128,
         sampling: SamplingConfig | None = None,
         stop: tuple[str, ...] | list[str] = (),
+        chat_template_kwargs: dict | None = None,
     ) -> GenerationStream:
         """Start a generation for ``image`` (path, PIL image, a list of them, or None) and
-        ``prompt``; iterate the returned stream for text pieces. All input checks run here,
-        before any graph.
+        ``prompt``; iterate the returned stream for text pieces. ``sampling`` None: the
+        checkpoint's :attr:`sampling_defaults`; ``SamplingConfig()`` is greedy. All input checks
+        run here, before any graph.
 
         Raises:
             ValueError / FileNotFoundError: bad ``max_new_tokens``, sampling options or stop
                 strings, prompt over the largest bucket or capacity, unreadable image.
         """
-        return self.stream_prepared(self.prepare(image, prompt), max_new_tokens, sampling, stop)
+        return self.stream_prepared(self.prepare(image, prompt, chat_template_kwargs), max_new_tokens, sampling, stop)
 
     def stream_chat(
         self,
@@ -411,7 +431,7 @@ class Pipeline:
         max_new_tokens = int(max_new_tokens)
         if sampling is not None and not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig or None, got {type(sampling).__name__}")
-        sampler = Sampler(sampling or SamplingConfig())
+        sampler = Sampler(sampling or self.sampling_defaults)
         stops = StopStrings((stop,) if isinstance(stop, str) else tuple(stop))
         if max_new_tokens > room:
             log.warning(
@@ -435,7 +455,7 @@ class Pipeline:
         stops: StopStrings,
         stream: GenerationStream,
     ) -> Iterator[str]:
-        eos = self.contract.eos_token_ids
+        eos = self.stop_token_ids
         tokens: list[int] = []
         emitted: list[str] = []
         finish = None

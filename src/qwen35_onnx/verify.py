@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .pipeline import GenerationResult, Pipeline
 from .runtime.prompt import PreparedPrompt
+from .runtime.sampling import SamplingConfig
 
 
 @dataclass
@@ -129,17 +130,18 @@ def token_parity(
     result: GenerationResult | None = None,
     model=None,
 ) -> TokenParity:
-    """Generate with ``pipeline`` (unless ``result`` is given) and with transformers on the
-    checkpoint ``model_id``; compare the greedy token ids."""
+    """Generate greedily with ``pipeline`` (unless ``result``, a greedy result, is given) and with
+    transformers on the checkpoint ``model_id``, both stopping at ``pipeline.stop_token_ids``;
+    compare the token ids."""
     prepared = pipeline.prepare(image, prompt)
     if result is None:
-        result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens)
+        result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens, sampling=SamplingConfig())
     model = model if model is not None else load_reference(model_id)
     contract = pipeline.contract
     # the export stops when its capacity is full (prompt_len + new tokens - 1 <= capacity);
     # transformers has no such limit, so it is asked for no more than fit
     fits = contract.capacity - prepared.prompt_len + 1
     reference = reference_generate(
-        model, prepared, contract.grid_thw, min(max_new_tokens, fits), contract.eos_token_ids
+        model, prepared, contract.grid_thw, min(max_new_tokens, fits), pipeline.stop_token_ids
     )
     return TokenParity(result.token_ids, reference)

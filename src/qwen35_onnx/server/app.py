@@ -47,7 +47,7 @@ from ..conversation.processor import TemplateKwargsError
 from ..pipeline import Pipeline
 from ..runtime.backend import RuntimeOptions
 from ..runtime.prompt import PreparedPrompt
-from ..runtime.sampling import SamplingConfig, sampling_defaults
+from ..runtime.sampling import SamplingConfig
 from .options import MIB, ServerOptions
 from .protocol import (
     SSE_DONE,
@@ -278,14 +278,15 @@ def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingCon
     Args:
         pipeline: a loaded export; the application becomes its only user.
         options: limits, auth and names.
-        defaults: sampling when a request sets none (default: :func:`sampling_defaults` of the export).
+        defaults: sampling when a request sets none (default: the pipeline's ``sampling_defaults``,
+            from the export's ``generation_config.json``).
 
     Raises:
         ValueError: bad ``options`` (see :meth:`ServerOptions.validate`).
     """
     options.validate()
     if defaults is None:
-        defaults = sampling_defaults(pipeline.root)
+        defaults = pipeline.sampling_defaults
     server = ChatServer(pipeline, options, defaults)
 
     @asynccontextmanager

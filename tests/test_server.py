@@ -544,6 +544,74 @@ def test_bad_requests_get_openai_errors(server, client):
     assert after["completed"] == before["completed"] + 1 and after["failed"] == 0 and after["running"] == 0
 
 
+def scrape(server, key: str | None = KEY) -> dict:
+    """``GET /metrics`` parsed with prometheus_client's own parser: {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain"), response.text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+@pytest.mark.slow
+def test_metrics_count_requests_tokens_and_times(server, client):
+    assert_error(httpx.get(f"{server.url}/metrics", timeout=10), 401, None, "API key")
+    assert_error(httpx.get(f"{server.url}/metrics", headers={"Authorization": "Bearer nope"}, timeout=10), 401)
+    before = scrape(server)
+    n = LEAD_TOKENS + CYCLE_TOKENS
+    client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n)
+    stream = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n, stream=True)
+    collect(stream)
+    assert_error(post(server, {"messages": hi(), "top_p": 0}), 400, "top_p")
+    assert_error(post(server, {"messages": hi()}, key="nope"), 401)
+    server.wait_health(lambda state: state["running"] == 0)
+    after = scrape(server)
+
+    def grew(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    requests = "qwen35_onnx_requests_total"
+    assert grew(requests, (("status", "200"),)) == 2
+    assert grew(requests, (("status", "400"),)) == 1 and grew(requests, (("status", "401"),)) == 1
+    assert grew("qwen35_onnx_generations_total", (("outcome", "completed"),)) == 2
+    assert grew("qwen35_onnx_prompt_tokens_total") == 2 * PROMPT_TOKENS
+    assert grew("qwen35_onnx_generation_tokens_total") == 2 * n
+    for histogram in ("time_to_first_token_seconds", "decode_tokens_per_second", "request_duration_seconds"):
+        assert grew(f"qwen35_onnx_{histogram}_count") == 2, histogram
+    first, whole = grew("qwen35_onnx_time_to_first_token_seconds_sum"), grew("qwen35_onnx_request_duration_seconds_sum")
+    assert 0 < first < whole
+    assert grew("qwen35_onnx_decode_tokens_per_second_sum") > 0
+    assert after[("qwen35_onnx_requests_running", ())] == 0 and after[("qwen35_onnx_requests_waiting", ())] == 0
+
+
+@pytest.mark.slow
+def test_serve_on_openvino_answers_as_on_onnxruntime(fixed_export, photo, tmp_path):
+    image = "data:image/jpeg;base64," + base64.b64encode(photo.read_bytes()).decode()
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "Describe it."}],
+        }
+    ]
+    replies = {}
+    for runtime in ("onnxruntime", "openvino"):
+        log_path = tmp_path / f"{runtime}.log"
+        server = ServerProcess(["--model", str(fixed_export), "--port", "0", "--runtime", runtime], log_path)
+        try:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
+            replies[runtime] = (reply.choices[0].message.content, reply.usage.completion_tokens)
+        finally:
+            server.stop()
+        assert f"({runtime} " in log_path.read_text()
+    assert replies["openvino"] == replies["onnxruntime"] and replies["onnxruntime"][1] > 0
+
+
 @pytest.mark.slow
 def test_serve_command_errors(tmp_path):
     def serve(*args, prelude=""):

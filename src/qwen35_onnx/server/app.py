@@ -7,6 +7,7 @@ Routes:
   string: one model is served and its id is echoed.
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the served model.
 - ``GET /health`` (no auth): status, running / waiting generations and counters.
+- ``GET /metrics``: Prometheus metrics (:mod:`.metrics`; the API key when one is set).
 
 How a request runs: its body and fields are checked first (400 at once, whatever the load); a
 request that finds the queue full then gets 429 before anything costly; otherwise it is prepared
@@ -48,6 +49,7 @@ from ..pipeline import Pipeline
 from ..runtime.backend import RuntimeOptions
 from ..runtime.prompt import PreparedPrompt
 from ..runtime.sampling import SamplingConfig
+from .metrics import ServerMetrics
 from .options import MIB, ServerOptions
 from .protocol import (
     SSE_DONE,
@@ -107,8 +109,21 @@ class ChatServer:
         self.options = options
         self.defaults = defaults
         self.image_policy = options.image_policy
-        self.scheduler = Scheduler(pipeline, options.max_queue)
+        self.scheduler = Scheduler(pipeline, options.max_queue, on_finished=self._record)
+        self.metrics = ServerMetrics(self.scheduler.state)
         self.created = int(time.time())
+
+    def _record(self, generation: ScheduledGeneration) -> None:  # event loop, once per generation
+        result = generation.stream.result
+        start = generation.arrived
+        self.metrics.generation(
+            generation.outcome,
+            result.prompt_tokens,
+            result.completion_tokens,
+            result.generation.timings.tokens_per_s,
+            None if generation.first_text_at is None else generation.first_text_at - start,
+            (generation.ended_at or time.monotonic()) - start,
+        )
 
     def authorize(self, request: Request) -> None:
         key = self.options.api_key
@@ -159,6 +174,19 @@ class ChatServer:
             raise bad_request(str(exc), param) from None
 
     async def chat_completions(self, request: Request) -> Response:
+        """Answer one request and count it by HTTP status (:attr:`metrics`)."""
+        try:
+            response = await self._chat_completions(request, time.monotonic())
+        except APIError as exc:
+            self.metrics.request(exc.status)
+            raise
+        except BaseException:
+            self.metrics.request(500)
+            raise
+        self.metrics.request(response.status_code)
+        return response
+
+    async def _chat_completions(self, request: Request, arrived: float) -> Response:
         self.authorize(request)
         req = parse_chat_request(
             await self.read_json(request), self.defaults, self.pipeline.preprocessor.reserved_template_kwargs()
@@ -175,7 +203,7 @@ class ChatServer:
                 return Response(status_code=499)  # nobody is listening
             try:
                 generation = await scheduler.start(
-                    self.pipeline.stream_chat_prepared, prepared, max_tokens, req.sampling, req.stop
+                    self.pipeline.stream_chat_prepared, prepared, max_tokens, req.sampling, req.stop, arrived=arrived
                 )
             except ValueError as exc:
                 raise bad_request(str(exc)) from None
@@ -349,6 +377,12 @@ def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingCon
     @app.get("/health")
     async def health():
         return server.health()
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        server.authorize(request)
+        content, media_type = server.metrics.render()
+        return Response(content, media_type=media_type)
 
     return app
 

@@ -19,6 +19,7 @@ import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..conversation.reasoning import ChatDelta
@@ -90,14 +91,24 @@ class Slots:
 
 class ScheduledGeneration:
     """One admitted generation. Its :class:`~qwen35_onnx.pipeline.ChatStream` is touched only by the
-    worker thread (``_pull``, ``_end``); the event loop asks for steps and for cancellation."""
+    worker thread (``_pull``, ``_end``); the event loop asks for steps and for cancellation.
 
-    def __init__(self, scheduler: Scheduler, stream: ChatStream):
+    Attributes:
+        arrived: ``time.monotonic()`` when its request arrived (when the generation started, if
+            not given).
+        first_text_at: ``time.monotonic()`` when its first non-empty delta came (None before).
+        ended_at: ``time.monotonic()`` when it ended (None before).
+    """
+
+    def __init__(self, scheduler: Scheduler, stream: ChatStream, arrived: float | None = None):
         self.scheduler = scheduler
         self.stream = stream
         self._deltas = iter(stream)
         self.outcome: str | None = None  # completed | cancelled | failed (worker thread writes)
         self._cancel_sent = False
+        self.arrived = time.monotonic() if arrived is None else arrived
+        self.first_text_at: float | None = None
+        self.ended_at: float | None = None
 
     async def step(self, seconds: float) -> tuple[list[ChatDelta], bool]:
         """The next delta(s) (at least one unless the stream ends) and whether it has ended."""
@@ -111,6 +122,8 @@ class ScheduledGeneration:
         try:
             for delta in self._deltas:
                 deltas.append(delta)
+                if self.first_text_at is None and delta:
+                    self.first_text_at = time.monotonic()
                 if time.monotonic() >= deadline:
                     return deltas, False
         except BaseException:
@@ -123,6 +136,7 @@ class ScheduledGeneration:
         if self.outcome is not None:
             return
         self.outcome = outcome
+        self.ended_at = time.monotonic()
         try:
             self.stream.close()
         except Exception:  # noqa: BLE001 - closing must not keep the slot
@@ -147,9 +161,21 @@ class ScheduledGeneration:
 class Scheduler:
     """The worker thread, the preparation thread, the slot and its queue, and the counters
     (``completed`` / ``cancelled`` / ``failed`` / ``rejected`` / ``left_queue``) of one pipeline.
-    Event-loop methods are called from the server's loop (:attr:`loop`, set when it starts)."""
+    Event-loop methods are called from the server's loop (:attr:`loop`, set when it starts).
 
-    def __init__(self, pipeline: Pipeline, max_queue: int):
+    Args:
+        pipeline: the pipeline every generation runs on.
+        max_queue: most requests waiting for the slot.
+        on_finished: called on the event loop with each generation that ended (e.g. metrics).
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        max_queue: int,
+        on_finished: Callable[[ScheduledGeneration], None] | None = None,
+    ):
+        self.on_finished = on_finished
         self.pipeline = pipeline
         self.slots = Slots(max_queue)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen35-pipeline")
@@ -197,15 +223,16 @@ class Scheduler:
             return False
         return True
 
-    async def start(self, start, *args) -> ScheduledGeneration:
+    async def start(self, start, *args, arrived: float | None = None) -> ScheduledGeneration:
         """Start a generation in the worker thread (``start(*args)`` returns its ChatStream) in the
-        slot :meth:`admit` took; the slot is released if starting fails."""
+        slot :meth:`admit` took; the slot is released if starting fails. ``arrived``: the
+        request's arrival (``time.monotonic()``)."""
         try:
             stream = await self.call(start, *args)
         except BaseException:
             self.slots.release()
             raise
-        return ScheduledGeneration(self, stream)
+        return ScheduledGeneration(self, stream, arrived)
 
     def finished(self, generation: ScheduledGeneration) -> None:  # event loop
         self.counters[generation.outcome] += 1
@@ -217,6 +244,11 @@ class Scheduler:
             "completion_tokens": result.completion_tokens,
         }
         self.slots.release()
+        if self.on_finished is not None:
+            try:
+                self.on_finished(generation)
+            except Exception:  # noqa: BLE001 - an observer must not break the server
+                log.exception("recording a finished generation failed")
 
     def state(self) -> dict:
         """``running``, ``waiting``, ``max_queue``, the counters and the last generation's outcome."""

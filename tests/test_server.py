@@ -612,6 +612,128 @@ def test_serve_on_openvino_answers_as_on_onnxruntime(fixed_export, photo, tmp_pa
     assert replies["openvino"] == replies["onnxruntime"] and replies["onnxruntime"][1] > 0
 
 
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Debian's headless Chromium driven by selenium (``.ci/run`` installs chromium and chromium-driver)."""
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    # this machine has no network: Chromium's own background connections are turned off
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--window-size=1100,800",
+    ):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(service=Service(driver), options=options)
+    yield browser
+    browser.quit()
+
+
+@pytest.mark.slow
+def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from qwen35_onnx.contract import read_manifest
+
+    shots = Path(os.environ.get("QWEN35_ONNX_SCREENSHOTS") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    page = httpx.get(f"{server.url}/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert not re.search(r"(src|href)=[\"']?(https?:)?//|@import|url\(", page.text)  # nothing from elsewhere
+
+    wait = WebDriverWait(browser, 60, poll_frequency=0.02)
+
+    def text_of(element, css):
+        return element.find_element(By.CSS_SELECTOR, css).get_attribute("textContent")
+
+    def last_reply():
+        return browser.find_elements(By.CSS_SELECTOR, ".assistant")[-1]
+
+    def send(text):
+        box = browser.find_element(By.ID, "prompt")
+        box.send_keys(text)
+        box.send_keys(Keys.ENTER)
+
+    browser.get(f"{server.url}/")
+    wait.until(lambda d: d.find_element(By.ID, "model").text == "enter the API key")
+    key = browser.find_element(By.ID, "key")
+    key.send_keys(KEY, Keys.TAB)
+    wait.until(lambda d: d.find_element(By.ID, "model").text == "bigram")
+
+    # a text message, streamed: reasoning apart from the content
+    n = LEAD_TOKENS + 2 * CYCLE_TOKENS
+    browser.find_element(By.ID, "max-tokens").send_keys(str(n))
+    send("Hi")
+    wait.until(lambda d: "finish: length" in text_of(last_reply(), ".meta"))
+    assert text_of(last_reply(), ".content") == expected_content(n)
+    assert text_of(last_reply(), ".reasoning-text") == REASONING
+    first_prompt = server.health()["last"]["prompt_tokens"]
+    browser.save_screenshot(str(shots / "chat-page-1-text.png"))
+
+    # two images: one from the file picker, one dropped on the composer
+    picker = browser.find_element(By.ID, "file")
+    browser.execute_script("arguments[0].hidden = false", picker)
+    picker.send_keys(str(photo))
+    browser.execute_async_script(
+        """
+        const done = arguments[arguments.length - 1];
+        const canvas = document.createElement("canvas");
+        canvas.width = 48; canvas.height = 32;
+        const g = canvas.getContext("2d"); g.fillStyle = "#2a7"; g.fillRect(0, 0, 48, 32);
+        canvas.toBlob((blob) => {
+          const data = new DataTransfer();
+          data.items.add(new File([blob], "dropped.png", { type: "image/png" }));
+          document.getElementById("drop").dispatchEvent(new DragEvent("drop", { dataTransfer: data, bubbles: true }));
+          done();
+        }, "image/png");
+        """
+    )
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attachments img")) == 2)
+    browser.save_screenshot(str(shots / "chat-page-2-attached.png"))
+    send("What is in these?")
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant")) == 2)
+    wait.until(lambda d: "finish: length" in text_of(last_reply(), ".meta"))
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".user")[-1].find_elements(By.TAG_NAME, "img")) == 2
+    assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img")
+    image_tokens = read_manifest(bigram_export).n_image_tokens
+    assert server.health()["last"]["prompt_tokens"] > first_prompt + n + 2 * image_tokens  # history + both images
+    browser.save_screenshot(str(shots / "chat-page-3-images.png"))
+
+    # stop: a generation to the capacity (about 2000 tokens), stopped right after it is sent
+    before = server.health()
+    browser.find_element(By.ID, "reset").click()
+    browser.find_element(By.ID, "max-tokens").clear()
+    send("Hi")
+    browser.find_element(By.ID, "stop").click()
+    wait.until(lambda d: text_of(last_reply(), ".meta") == "stopped")
+    after = server.wait_health(lambda state: state["running"] == 0 and state["waiting"] == 0)
+    assert after["completed"] == before["completed"], "the generation ran to its end: the stop came too late"
+    assert after["cancelled"] + after["left_queue"] == before["cancelled"] + before["left_queue"] + 1
+    stopped = text_of(last_reply(), ".content")
+    time.sleep(0.3)
+    assert text_of(last_reply(), ".content") == stopped
+    assert browser.find_element(By.ID, "send").is_enabled() and not browser.find_element(By.ID, "stop").is_enabled()
+    browser.save_screenshot(str(shots / "chat-page-4-stopped.png"))
+
+
 @pytest.mark.slow
 def test_serve_command_errors(tmp_path):
     def serve(*args, prelude=""):

@@ -8,6 +8,9 @@ Routes:
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the served model.
 - ``GET /health`` (no auth): status, running / waiting generations and counters.
 - ``GET /metrics``: Prometheus metrics (:mod:`.metrics`; the API key when one is set).
+- ``GET /``: a chat page (``page.html``, self-contained: nothing loaded from elsewhere) that talks
+  to ``/v1/chat/completions``: streaming, images by file picker or drag and drop, reasoning
+  apart, a stop button.
 
 How a request runs: its body and fields are checked first (400 at once, whatever the load); a
 request that finds the queue full then gets 429 before anything costly; otherwise it is prepared
@@ -35,11 +38,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from importlib import resources
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -377,6 +381,12 @@ def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingCon
     @app.get("/health")
     async def health():
         return server.health()
+
+    page = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
+
+    @app.get("/")
+    async def chat_page():
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     @app.get("/metrics")
     async def metrics(request: Request):

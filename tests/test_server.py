@@ -723,7 +723,7 @@ def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_
     browser.find_element(By.ID, "max-tokens").clear()
     send("Hi")
     browser.find_element(By.ID, "stop").click()
-    wait.until(lambda d: text_of(last_reply(), ".meta") == "stopped")
+    wait.until(lambda d: text_of(last_reply(), ".meta").startswith("stopped"))
     after = server.wait_health(lambda state: state["running"] == 0 and state["waiting"] == 0)
     assert after["completed"] == before["completed"], "the generation ran to its end: the stop came too late"
     assert after["cancelled"] + after["left_queue"] == before["cancelled"] + before["left_queue"] + 1
@@ -732,6 +732,18 @@ def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_
     assert text_of(last_reply(), ".content") == stopped
     assert browser.find_element(By.ID, "send").is_enabled() and not browser.find_element(By.ID, "stop").is_enabled()
     browser.save_screenshot(str(shots / "chat-page-4-stopped.png"))
+
+    # "New chat" in the middle of a generation: nothing of that turn reaches the next request
+    send("Hi")
+    browser.find_element(By.ID, "reset").click()
+    server.wait_health(lambda state: state["running"] == 0 and state["waiting"] == 0)
+    browser.find_element(By.ID, "max-tokens").send_keys(str(n))
+    send("Hi")
+    wait.until(
+        lambda d: d.find_elements(By.CSS_SELECTOR, ".assistant .meta") and "finish" in text_of(last_reply(), ".meta")
+    )
+    assert server.health()["last"]["prompt_tokens"] == PROMPT_TOKENS
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".user")) == 1
 
 
 @pytest.mark.slow

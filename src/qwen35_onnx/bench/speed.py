@@ -37,6 +37,7 @@ from ..contract import ContractError, read_manifest
 from ..export.options import ExportOptions
 from ..paths import check_folder
 from ..runtime.host_memory import release_freed_memory
+from ..runtime.sampling import SamplingConfig
 from .memory import reset_peak, resident
 from .peers import bench_genai, bench_ovgenai, bench_transformers, build_genai, build_optimum, ensure_optimum_venv
 from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read_bandwidth_gbps
@@ -109,7 +110,7 @@ def bench_pipeline(
     prepared = pipe.prepare_ids(prompts[min(prompts)])
     pipe.backend.load_prefill(prepared.bucket)  # loaded (compiled) before the clock starts, as for the other lengths
     start = time.perf_counter()
-    out = pipe.generate_prepared(prepared, max_new_tokens=protocol.e2e_tokens)
+    out = pipe.generate_prepared(prepared, max_new_tokens=protocol.e2e_tokens, sampling=SamplingConfig())  # greedy
     result.e2e_tokens_per_s = len(out.token_ids) / (time.perf_counter() - start)
     sample()
     return result

@@ -127,9 +127,10 @@ class StopStrings:
 
 
 def sampling_defaults(export_dir: str | os.PathLike) -> SamplingConfig:
-    """Default sampling of an export, from its ``generation_config.json`` as vLLM does it:
-    ``do_sample`` false or absent (or no file) -> greedy; otherwise its ``temperature`` (1.0 when
-    absent), ``top_p`` (1.0) and ``top_k`` (off). Requests override each value.
+    """Default sampling of an export, from its ``generation_config.json`` by transformers'
+    ``GenerationConfig`` rule: ``do_sample`` false or absent (or no file) -> greedy; otherwise its
+    ``temperature`` (1.0 when absent), ``top_p`` (1.0) and ``top_k`` (off). Requests override each
+    value. (vLLM takes the values whatever ``do_sample`` says; transformers is the reference here.)
 
     Raises:
         ValueError: the file is not JSON or holds values out of range.

@@ -184,7 +184,7 @@ class ChatServer:
         except APIError as exc:
             self.metrics.request(exc.status)
             raise
-        except BaseException:
+        except Exception:  # answered 500 by the application's handler (a shutdown's cancellation is not counted)
             self.metrics.request(500)
             raise
         self.metrics.request(response.status_code)

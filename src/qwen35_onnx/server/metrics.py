@@ -5,12 +5,15 @@ Names follow Prometheus' conventions (a ``_total`` counter, base units: seconds)
 vLLM and llama.cpp's server export:
 
 - ``qwen35_onnx_requests_total{status}``: chat completion requests by HTTP status (``200``,
-  ``400``, ``401``, ``413``, ``429``, ``499`` client gone while queued, ``500``);
+  ``400``, ``401``, ``413``, ``429``, ``499``: the client left before its whole reply, ``500``);
+  a streamed reply counts 200 when it starts: how it ended is in ``generations_total``;
 - ``qwen35_onnx_generations_total{outcome}``: generations that ended ``completed``,
   ``cancelled`` (client gone) or ``failed``;
 - ``qwen35_onnx_prompt_tokens_total``, ``qwen35_onnx_generation_tokens_total``: tokens;
 - ``qwen35_onnx_time_to_first_token_seconds``: from the request's arrival (queue wait, image,
-  template and prefill included) to its first generated text;
+  template and prefill included) to its first generated text (a token that completes no
+  character yet, or text held back while it may start a stop string, counts when its text comes;
+  a reply with no text is not recorded);
 - ``qwen35_onnx_decode_tokens_per_second``: each generation's decode rate (decode steps per
   second of decode-graph time, :attr:`~qwen35_onnx.runtime.generation.Timings.tokens_per_s`);
 - ``qwen35_onnx_request_duration_seconds``: arrival to the generation's end;
@@ -27,9 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 __all__ = ["ServerMetrics"]
 
 PREFIX = "qwen35_onnx"
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """Seconds: time to first token and request duration (a tiny model answers in milliseconds, a 4B
-prefill of 2048 tokens on 2 cores takes about a minute)."""
+prefill of 2048 tokens on 2 cores takes about a minute, a reply to the capacity minutes)."""
 RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
 """Decode tokens per second."""
 

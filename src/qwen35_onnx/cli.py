@@ -266,7 +266,8 @@ def verify(
     runtime: RuntimeOptions = None,
 ) -> None:
     """Greedy token parity of the exported graphs against transformers; exit 1 on mismatch."""
-    from .verify import check_checkpoint_folder, token_parity
+    from .paths import check_checkpoint_folder
+    from .verify import token_parity
 
     try:
         check_checkpoint_folder(model_id)  # before the ONNX side runs

@@ -31,6 +31,10 @@ class GraphKind(StrEnum):
     VISION, PREFILL, DECODE = "vision", "prefill", "decode"
 
 
+TEXT_WEIGHTS = "weights.data"
+"""The one external-data file the prefill and decode graphs share, beside them in ``text/``."""
+
+
 class KvMode(StrEnum):
     """``--kv-cache``: one constant KV width (capacity) and static graphs, or a growing KV cache."""
 
@@ -68,6 +72,14 @@ class Quantization(StrEnum):
 #: per block; ONNX Runtime's contrib operator spec, MatMulNBits).
 QUANT_ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 DEFAULT_QUANT_ACCURACY_LEVEL = 4
+
+
+def is_quant_block_size(block_size) -> bool:
+    """A quantization block size (weights per scale) is an int, a power of two from 16 to 256."""
+    ok_type = isinstance(block_size, int) and not isinstance(block_size, bool)
+    return ok_type and 16 <= block_size <= 256 and not block_size & (block_size - 1)
+
+
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
 MIN_CAPACITY = 2

@@ -7,7 +7,15 @@ import os
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["cache_root", "check_folder", "demo_checkpoint_dir", "photo_path"]
+__all__ = ["cache_root", "check_checkpoint_folder", "check_folder", "demo_checkpoint_dir", "photo_path"]
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""The weight files (one is enough) of a Hugging Face checkpoint folder that transformers loads."""
 
 
 def cache_root() -> Path:
@@ -35,6 +43,24 @@ def check_folder(path: str | os.PathLike, what: str) -> Path:
                 raise ValueError(f"{what} {str(path)!r} {where}, not a folder")
             break
     return path
+
+
+def check_checkpoint_folder(model_id: str | os.PathLike) -> Path:
+    """``model_id`` as a local Hugging Face checkpoint folder: ``config.json`` and one of
+    :data:`WEIGHT_FILES` (read by ``export`` and ``verify``; nothing is loaded).
+
+    Raises:
+        ValueError: naming the folder and what it lacks (an export folder has a ``config.json``
+            but no checkpoint weights).
+    """
+    folder = Path(model_id)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        export = (folder / "manifest.json").is_file()
+        hint = " (it is an export folder: pass the checkpoint it was exported from)" if export else ""
+        raise ValueError(f"--model-id {str(model_id)!r} has no checkpoint weights ({' or '.join(WEIGHT_FILES)}){hint}")
+    return folder
 
 
 def demo_checkpoint_dir() -> Path:

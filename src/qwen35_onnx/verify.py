@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .paths import check_checkpoint_folder
 from .pipeline import GenerationResult, Pipeline
 from .runtime.prompt import PreparedPrompt
 from .runtime.sampling import SamplingConfig
@@ -42,40 +43,11 @@ class TokenParity:
         return f"parity: {self.identical}/{self.total} tokens identical to transformers"
 
 
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-"""The weight files (one is enough) of a Hugging Face checkpoint folder that transformers loads."""
-
-
-def check_checkpoint_folder(model_id: str | Path) -> None:
-    """``model_id`` is a local Hugging Face checkpoint folder: ``config.json`` and one of
-    :data:`WEIGHT_FILES`.
-
-    Raises:
-        ValueError: naming the folder and what it lacks (an export folder has a ``config.json``
-            but no checkpoint weights).
-    """
-    folder = Path(model_id)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)")
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        hint = (
-            " (it is an export folder: pass the checkpoint it was exported from)"
-            if (folder / "manifest.json").is_file()
-            else ""
-        )
-        raise ValueError(f"--model-id {str(model_id)!r} has no checkpoint weights ({' or '.join(WEIGHT_FILES)}){hint}")
-
-
 def load_reference(model_id: str | Path):
     """The transformers model of a checkpoint folder: fp32, eval mode, eager attention.
 
     Raises:
-        ValueError: not a checkpoint folder (see :func:`check_checkpoint_folder`).
+        ValueError: not a checkpoint folder (see :func:`~qwen35_onnx.paths.check_checkpoint_folder`).
 
     Eager attention because it is the accurate fp32 reference: on the demo checkpoint its
     last-token logits are within 1.4e-5 of an fp64 run, while the default SDPA kernel on CPU
@@ -138,9 +110,9 @@ def token_parity(
         result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens, sampling=SamplingConfig())
     model = model if model is not None else load_reference(model_id)
     contract = pipeline.contract
-    # the export stops when its capacity is full (prompt_len + new tokens - 1 <= capacity);
-    # transformers has no such limit, so it is asked for no more than fit
-    fits = contract.capacity - prepared.prompt_len + 1
+    # the export stops when its capacity is full; transformers has no such limit, so it is asked
+    # for no more than fit
+    fits = pipeline.token_room(prepared)
     reference = reference_generate(
         model, prepared, contract.grid_thw, min(max_new_tokens, fits), pipeline.stop_token_ids
     )

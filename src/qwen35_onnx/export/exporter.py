@@ -37,6 +37,7 @@ from ..contract import (
     read_manifest,
     write_manifest,
 )
+from ..paths import check_checkpoint_folder
 from .options import ALL_COMPONENTS, ExportError, ExportOptions, component_options
 from .weight_source import CheckpointWeights, WeightsError, peak_rss_bytes
 from .weights import WeightsFileWriter
@@ -406,15 +407,15 @@ def load_config(model_id: str | Path):
     """Config and generation config of a local Hugging Face folder (no weights yet).
 
     Raises:
-        ExportError: the folder is missing, has no readable ``config.json``, or is not Qwen3.5.
+        ExportError: the folder is missing, has no readable ``config.json`` or no weight files, or
+            is not Qwen3.5.
     """
     from transformers import AutoConfig, GenerationConfig
 
-    path = Path(model_id)
-    if not (path / "config.json").is_file():
-        raise ExportError(
-            f"--model-id {str(model_id)!r} is not a local Hugging Face checkpoint folder (no config.json)"
-        )
+    try:
+        path = check_checkpoint_folder(model_id)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:

@@ -27,6 +27,7 @@ from ..contract import (
     check_capacity,
     check_dummy_seq_len,
     default_buckets,
+    is_quant_block_size,
     plain,
 )
 from ..options import declared, option
@@ -133,7 +134,7 @@ class ExportOptions:
         if self.chunk_size < 1 or self.chunk_size & (self.chunk_size - 1):
             raise ExportError(f"chunk size {self.chunk_size} must be a power of two")
         bs = self.quant_block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
+        if not is_quant_block_size(bs):
             raise ExportError(f"--quant-block-size {bs!r} must be a power of two from 16 to 256")
         level = self.quant_accuracy_level
         if isinstance(level, bool) or not isinstance(level, int) or level not in QUANT_ACCURACY_LEVELS:

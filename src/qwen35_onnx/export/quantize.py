@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..contract import DEFAULT_QUANT_ACCURACY_LEVEL, Ops
+from ..contract import DEFAULT_QUANT_ACCURACY_LEVEL, Ops, is_quant_block_size
 from .lazy_weights import SourcedTensor, numpy_tensor
 
 QUANTIZE_BITS = {"int4": 4, "int8": 8}
@@ -66,7 +66,7 @@ def check_scheme(scheme: str, block_size: int, ops: str) -> int:
     """
     if scheme not in QUANTIZE_BITS:
         raise ValueError(f"quantization {scheme!r} must be one of {', '.join(QUANTIZE_BITS)}")
-    if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+    if not is_quant_block_size(block_size):
         raise ValueError(f"quantization block size {block_size} must be a power of two from 16 to 256")
     if ops not in tuple(Ops):
         raise ValueError(f"ops {ops!r} must be 'portable' or 'ort'")

@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from ..contract import TEXT_WEIGHTS
+
 ALIGN = 64 * 1024
 """Alignment (bytes) of tensors of at least this size in the shared file."""
 
@@ -71,7 +73,7 @@ class WeightsFileWriter:
         ValueError: a graph outside the folder.
     """
 
-    def __init__(self, folder: Path, data_name: str = "weights.data", min_bytes: int = 1024):
+    def __init__(self, folder: Path, data_name: str = TEXT_WEIGHTS, min_bytes: int = 1024):
         self.folder, self.data_name, self.min_bytes = Path(folder), data_name, min_bytes
         self.staging = self.folder / (data_name + ".tmp")
         self.out = open(self.staging, "wb")

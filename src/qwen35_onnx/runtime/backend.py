@@ -32,7 +32,15 @@ import numpy as np
 
 from ..contract import ContractError, ShapeContract, plain
 from ..options import option
-from .checks import GraphSpec, check_decode, check_export_files, check_metadata, check_prefill, check_vision
+from .checks import (
+    GraphSpec,
+    check_decode,
+    check_export_files,
+    check_external_data,
+    check_metadata,
+    check_prefill,
+    check_vision,
+)
 
 
 class Runtime(StrEnum):
@@ -184,7 +192,9 @@ class GraphSet(abc.ABC):
     def _load(self, key: str, check) -> GraphSpec:
         if key not in self.contract.graphs:
             raise ContractError(f"manifest.json lists no {key!r} graph (has {sorted(self.contract.graphs)})")
-        graph = self._read(key, self.root / self.contract.graphs[key])
+        path = self.root / self.contract.graphs[key]
+        check_external_data(key, path)
+        graph = self._read(key, path)
         check_metadata(self.contract, graph)
         check(self.contract, graph)
         return self._prepare(graph)

@@ -113,6 +113,7 @@ class ChatServer:
         self.options = options
         self.defaults = defaults
         self.image_policy = options.image_policy
+        self.reserved_kwargs = pipeline.preprocessor.reserved_template_kwargs()
         self.scheduler = Scheduler(pipeline, options.max_queue, on_finished=self._record)
         self.metrics = ServerMetrics(self.scheduler.state)
         self.created = int(time.time())
@@ -192,9 +193,7 @@ class ChatServer:
 
     async def _chat_completions(self, request: Request, arrived: float) -> Response:
         self.authorize(request)
-        req = parse_chat_request(
-            await self.read_json(request), self.defaults, self.pipeline.preprocessor.reserved_template_kwargs()
-        )
+        req = parse_chat_request(await self.read_json(request), self.defaults, self.reserved_kwargs)
         scheduler = self.scheduler
         scheduler.refuse_if_full()  # cheap refusal before the costly preparation
         prepared = await scheduler.prepare(self.prepare, req)

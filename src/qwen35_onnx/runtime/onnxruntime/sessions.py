@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from ...contract import METADATA_KEY, ContractError, Dtype, Ops, Quantization, ShapeContract
+from ...contract import METADATA_KEY, TEXT_WEIGHTS, ContractError, Dtype, GraphKind, Ops, Quantization, ShapeContract
 from ..backend import GraphSet, RuntimeOptions
 from ..checks import GraphSpec
 from ..host_memory import available_memory, release_freed_memory, trim_heap
@@ -205,7 +205,9 @@ class OrtGraphSet(GraphSet):
         if not self.packs_per_session:
             return 0
         files = {
-            (self.root / rel).parent / "weights.data" for key, rel in self.contract.graphs.items() if key != "vision"
+            (self.root / rel).parent / TEXT_WEIGHTS
+            for key, rel in self.contract.graphs.items()
+            if key != GraphKind.VISION
         }
         return int(1.5 * sum(f.stat().st_size for f in files if f.is_file()))
 
@@ -228,7 +230,7 @@ class OrtGraphSet(GraphSet):
             release_freed_memory()
 
     def _read(self, key: str, path: Path) -> GraphSession:
-        arena = key in ("vision", "decode")
+        arena = key in (GraphKind.VISION, GraphKind.DECODE)
         if self.prepacked is not None:
             cache = self.prepacked
             try:
@@ -244,7 +246,7 @@ class OrtGraphSet(GraphSet):
                 graph = self._read(key, path)
                 warn_unavailable(exc)
                 return graph
-        weights = None if key == "vision" else self.weights  # the vision graph has its own weights
+        weights = None if key == GraphKind.VISION else self.weights  # the vision graph has its own weights
         return self._session(key, path, weights=weights, arena=arena)
 
     def _session(self, key: str, path: Path, **extra) -> GraphSession:

@@ -184,7 +184,7 @@ def test_export_refuses_more_image_tokens_than_capacity(checkpoint, tmp_path):
     [
         ("hi", "messages", "must be a list"),
         ([], "messages", "at least one message"),
-        ([{"role": "tool", "content": "x"}], "messages[0].role", "'tool' is not one of"),
+        ([{"role": "robot", "content": "x"}], "messages[0].role", "'robot' is not one of"),
         ([{"role": "user"}], "messages[0].content", "must be a string or a list"),
         ([{"role": "user", "content": 5}], "messages[0].content", "got int"),
         ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type", "'audio' must be"),

@@ -33,6 +33,42 @@ KEY = "sk-test-key"
 MAX_BODY = 1024 * 1024
 MAX_IMAGE = 100_000
 ROOT = Path(__file__).resolve().parents[1]
+# A weather tool whose string arguments are bounded (maxLength, enum), so that constrained calls end even
+# where the model's own choice is no better than chance (the bigram model outside its chain).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather now in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer"},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+# A nested schema (object in object, enum, array, required fields), strict as OpenAI's strict mode wants it.
+PET = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "kind": {"enum": ["cat", "dog", "bird"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "age": {"type": "integer"},
+        "home": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "indoor": {"type": "boolean"}},
+            "required": ["city", "indoor"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "kind", "tags", "age", "home"],
+    "additionalProperties": False,
+}
 
 
 def expected_content(n_tokens: int) -> str:
@@ -461,7 +497,7 @@ BAD_REQUESTS = [
     ({"model": "bigram"}, 400, "messages", "required"),
     ({"messages": "Hi"}, 400, "messages", "list"),
     ({"messages": []}, 400, "messages", "at least one"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role", "not one of"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "not one of"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "string or a list"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "messages[0].content[0].type", "audio"),
     ({"messages": hi(), "model": 3}, 400, "model", "string"),
@@ -484,7 +520,51 @@ BAD_REQUESTS = [
         "must be a content part object",
     ),
     ({"messages": hi(), "n": 2}, 400, "n", "must be 1"),
-    ({"messages": hi(), "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ({"messages": hi(), "tools": [{"type": "function"}]}, 400, "tools[0]", "'type': 'function'"),
+    (
+        {"messages": hi(), "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        400,
+        "tool_choice.function.name",
+        "'nope', which is not in tools ('get_weather')",
+    ),
+    (
+        {
+            "messages": hi(),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}},
+        },
+        400,
+        "response_format.json_schema.schema",
+        "not a valid JSON Schema",
+    ),
+    (
+        {"messages": hi(), "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+        400,
+        "tools[0].function.parameters",
+        "type 'object'",
+    ),
+    (
+        {"messages": hi(), "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "cannot be combined with tool_choice 'required'",
+    ),
+    ({"messages": hi(), "tool_choice": "required"}, 400, "tool_choice", "needs tools"),
+    ({"messages": hi(), "response_format": {"type": "yaml"}}, 400, "response_format", "'yaml'"),
+    ({"messages": hi(), "tools": [WEATHER], "parallel_tool_calls": "yes"}, 400, "parallel_tool_calls", "true or false"),
+    (
+        {
+            "messages": [
+                *hi(),
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}],
+                },
+            ]
+        },
+        400,
+        "messages[1].tool_calls[0].function.arguments",
+        "not valid JSON",
+    ),
     (
         {"messages": hi(), "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
         400,
@@ -845,3 +925,196 @@ def test_failed_generation_ends_the_response_cleanly(bigram_export):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# ---- tool calls and structured output ---------------------------------------------------------------
+def thinking(on: bool) -> dict:
+    return {"chat_template_kwargs": {"enable_thinking": on}}
+
+
+def stream_calls(stream) -> tuple[list[tuple], str | None, str]:
+    """((index, id, name, arguments) per streamed call, finish_reason, content) of a stream."""
+    calls, finish, content = [], None, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            for call in choice.delta.tool_calls or ():
+                calls.append((call.index, call.id, call.function.name, call.function.arguments))
+            finish = choice.finish_reason or finish
+    return calls, finish, "".join(content)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on", [True, False], ids=["thinking", "no-thinking"])
+def test_weather_tool_round_trip(client, on):
+    """A required call, then the tool's result in the history and a final answer; the named choice
+    and streaming give valid calls too (the model is a bigram table: only the grammar makes them)."""
+    import jsonschema
+
+    schema = WEATHER["function"]["parameters"]
+    question = hi("What is the weather in Paris?")
+    ask = dict(model="bigram", tools=[WEATHER], max_tokens=1200, temperature=1.0, extra_body=thinking(on))
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_weather"}}]):
+        reply = client.chat.completions.create(messages=question, tool_choice=choice, seed=seed, **ask)
+        (choice_,) = reply.choices
+        assert choice_.finish_reason == "tool_calls", choice_
+        calls = choice_.message.tool_calls
+        assert calls and all(c.function.name == "get_weather" and c.id.startswith("call_") for c in calls)
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        assert (choice_.message.reasoning_content is not None) == on  # reasoning stays apart
+        streamed, finish, _ = stream_calls(
+            client.chat.completions.create(messages=question, tool_choice=choice, seed=seed, stream=True, **ask)
+        )
+        assert finish == "tool_calls"
+        assert [(i, name, args) for i, _, name, args in streamed] == [
+            (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)
+        ]
+    call = calls[0]
+    history = [
+        *question,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"},
+    ]
+    final = client.chat.completions.create(
+        model="bigram",
+        messages=history,
+        tools=[WEATHER],
+        max_tokens=LEAD_TOKENS + CYCLE_TOKENS,
+        extra_body=thinking(on),
+    )
+    (choice_,) = final.choices
+    assert choice_.finish_reason == "length" and choice_.message.tool_calls is None
+    assert final.usage.prompt_tokens > len(call.function.arguments)  # the call and its result are in the prompt
+    if on:
+        assert choice_.message.reasoning_content == REASONING and choice_.message.content == CYCLE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on", [True, False], ids=["thinking", "no-thinking"])
+def test_json_schema_replies_validate(client, on):
+    """20 sampled replies under a strict nested json_schema each parse and validate; json_object
+    replies that end are JSON objects."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    for seed in range(20):
+        reply = client.chat.completions.create(
+            model="bigram",
+            messages=hi("Describe a pet."),
+            response_format=fmt,
+            max_tokens=1000,
+            temperature=1.0,
+            seed=seed,
+            extra_body=thinking(on),
+        )
+        (choice,) = reply.choices
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PET)
+        assert (choice.message.reasoning_content == REASONING) == on
+    ended = 0
+    for seed in range(5):
+        reply = client.chat.completions.create(
+            model="bigram",
+            messages=hi("Any JSON."),
+            response_format={"type": "json_object"},
+            max_tokens=300,
+            temperature=1.0,
+            seed=seed,
+            extra_body=thinking(on),
+        )
+        (choice,) = reply.choices
+        assert choice.message.content.lstrip().startswith("{")
+        if choice.finish_reason == "stop":
+            ended += 1
+            assert isinstance(json.loads(choice.message.content), dict)
+    assert ended >= 1
+
+
+@pytest.mark.slow
+def test_agent_library_round_trip(server):
+    """langchain-openai, unmodified: bind_tools, the model's call, the tool's answer, a final reply."""
+    from typing import Literal
+
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class WeatherArgs(BaseModel):
+        city: str = Field(max_length=24)
+        unit: Literal["celsius", "fahrenheit"]
+
+    @tool(args_schema=WeatherArgs)
+    def get_weather(city: str, unit: str) -> str:
+        """The weather now in a city."""
+        return f"18 degrees {unit} in {city}"
+
+    def llm(max_tokens: int) -> ChatOpenAI:
+        return ChatOpenAI(
+            model="bigram",
+            base_url=f"{server.url}/v1",
+            api_key=KEY,
+            max_tokens=max_tokens,
+            temperature=1.0,
+            seed=3,
+            extra_body=thinking(False),
+        )
+
+    question = HumanMessage("What is the weather in Paris?")
+    ai = llm(1200).bind_tools([get_weather], tool_choice="get_weather").invoke([question])
+    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
+    assert set(ai.tool_calls[0]["args"]) == {"city", "unit"}
+    result = get_weather.invoke(ai.tool_calls[0]["args"])
+    final = (
+        llm(20)
+        .bind_tools([get_weather])
+        .invoke([question, ai, ToolMessage(result, tool_call_id=ai.tool_calls[0]["id"])])
+    )
+    assert final.tool_calls == [] and final.response_metadata["finish_reason"] == "length"
+
+
+@pytest.mark.slow
+def test_python_api_returns_typed_tool_calls_and_renders_them_back(bigram_export):
+    """Pipeline.chat(tools=..., tool_choice=...) on random weights: a required or named call comes back
+    as ToolCall objects with arguments typed by the schema (finish_reason 'tool_calls', the call text
+    not in content); the call and a tool result go back into the next prompt."""
+    import jsonschema
+
+    from qwen35_onnx.conversation.tool_calls import ToolCall
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    pipe = Pipeline.from_exported(bigram_export)
+
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    schema = WEATHER["function"]["parameters"]
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_weather"}}]):
+        reply = pipe.chat(
+            question,
+            max_new_tokens=1000,
+            chat_template_kwargs={"enable_thinking": False},
+            sampling=SamplingConfig(temperature=1.0, seed=seed),
+            tools=[WEATHER],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+        )
+        assert reply.finish_reason == "tool_calls", reply.generation.text
+        (call,) = reply.tool_calls
+        assert isinstance(call, ToolCall) and call.name == "get_weather"
+        assert call.arguments["unit"] in ("celsius", "fahrenheit")
+        assert isinstance(call.arguments.get("days", 0), int)
+        jsonschema.validate(call.arguments, schema)
+        assert "<tool_call>" not in reply.content and "<tool_call>" in reply.generation.text
+    history = [
+        *question,
+        {"role": "assistant", "content": None, "tool_calls": [call.to_openai()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"},
+    ]
+    prepared = pipe.prepare_chat(history, reply=pipe.reply_format(tools=[WEATHER]))
+    text = pipe.preprocessor.tokenizer.decode(prepared.input_ids[0])
+    assert f"<function=get_weather>\n<parameter=city>\n{call.arguments['city']}\n</parameter>" in text
+    assert "<tool_response>\n18 degrees\n</tool_response>" in text
+    # tool_choice 'none': the tools are not shown and nothing is parsed
+    none = pipe.prepare_chat(question, reply=pipe.reply_format(tools=[WEATHER], tool_choice="none"))
+    assert none.prompt_len == pipe.prepare_chat(question).prompt_len

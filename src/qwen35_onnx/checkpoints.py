@@ -50,7 +50,7 @@ _IMAGE_PROCESSOR = {
 #: Seed of the demo checkpoint's weights (see :func:`build_demo_checkpoint`).
 DEMO_SEED = 23
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the chat templates render tools
 _MARKER = ".qwen35_onnx_demo"
 _REQUIRED_FILES = (  # one weights file: save_pretrained shards above 50 GB only (the 9B preset is 18.8 GB)
     "config.json",
@@ -77,17 +77,88 @@ _PARTS = """\
 """
 
 
+# Tools (written for this project, in the form of the published Qwen3.5 template): when the
+# request has tools, a system turn lists them as JSON and shows the call format, followed by the
+# conversation's own system message; an assistant turn's calls follow its text; consecutive
+# ``tool`` results go back in one user turn, each in a <tool_response> block.
+_TOOLS_PREAMBLE = """\
+{%- if tools -%}
+<|im_start|>system
+# Tools
+
+You may call one or more of these functions (JSON descriptions):
+<tools>
+{% for tool in tools -%}
+{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}
+{% endfor -%}
+</tools>
+
+To call a function, reply with one block per call, as:
+<tool_call>
+<function=NAME>
+<parameter=PARAMETER>
+VALUE
+</parameter>
+</function>
+</tool_call>
+{%- if messages[0]['role'] == 'system' and messages[0]['content'] is string -%}
+{{ '\\n\\n' + messages[0]['content'] }}
+{%- endif -%}
+<|im_end|>
+{% endif -%}
+"""
+
+_TOOL_RESULT = """\
+{%- if loop.first or loop.previtem['role'] != 'tool' -%}
+{{ '<|im_start|>user' }}
+{%- endif -%}
+{{ '\n<tool_response>\n' }}
+{{- message['content'] if message['content'] is string else message['content'] | map(attribute='text') | join('') -}}
+{{ '\n</tool_response>' }}
+{%- if loop.last or loop.nextitem['role'] != 'tool' -%}
+{{ '<|im_end|>\n' }}
+{%- endif -%}
+"""
+
+_CALLS = """\
+{%- if message['tool_calls'] is defined and message['tool_calls'] -%}
+{%- for call in message['tool_calls'] -%}
+{%- if not loop.first -%}
+{{ '\n' }}
+{%- elif message['content'] -%}
+{{ '\n\n' }}
+{%- endif -%}
+{{ '<tool_call>\n<function=' + call['function']['name'] + '>\n' }}
+{%- for key, value in call['function']['arguments'].items() -%}
+{{ '<parameter=' + key + '>\n' }}
+{{- value if value is string else value | tojson -}}
+{{ '\n</parameter>\n' }}
+{%- endfor -%}
+{{ '</function>\n</tool_call>' }}
+{%- endfor -%}
+{%- endif -%}
+"""
+
+
 def _template(string_content: str, assistant_opening: str, end_of_prompt: str) -> str:
     """A Qwen-style chat template: each message between ``<|im_start|>ROLE`` and ``<|im_end|>``, its
-    content written by ``string_content`` when it is a string and by :data:`_PARTS` otherwise; the
-    generation prompt ``<|im_start|>assistant`` then ``assistant_opening``, closed by
-    ``end_of_prompt``."""
+    content written by ``string_content`` when it is a string and by :data:`_PARTS` otherwise, tools
+    and calls as above; the generation prompt ``<|im_start|>assistant`` then ``assistant_opening``,
+    closed by ``end_of_prompt``."""
     return (
-        "{%- for message in messages -%}\n<|im_start|>{{ message['role'] }}\n{% if message['content'] is string -%}\n"
+        _TOOLS_PREAMBLE
+        + "{%- for message in messages -%}\n"
+        + "{%- if tools and loop.first and message['role'] == 'system' and message['content'] is string -%}\n"
+        + "{%- elif message['role'] == 'tool' -%}\n"
+        + _TOOL_RESULT
+        + "{%- else -%}\n"
+        + "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string -%}\n"
         + string_content
         + "{%- else -%}\n"
         + _PARTS
-        + "{%- endif -%}\n<|im_end|>\n{% endfor -%}\n{%- if add_generation_prompt -%}\n<|im_start|>assistant\n"
+        + "{%- endif -%}\n"
+        + _CALLS
+        + "<|im_end|>\n{% endif -%}\n{% endfor -%}\n{%- if add_generation_prompt -%}\n<|im_start|>assistant\n"
         + assistant_opening
         + end_of_prompt
     )

@@ -18,6 +18,12 @@ Example::
         {"type": "image_url", "image_url": {"url": "photo.jpg"}},
         {"type": "text", "text": "Describe this image."}]}], max_new_tokens=64)
     print(reply.reasoning_content, reply.content)
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    reply = pipe.chat([{"role": "user", "content": "Weather in Paris?"}], tools=[weather],
+                      tool_choice="required")
+    print(reply.finish_reason, reply.tool_calls[0].name, reply.tool_calls[0].arguments)
 """
 
 from __future__ import annotations
@@ -37,10 +43,13 @@ import numpy as np
 from PIL import Image
 
 from .contract import ShapeContract, read_manifest
+from .conversation.grammar import GrammarCompiler, TokenConstraint
 from .conversation.images import load_image, to_rgb
 from .conversation.messages import ChatInputError, ImagePolicy, normalize_messages
 from .conversation.processor import Preprocessor
 from .conversation.reasoning import THINK_END, ChatDelta, ReasoningParser, prompt_opens_reasoning
+from .conversation.tool_calls import ToolCall, ToolCallParser
+from .conversation.tools import ReplyFormat, parse_reply_format
 from .runtime.backend import Backend, RuntimeOptions
 from .runtime.generation import Generation, Timings
 from .runtime.masks import CapacityExhausted
@@ -52,6 +61,7 @@ log = logging.getLogger(__name__)
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+FINISH_TOOL_CALLS = "tool_calls"
 
 
 @dataclass
@@ -106,16 +116,25 @@ class GenerationStream:
 @dataclass
 class ChatResult:
     """Outcome of one chat turn: the reply split at the ``<think>`` markers into ``content`` and
-    ``reasoning_content`` (None when the reply had no reasoning block), and the underlying
-    :class:`GenerationResult` (``generation.text`` is the raw reply, markers included)."""
+    ``reasoning_content`` (None when the reply had no reasoning block), the ``tool_calls`` it made
+    (:class:`~qwen35_onnx.conversation.tool_calls.ToolCall`, arguments typed by the tools' schemas;
+    their text is not in ``content``), and the underlying :class:`GenerationResult`
+    (``generation.text`` is the raw reply, markers and calls included)."""
 
     content: str
     reasoning_content: str | None
     generation: GenerationResult
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    ended_after_calls: bool = False  # stopped once the one call allowed (parallel calls off) was read
 
     @property
     def finish_reason(self) -> str | None:
-        return self.generation.finish_reason
+        """'tool_calls' when the reply made calls (and was not cut by the length limit), else the
+        generation's: 'stop', 'length', or None (stopped early)."""
+        reason = self.generation.finish_reason
+        if self.tool_calls and (reason == FINISH_STOP or self.ended_after_calls):
+            return FINISH_TOOL_CALLS
+        return reason
 
     @property
     def prompt_tokens(self) -> int:
@@ -129,20 +148,36 @@ class ChatResult:
 
 class ChatStream:
     """Iterate to receive :class:`~qwen35_onnx.conversation.reasoning.ChatDelta` s (``content`` and
-    ``reasoning_content`` text) as tokens are produced. ``result`` is kept up to date as in
-    :class:`GenerationStream`; :meth:`close` stops the generation and releases its states."""
+    ``reasoning_content`` text, and tool calls each once complete) as tokens are produced.
+    ``result`` is kept up to date as in :class:`GenerationStream`; :meth:`close` stops the
+    generation and releases its states. With a ``calls`` parser limited to one call, the
+    generation stops once that call is read."""
 
-    def __init__(self, stream: GenerationStream, parser: ReasoningParser):
+    def __init__(self, stream: GenerationStream, parser: ReasoningParser, calls: ToolCallParser | None = None):
         self.generation_stream = stream
         self._parser = parser
+        self._calls = calls
+        self._ended_after_calls = False
         self._deltas = self._iterate()
+
+    def _split_calls(self, delta: ChatDelta, end: bool = False) -> ChatDelta:
+        if self._calls is None:
+            return delta
+        content, calls = self._calls.feed(delta.content)
+        if end:
+            tail, more = self._calls.flush()
+            content, calls = content + tail, calls + more
+        return ChatDelta(content, delta.reasoning_content, calls)
 
     def _iterate(self) -> Iterator[ChatDelta]:
         for piece in self.generation_stream:
-            delta = self._parser.feed(piece)
+            delta = self._split_calls(self._parser.feed(piece))
             if delta:
                 yield delta
-        tail = self._parser.flush()
+            if self._calls is not None and self._calls.done and not self._ended_after_calls:
+                self._ended_after_calls = True
+                self.generation_stream.cancel()
+        tail = self._split_calls(self._parser.flush(), end=True)
         if tail:
             yield tail
 
@@ -151,9 +186,13 @@ class ChatStream:
 
     @property
     def result(self) -> ChatResult:
-        parser = self._parser
+        parser, calls = self._parser, self._calls
         reasoning = parser.reasoning_content if (parser.reasoning_content or parser.entered_reasoning) else None
-        return ChatResult(parser.content, reasoning, self.generation_stream.result)
+        if calls is None:
+            return ChatResult(parser.content, reasoning, self.generation_stream.result)
+        return ChatResult(
+            calls.content, reasoning, self.generation_stream.result, list(calls.calls), self._ended_after_calls
+        )
 
     def close(self) -> None:
         """Stop the generation (its states are released); ``result`` keeps what was produced."""
@@ -220,6 +259,7 @@ class Pipeline:
         if not (self.root / "generation_config.json").is_file() and end_of_turn is not None:
             stops += () if end_of_turn in stops else (int(end_of_turn),)
         self.stop_token_ids = stops
+        self.grammars = GrammarCompiler(preprocessor.tokenizer, stops, preprocessor.lock)
 
     @classmethod
     def from_exported(cls, path: str | os.PathLike, options: RuntimeOptions | None = None, **overrides) -> Pipeline:
@@ -285,8 +325,28 @@ class Pipeline:
         content.append({"type": "text", "text": prompt})
         return self.prepare_chat([{"role": "user", "content": content}], chat_template_kwargs)
 
+    def reply_format(
+        self, tools=None, tool_choice=None, parallel_tool_calls: bool | None = None, response_format=None
+    ) -> ReplyFormat:
+        """Check OpenAI's ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``response_format``
+        (see :mod:`qwen35_onnx.conversation.tools`) and compile the grammar that enforces them.
+
+        Raises:
+            ChatInputError: naming the field: a malformed tool, an unknown tool in ``tool_choice``,
+                an invalid JSON schema, parameters that are not an object schema, a required or
+                named call together with a ``response_format`` schema, or a schema the grammar
+                engine cannot enforce.
+        """
+        reply = parse_reply_format(tools, tool_choice, parallel_tool_calls, response_format)
+        self.grammars.check(reply)
+        return reply
+
     def prepare_chat(
-        self, messages: list[dict], chat_template_kwargs: dict | None = None, image_policy: ImagePolicy | None = None
+        self,
+        messages: list[dict],
+        chat_template_kwargs: dict | None = None,
+        image_policy: ImagePolicy | None = None,
+        reply: ReplyFormat | None = None,
     ) -> PreparedPrompt:
         """Render OpenAI-style chat ``messages`` (roles system / user / assistant; content a string
         or text and image parts, see :mod:`qwen35_onnx.conversation.messages`) with the checkpoint's chat
@@ -296,6 +356,7 @@ class Pipeline:
             messages: the conversation, ending with the turn to answer.
             chat_template_kwargs: template variables, e.g. ``{"enable_thinking": False}``.
             image_policy: where images may come from (default: data URLs and any local file).
+            reply: tools to list in the prompt (:meth:`reply_format`; none by default).
 
         Raises:
             ChatInputError: a malformed message or image (``param`` names the field), or more
@@ -321,8 +382,9 @@ class Pipeline:
         pixel_values = None
         if images:
             pixel_values = np.concatenate([self.preprocessor.pixel_values(picture)[0] for picture in images])
+        tools = [tool.template_form() for tool in reply.offered_tools] if reply is not None else None
         ids, text = self.preprocessor.encode_chat(
-            template_messages, c.n_image_tokens if images else 0, chat_template_kwargs
+            template_messages, c.n_image_tokens if images else 0, chat_template_kwargs, tools
         )
         prepared = self.prepare_ids(ids, pixel_values)
         prepared.opens_reasoning = prompt_opens_reasoning(text)
@@ -378,16 +440,24 @@ class Pipeline:
         stop: tuple[str, ...] | list[str] = (),
         chat_template_kwargs: dict | None = None,
         image_policy: ImagePolicy | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        response_format: dict | None = None,
     ) -> ChatStream:
         """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`), answered by
         streaming :class:`ChatDelta` s; ``max_new_tokens`` None: until end of sequence or capacity.
-        All input checks run here, before any graph.
+        ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` as in OpenAI's
+        API (see :meth:`reply_format`): calls come back parsed (``ChatDelta.tool_calls``,
+        ``ChatResult.tool_calls``); a required or named call and a response schema are enforced by
+        constrained decoding. All input checks run here, before any graph.
 
         Raises:
-            ChatInputError / ValueError: see :meth:`prepare_chat` and :meth:`stream`.
+            ChatInputError / ValueError: see :meth:`reply_format`, :meth:`prepare_chat` and :meth:`stream`.
         """
-        prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy)
-        return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop)
+        reply = self.reply_format(tools, tool_choice, parallel_tool_calls, response_format)
+        prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy, reply)
+        return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop, reply)
 
     def stream_chat_prepared(
         self,
@@ -395,15 +465,38 @@ class Pipeline:
         max_new_tokens: int | None = None,
         sampling: SamplingConfig | None = None,
         stop=(),
+        reply: ReplyFormat | None = None,
     ) -> ChatStream:
-        """:meth:`stream_chat` for input from :meth:`prepare_chat`."""
-        stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop)
-        return ChatStream(stream, ReasoningParser(prepared.opens_reasoning, enabled=self.has_think_markers))
+        """:meth:`stream_chat` for input from :meth:`prepare_chat` (``reply``: the same
+        :meth:`reply_format` the prompt was prepared with).
+
+        With a constrained reply and a prompt that opens a reasoning block, the reasoning may use at
+        most half of the new tokens (``</think>`` is forced then), so the answer always has room.
+        """
+        reply = reply or ReplyFormat()
+        constraint = None
+        if reply.constrained:
+            limit = self.token_room(prepared) if max_new_tokens is None else max_new_tokens
+            reasoning = prepared.opens_reasoning and self.has_think_markers
+            think_end = self.think_end_id if reasoning else None
+            budget = max(int(limit) // 2, 1) if isinstance(limit, numbers.Integral) else None
+            constraint = self.grammars.constraint(reply, think_end, budget)
+        stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop, constraint)
+        calls = None
+        if reply.parses_calls:
+            calls = ToolCallParser(reply.offered_tools, None if reply.parallel_tool_calls else 1)
+        return ChatStream(stream, ReasoningParser(prepared.opens_reasoning, enabled=self.has_think_markers), calls)
 
     def token_room(self, prepared: PreparedPrompt) -> int:
         """Most new tokens the capacity leaves for ``prepared``: ``capacity - prompt_len + 1`` (the
         last token needs no KV slot)."""
         return self.contract.capacity - prepared.prompt_len + 1
+
+    @property
+    def think_end_id(self) -> int:
+        """Token id of ``</think>`` (see :attr:`has_think_markers`)."""
+        with self.preprocessor.lock:
+            return int(self.preprocessor.tokenizer.convert_tokens_to_ids(THINK_END))
 
     @property
     def has_think_markers(self) -> bool:
@@ -420,9 +513,11 @@ class Pipeline:
         max_new_tokens: int | None = 128,
         sampling: SamplingConfig | None = None,
         stop=(),
+        constraint: TokenConstraint | None = None,
     ) -> GenerationStream:
         """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`; ``max_new_tokens``
-        None: until end of sequence or capacity."""
+        None: until end of sequence or capacity; ``constraint``: the grammar every token must keep
+        to (see :class:`~qwen35_onnx.conversation.grammar.TokenConstraint`; one per generation)."""
         room = self.token_room(prepared)
         if max_new_tokens is None:
             max_new_tokens = room
@@ -444,7 +539,7 @@ class Pipeline:
             )
         stream = GenerationStream()
         stream.result = GenerationResult("", [], None, prepared.prompt_len)
-        stream._pieces = self._generate(prepared, max_new_tokens, sampler, stops, stream)
+        stream._pieces = self._generate(prepared, max_new_tokens, sampler, stops, stream, constraint)
         return stream
 
     def _generate(
@@ -454,6 +549,7 @@ class Pipeline:
         sampler: Sampler,
         stops: StopStrings,
         stream: GenerationStream,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[str]:
         eos = self.stop_token_ids
         tokens: list[int] = []
@@ -463,10 +559,20 @@ class Pipeline:
         generation = None
         stream.result = GenerationResult("", tokens, None, prepared.prompt_len)
         rest = ""
+
+        def pick(logits) -> int:
+            if constraint is None:
+                return sampler(logits)
+            token = constraint.forced()
+            if token is None:
+                token = sampler(constraint.mask(logits))
+            constraint.accept(token)
+            return token
+
         try:
             generation = self.generation(prepared)
             stream.result.timings = generation.timings
-            token = sampler(generation.prefill())
+            token = pick(generation.prefill())
             while True:
                 tokens.append(token)
                 piece = stops.feed(streamer.put(token))
@@ -487,7 +593,7 @@ class Pipeline:
                 except CapacityExhausted:
                     finish = FINISH_LENGTH
                     break
-                token = sampler(logits)
+                token = pick(logits)
             if not stops.stopped:
                 rest = stops.feed(streamer.end()) + stops.flush()
                 if rest:

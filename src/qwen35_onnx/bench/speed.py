@@ -18,7 +18,9 @@ on the same checkpoint:
   (``WORK_DIR/../.venv-optimum``, created with :data:`~.peers.OPTIMUM_VENV_PINS`), in a subprocess
   that runs :mod:`.ovgenai_peer` and prints JSON;
 - the floor: bytes read per decode token (weights + states) / the machine's read
-  bandwidth, measured in the same run (ONNX Runtime ReduceSum over 1 GiB).
+  bandwidth, measured in the same run (ONNX Runtime ReduceSum over 1 GiB);
+- constrained decoding (:mod:`.constrained`): the grammar's time per token against the decode
+  step, on the first of this project's ONNX Runtime rows measured.
 
 Outputs ``bench.md`` (table, ratios against each peer), ``bench.json`` and ``bench.png`` (:mod:`.report`).
 Times are milliseconds.
@@ -38,6 +40,7 @@ from ..export.options import ExportOptions
 from ..paths import check_folder
 from ..runtime.host_memory import release_freed_memory
 from ..runtime.sampling import SamplingConfig
+from .constrained import constrained_costs, constrained_lines
 from .memory import reset_peak, resident
 from .peers import bench_genai, bench_ovgenai, bench_transformers, build_genai, build_optimum, ensure_optimum_venv
 from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read_bandwidth_gbps
@@ -133,6 +136,23 @@ def bench_export(
         return bench_pipeline(
             name, pipe, prompts, protocol, decode_weight_bytes(export_dir / pipe.contract.graphs["decode"])
         )
+    finally:
+        del pipe
+        release_freed_memory()
+
+
+def _constrained(row: str, export_dir: Path, log) -> list[str]:
+    """The constrained-decoding section, measured on ``export_dir`` (see :mod:`.constrained`); empty
+    with a logged reason when the prompt with tools does not fit the export."""
+    from ..pipeline import Pipeline
+
+    log(f"[bench] constrained decoding on {row}")
+    pipe = Pipeline.from_exported(export_dir)
+    try:
+        return constrained_lines(row, constrained_costs(pipe))
+    except ValueError as exc:
+        log(f"[bench] constrained decoding not measured: {exc}")
+        return []
     finally:
         del pipe
         release_freed_memory()
@@ -234,7 +254,7 @@ def run_bench(
         for n in lengths
     }
     bandwidth = read_bandwidth_gbps()
-    results, skipped = [], []
+    results, skipped, constrained = [], [], []
     optimum = None
     for row in rows:
         release_freed_memory()  # what the previous row freed leaves the process (and the next row's peak)
@@ -244,6 +264,8 @@ def run_bench(
             export_name, runtime, precision = PIPELINE_ROWS[row]
             log(f"[bench] {row} ({export_name} export, {runtime}, precision {precision})")
             results.append(bench_export(row, exports[export_name], prompts, protocol, runtime, precision))
+            if not constrained and runtime == "onnxruntime":
+                constrained = _constrained(row, exports[export_name], log)
         elif row == "transformers eager":
             log("[bench] transformers eager")
             results.append(bench_transformers(checkpoint, prompts, protocol))
@@ -279,7 +301,8 @@ def run_bench(
         if len(results) > done and results[-1].peak_rss_bytes is None:
             results[-1].peak_rss_bytes = resident().get("VmHWM")
     markdown = report(results, bandwidth, work_dir, state_bytes, protocol)
-    extra = target_lines(results) + (["", "Not measured:", ""] + [f"- {s}" for s in skipped] if skipped else [])
+    extra = target_lines(results) + constrained
+    extra += ["", "Not measured:", ""] + [f"- {s}" for s in skipped] if skipped else []
     if extra:
         markdown += "\n".join(extra) + "\n"
         (work_dir / "bench.md").write_text(markdown)

@@ -2,8 +2,11 @@
 
 Accepted messages (the OpenAI Chat Completions format, as vLLM and llama.cpp's server accept it)::
 
-    {"role": "system" | "developer" | "user" | "assistant",
+    {"role": "system" | "developer" | "user" | "assistant" | "tool",
      "content": "text" | [part, ...] | None (assistant only)}
+
+An assistant message may carry ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
+"arguments": JSON object text}}]``) and a ``tool`` message answers one (``tool_call_id``, text content).
 
 with parts ``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url": ...}}``
 (or ``"image_url": "..."``) and, from Python, ``{"type": "image", "image": PIL image or path}``.
@@ -16,7 +19,9 @@ earlier turns' reasoning too).
 
 What the chat template receives: ``{"role", "content"}`` with content a string, or a list of
 ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts (one image placeholder each), the
-form transformers' processors pass to ``apply_chat_template``.
+form transformers' processors pass to ``apply_chat_template``; an assistant's calls as
+``tool_calls: [{"type": "function", "function": {"name", "arguments": dict}}]`` (the form chat
+templates iterate).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -36,7 +42,7 @@ from .images import to_rgb
 
 __all__ = ["ChatInputError", "ImageTooLarge", "ImagePolicy", "ROLES", "normalize_messages", "decode_image_url"]
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
@@ -114,8 +120,13 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
+        calls = _tool_calls(message, where) if role == "assistant" else {}
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise ChatInputError(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
         if isinstance(content, str):
-            rendered.append({"role": _template_role(role), "content": content})
+            rendered.append({"role": _template_role(role), "content": content, **calls})
             continue
         if not isinstance(content, (list, tuple)):
             raise ChatInputError(
@@ -144,8 +155,47 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
                         here,
                     )
                 raise ChatInputError(f"{here}.type {kind!r} must be 'text' or 'image_url'", f"{here}.type")
-        rendered.append({"role": _template_role(role), "content": parts})
+        rendered.append({"role": _template_role(role), "content": parts, **calls})
     return rendered, images
+
+
+def _tool_calls(message: dict, where: str) -> dict:
+    """An assistant message's ``tool_calls`` in the template's form (``{}`` when it has none).
+
+    Raises:
+        ChatInputError: not a list of function calls, a name that is not a string, arguments
+            that are not a JSON object (text or dict).
+    """
+    calls = message.get("tool_calls")
+    if not calls:
+        return {}
+    if not isinstance(calls, (list, tuple)):
+        raise ChatInputError(f"{where}.tool_calls must be a list, got {type(calls).__name__}", f"{where}.tool_calls")
+    out = []
+    for k, call in enumerate(calls):
+        here = f"{where}.tool_calls[{k}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ChatInputError(
+                f"{here} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}", here
+            )
+        arguments = function.get("arguments")
+        if arguments is None or arguments == "":
+            arguments = {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as exc:
+                raise ChatInputError(
+                    f"{here}.function.arguments is not valid JSON: {exc}", f"{here}.function.arguments"
+                ) from None
+        if not isinstance(arguments, dict):
+            raise ChatInputError(
+                f"{here}.function.arguments must be a JSON object, got {type(arguments).__name__}",
+                f"{here}.function.arguments",
+            )
+        out.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return {"tool_calls": out}
 
 
 def _template_role(role: str) -> str:

@@ -181,7 +181,11 @@ class Preprocessor:
         return self.encode_chat([{"role": "user", "content": content}], n_image_tokens)[0]
 
     def encode_chat(
-        self, messages: list[dict], n_image_tokens: int, chat_template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        n_image_tokens: int,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[np.ndarray, str]:
         """Render a conversation with the checkpoint's chat template and tokenize it.
 
@@ -195,6 +199,8 @@ class Preprocessor:
             messages: ``[{"role", "content": str | [{"type": "text", "text"} | {"type": "image"}]}]``.
             n_image_tokens: image tokens per image (>= 0).
             chat_template_kwargs: extra template variables.
+            tools: OpenAI-form tool definitions the template lists (``tools`` of
+                ``apply_chat_template``), None for none.
 
         Returns:
             ``(input_ids, prompt_text)``: int64 ``[1, S]`` and the rendered prompt (before the
@@ -224,7 +230,7 @@ class Preprocessor:
         try:
             with self.lock:
                 text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False, **kwargs
+                    messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
                 )
         except Exception as exc:  # jinja2 errors, raise_exception() in templates
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None

@@ -13,9 +13,9 @@ replies, so the concatenated deltas always equal the whole-reply split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["ChatDelta", "ReasoningParser", "THINK_START", "THINK_END", "prompt_opens_reasoning"]
+__all__ = ["ChatDelta", "ReasoningParser", "THINK_START", "THINK_END", "partial_suffix", "prompt_opens_reasoning"]
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -23,13 +23,15 @@ THINK_END = "</think>"
 
 @dataclass
 class ChatDelta:
-    """One streamed piece of a chat reply: new ``reasoning_content`` and/or new ``content`` text."""
+    """One streamed piece of a chat reply: new ``reasoning_content`` and/or new ``content`` text, and
+    the tool calls completed with it (:class:`~qwen35_onnx.conversation.tool_calls.ToolCall`)."""
 
     content: str = ""
     reasoning_content: str = ""
+    tool_calls: list = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning_content)
+        return bool(self.content or self.reasoning_content or self.tool_calls)
 
 
 def prompt_opens_reasoning(prompt_text: str) -> bool:
@@ -94,7 +96,7 @@ class ReasoningParser:
                     text = text[at + len(THINK_END) :]
                     self.in_reasoning, self._strip_newlines = False, True
                     continue
-                keep = _partial_suffix(text, THINK_END)
+                keep = partial_suffix(text, THINK_END)
                 self._emit(delta, text[: len(text) - keep])
                 self._held = text[len(text) - keep :]
                 break
@@ -122,7 +124,7 @@ class ReasoningParser:
             self.content += text
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):

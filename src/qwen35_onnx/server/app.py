@@ -64,6 +64,7 @@ from .protocol import (
     chunk_choice,
     completion,
     delta_dict,
+    message_dict,
     parse_chat_request,
     sse,
     usage,
@@ -167,7 +168,8 @@ class ChatServer:
 
     def prepare(self, req: ChatRequest) -> PreparedPrompt:  # preparation thread
         try:
-            return self.pipeline.prepare_chat(req.messages, req.chat_template_kwargs, self.image_policy)
+            self.pipeline.grammars.check(req.reply)
+            return self.pipeline.prepare_chat(req.messages, req.chat_template_kwargs, self.image_policy, req.reply)
         except ImageTooLarge as exc:
             raise APIError(
                 413, f"{exc} (--max-image-bytes, --max-image-pixels)", exc.param, "image_too_large"
@@ -206,7 +208,13 @@ class ChatServer:
                 return Response(status_code=499)  # nobody is listening
             try:
                 generation = await scheduler.start(
-                    self.pipeline.stream_chat_prepared, prepared, max_tokens, req.sampling, req.stop, arrived=arrived
+                    self.pipeline.stream_chat_prepared,
+                    prepared,
+                    max_tokens,
+                    req.sampling,
+                    req.stop,
+                    req.reply,
+                    arrived=arrived,
                 )
             except ValueError as exc:
                 raise bad_request(str(exc)) from None
@@ -234,7 +242,7 @@ class ChatServer:
                 include_usage=usage_on,
             )
         )
-        ended = False
+        ended, calls = False, 0
         while not ended:
             try:
                 deltas, ended = await generation.step(0.0)
@@ -247,9 +255,9 @@ class ChatServer:
                 return
             for delta in deltas:
                 if delta:
-                    yield sse(
-                        chunk(completion_id, created, model, chunk_choice(delta_dict(delta)), include_usage=usage_on)
-                    )
+                    body = delta_dict(delta, calls)
+                    calls += len(delta.tool_calls)
+                    yield sse(chunk(completion_id, created, model, chunk_choice(body), include_usage=usage_on))
         result = generation.stream.result
         yield sse(chunk(completion_id, created, model, chunk_choice({}, result.finish_reason), include_usage=usage_on))
         if usage_on:
@@ -278,7 +286,7 @@ class ChatServer:
                     500, f"the generation failed: {exc}", type="server_error", code="generation_failed"
                 ) from None
         result = generation.stream.result
-        message = {"role": "assistant", "content": result.content, "reasoning_content": result.reasoning_content}
+        message = message_dict(result.content, result.reasoning_content, result.tool_calls)
         return JSONResponse(
             completion(
                 completion_id,

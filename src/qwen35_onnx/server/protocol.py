@@ -4,10 +4,11 @@
 
 Request fields: the OpenAI Chat Completions body (``messages``, ``stream``, ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-``stream_options.include_usage``, ``n`` = 1) plus two extensions vLLM also takes: ``top_k`` and
-``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``). Replies carry
-``reasoning_content`` next to ``content`` (vLLM's field). Features this server does not have are
-refused with 400, never ignored.
+``stream_options.include_usage``, ``n`` = 1, ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+``response_format``) plus two extensions vLLM also takes: ``top_k`` and ``chat_template_kwargs``
+(e.g. ``{"enable_thinking": false}``). Replies carry ``reasoning_content`` next to ``content``
+(vLLM's field) and ``tool_calls`` (streamed whole, one delta per call). Features this server does
+not have are refused with 400, never ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from ..conversation.messages import ChatInputError
 from ..conversation.reasoning import ChatDelta
+from ..conversation.tools import ReplyFormat, parse_reply_format
 from ..runtime.sampling import SamplingConfig
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "chunk_choice",
     "completion",
     "delta_dict",
+    "message_dict",
     "parse_chat_request",
     "sse",
     "usage",
@@ -71,6 +75,7 @@ class ChatRequest:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     chat_template_kwargs: dict | None = None
+    reply: ReplyFormat = field(default_factory=ReplyFormat)
 
 
 def _is_int(value) -> bool:
@@ -161,14 +166,19 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
 
     # Features this server does not have: refused rather than silently ignored.
+    try:
+        reply = parse_reply_format(
+            body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), body.get("response_format")
+        )
+    except ChatInputError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
     for name, off in (
-        ("tools", lambda v: not v),
         ("functions", lambda v: not v),
         ("logprobs", lambda v: not v),
         ("logit_bias", lambda v: not v),
         ("presence_penalty", lambda v: v == 0),
         ("frequency_penalty", lambda v: v == 0),
-        ("response_format", lambda v: isinstance(v, dict) and v.get("type") == "text"),
     ):
         value = body.get(name)
         if value is not None and not off(value):
@@ -182,6 +192,7 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
         sampling=sampling,
         stop=stop,
         chat_template_kwargs=kwargs or None,
+        reply=reply,
     )
 
 
@@ -195,14 +206,28 @@ SSE_DONE = "data: [DONE]\n\n"
 """The event that ends a stream."""
 
 
-def delta_dict(delta: ChatDelta) -> dict:
-    """A chunk's ``delta`` for a :class:`~qwen35_onnx.conversation.reasoning.ChatDelta`."""
+def delta_dict(delta: ChatDelta, first_call_index: int = 0) -> dict:
+    """A chunk's ``delta`` for a :class:`~qwen35_onnx.conversation.reasoning.ChatDelta`; its tool
+    calls are numbered from ``first_call_index`` (the calls of the reply's earlier deltas)."""
     out = {}
     if delta.reasoning_content:
         out["reasoning_content"] = delta.reasoning_content
     if delta.content:
         out["content"] = delta.content
+    if delta.tool_calls:
+        out["tool_calls"] = [
+            {"index": first_call_index + i, **call.to_openai()} for i, call in enumerate(delta.tool_calls)
+        ]
     return out
+
+
+def message_dict(content: str, reasoning_content: str | None, tool_calls: list) -> dict:
+    """A whole reply's ``message``: with calls, blank ``content`` is null (as OpenAI sends it)."""
+    message = {"role": "assistant", "content": content, "reasoning_content": reasoning_content}
+    if tool_calls:
+        message["content"] = content if content.strip() else None
+        message["tool_calls"] = [call.to_openai() for call in tool_calls]
+    return message
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -671,3 +671,32 @@ def test_reply_grammar_shape():
     assert "<function=ping>" in required and "<function=get_weather>" in required
     assert 'call ("\\n" call)*' in required
     assert 'call ("\\n" call)*' not in reply_grammar(parse_reply_format([PING, WEATHER], "required", False))
+
+
+def test_hostile_inputs_are_refused_or_kept_as_text():
+    """A schema nested past the checker's recursion, a name ending in a newline, non-string property
+    keys and call arguments are ChatInputErrors; NaN in a number argument stays text (strict JSON
+    clients refuse NaN); a call with an empty function name is no call."""
+    deep = {"type": "string"}
+    for _ in range(150):
+        deep = {"type": "object", "properties": {"a": deep}}
+    cases = [
+        (dict(response_format={"type": "json_schema", "json_schema": {"schema": deep}}), "too deeply"),
+        (dict(tools=[{"type": "function", "function": {"name": "get_weather\n"}}]), "64 letters"),
+        (
+            dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": {1: {}}}}}]),
+            "parameter name 1",
+        ),
+    ]
+    for kwargs, fragment in cases:
+        with pytest.raises(ChatInputError, match=fragment):
+            parse_reply_format(**kwargs)
+    with pytest.raises(ChatInputError, match="string keys"):
+        normalize_messages(
+            [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {1: "x"}}}]}]
+        )
+    number = parse_reply_format(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"type": "number"}}}}}]
+    ).tools
+    assert parse_call("<function=f>\n<parameter=n>\nNaN\n</parameter>\n</function>", number).arguments == {"n": "NaN"}
+    assert parse_call("<function= >\n</function>", number) is None

@@ -189,9 +189,9 @@ def _tool_calls(message: dict, where: str) -> dict:
                 raise ChatInputError(
                     f"{here}.function.arguments is not valid JSON: {exc}", f"{here}.function.arguments"
                 ) from None
-        if not isinstance(arguments, dict):
+        if not isinstance(arguments, dict) or not all(isinstance(key, str) for key in arguments):
             raise ChatInputError(
-                f"{here}.function.arguments must be a JSON object, got {type(arguments).__name__}",
+                f"{here}.function.arguments must be a JSON object (string keys), got {type(arguments).__name__}",
                 f"{here}.function.arguments",
             )
         out.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})

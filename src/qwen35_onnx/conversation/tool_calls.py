@@ -66,9 +66,13 @@ def _typed(text: str, types: set[str]):
     if "boolean" in types and stripped.lower() in ("true", "false"):
         return stripped.lower() == "true"
     try:
-        return json.loads(stripped)
+        return json.loads(stripped, parse_constant=_no_constant)
     except ValueError:
         return text
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # NaN / Infinity: kept as text (strict clients refuse them)
 
 
 def parse_call(block: str, tools: tuple[ToolSpec, ...]) -> ToolCall | None:
@@ -78,6 +82,8 @@ def parse_call(block: str, tools: tuple[ToolSpec, ...]) -> ToolCall | None:
     if match is None:
         return None
     name = match.group(1).strip()
+    if not name:
+        return None
     body = block[match.end() :]
     end = body.find(FUNCTION_END)
     if end >= 0:

@@ -137,6 +137,8 @@ def check_schema(schema, param: str) -> None:
         raise ChatInputError(f"{param} must be a JSON Schema object, got {type(schema).__name__}", param)
     try:
         Draft202012Validator.check_schema(schema)
+    except RecursionError:
+        raise ChatInputError(f"{param} is nested too deeply to check", param) from None
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         raise ChatInputError(
@@ -165,7 +167,7 @@ def parse_tools(tools) -> tuple[ToolSpec, ...]:
             raise ChatInputError(f"{where} must be {{'type': 'function', 'function': {{'name': ...}}}}", where)
         function = tool["function"]
         name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ChatInputError(
                 f"{where}.function.name must be 1 to 64 letters, digits, '_', '-', '.' or ':', got {name!r:.80}",
                 f"{where}.function.name",
@@ -190,7 +192,7 @@ def parse_tools(tools) -> tuple[ToolSpec, ...]:
         if not isinstance(properties, dict):
             raise ChatInputError(f"{param}.properties must be an object", f"{param}.properties")
         for key in properties:
-            if not _NAME.match(key):
+            if not isinstance(key, str) or not _NAME.fullmatch(key):
                 raise ChatInputError(
                     f"{param}.properties: parameter name {key!r:.80} must be 1 to 64 letters, digits, '_', '-', "
                     "'.' or ':' (it is written inside <parameter=NAME>)",
@@ -258,9 +260,10 @@ def parse_response_format(value) -> dict | None:
                 "response_format.json_schema",
             )
         name = spec.get("name")
-        if name is not None and (not isinstance(name, str) or not _NAME.match(name)):
+        if name is not None and (not isinstance(name, str) or not _NAME.fullmatch(name)):
             raise ChatInputError(
-                f"response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-', got {name!r:.80}",
+                "response_format.json_schema.name must be 1 to 64 letters, digits, '_', '-', '.' or ':', got "
+                f"{name!r:.80}",
                 "response_format.json_schema.name",
             )
         strict = spec.get("strict")

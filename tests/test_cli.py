@@ -137,13 +137,13 @@ def test_generate_and_chat_sample_as_the_checkpoint_says_and_switch_thinking(fix
     seen = []
     prepare_chat, stream_prepared = Pipeline.prepare_chat, Pipeline.stream_prepared
 
-    def record_template(self, messages, chat_template_kwargs=None, image_policy=None):
+    def record_template(self, messages, chat_template_kwargs=None, image_policy=None, reply=None):
         seen.append(chat_template_kwargs)
-        return prepare_chat(self, messages, chat_template_kwargs, image_policy)
+        return prepare_chat(self, messages, chat_template_kwargs, image_policy, reply)
 
-    def record_sampling(self, prepared, max_new_tokens=128, sampling=None, stop=()):
+    def record_sampling(self, prepared, max_new_tokens=128, sampling=None, stop=(), constraint=None):
         seen.append(sampling)
-        return stream_prepared(self, prepared, max_new_tokens, sampling, stop)
+        return stream_prepared(self, prepared, max_new_tokens, sampling, stop, constraint)
 
     monkeypatch.setattr(Pipeline, "prepare_chat", record_template)
     monkeypatch.setattr(Pipeline, "stream_prepared", record_sampling)

@@ -3,7 +3,9 @@ change of arithmetic (quantization, fp16, bf16) moves the output."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,9 +15,11 @@ from qwen35_onnx.checkpoints import tokenizer_corpus
 TRAINING_THREADS = 2
 
 
-def train_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, steps: int = 200, seed: int = 0) -> Path:
+def train_checkpoint(
+    src: str | os.PathLike, dst: str | os.PathLike, *, steps: int = 200, seed: int = 0, texts: list[str] | None = None
+) -> Path:
     """Copy the checkpoint at ``src`` to ``dst`` after ``steps`` steps of language-model training
-    on the tokenizer corpus (next-token cross-entropy over 8 windows of 128 tokens per step,
+    on ``texts`` (default: the tokenizer corpus; next-token cross-entropy over 8 windows of 128 tokens per step,
     AdamW, learning rate 3e-3; vision tower untouched). About 0.2 s per step on 2 CPU cores.
 
     What it is for: weight-only quantization error depends on whether the network amplifies
@@ -43,7 +47,8 @@ def train_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, steps: i
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.training-", dir=dst.parent))
     try:
         shutil.copytree(src, staging, dirs_exist_ok=True)
-        ids = AutoTokenizer.from_pretrained(src)("\n".join(tokenizer_corpus()), return_tensors="pt").input_ids[0]
+        corpus = "\n".join(tokenizer_corpus() if texts is None else texts)
+        ids = AutoTokenizer.from_pretrained(src)(corpus, return_tensors="pt").input_ids[0]
         model = Qwen3_5ForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
         threads = torch.get_num_threads()
         # the weights depend on the thread count (the order of float sums): always 2, the 2-core
@@ -69,3 +74,40 @@ def train_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, steps: i
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dst
+
+
+def json_chats(n: int = 3000, seed: int = 7) -> list[str]:
+    """``n`` chat turns (Qwen3.5 template text) whose replies are small compact JSON objects (1-4
+    keys; values short strings, integers, booleans, string arrays, nested objects up to depth 2),
+    half with an empty reasoning block and half with a few words of reasoning: training text for a
+    test checkpoint that writes JSON replies, as a chat model asked for JSON does."""
+    rng = random.Random(seed)
+    words = "the a photo image person cat dog sky blue red green small large city river car house tree book".split()
+
+    def text(most: int = 3) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(1, most)))
+
+    def value(depth: int):
+        r = rng.random()
+        if r < 0.4:
+            return text()
+        if r < 0.6:
+            return rng.randrange(1000)
+        if r < 0.7:
+            return rng.random() < 0.5
+        if r < 0.85:
+            return [text(2) for _ in range(rng.randint(0, 3))]
+        return obj(depth + 1) if depth < 2 else text()
+
+    def obj(depth: int = 0) -> dict:
+        return {rng.choice(words): value(depth) for _ in range(rng.randint(1, 4))}
+
+    chats = []
+    for _ in range(n):
+        reasoning = "\n\n" if rng.random() < 0.5 else f"\n{text(8)}\n"
+        reply = json.dumps(obj(), separators=(",", ":"))
+        chats.append(
+            f"<|im_start|>user\n{text(6).capitalize()}?<|im_end|>\n<|im_start|>assistant\n"
+            f"<think>{reasoning}</think>\n\n{reply}<|im_end|>\n"
+        )
+    return chats

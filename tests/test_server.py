@@ -993,8 +993,8 @@ def test_weather_tool_round_trip(client, on):
 @pytest.mark.slow
 @pytest.mark.parametrize("on", [True, False], ids=["thinking", "no-thinking"])
 def test_json_schema_replies_validate(client, on):
-    """20 sampled replies under a strict nested json_schema each parse and validate; json_object
-    replies that end are JSON objects."""
+    """20 sampled replies under a strict nested json_schema each parse and validate, although only the
+    grammar makes them JSON (json_object on a model that ends its replies: tests/test_structured_output.py)."""
     import jsonschema
 
     fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
@@ -1012,23 +1012,6 @@ def test_json_schema_replies_validate(client, on):
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), PET)
         assert (choice.message.reasoning_content == REASONING) == on
-    ended = 0
-    for seed in range(5):
-        reply = client.chat.completions.create(
-            model="bigram",
-            messages=hi("Any JSON."),
-            response_format={"type": "json_object"},
-            max_tokens=300,
-            temperature=1.0,
-            seed=seed,
-            extra_body=thinking(on),
-        )
-        (choice,) = reply.choices
-        assert choice.message.content.lstrip().startswith("{")
-        if choice.finish_reason == "stop":
-            ended += 1
-            assert isinstance(json.loads(choice.message.content), dict)
-    assert ended >= 1
 
 
 @pytest.mark.slow

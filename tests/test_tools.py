@@ -700,3 +700,34 @@ def test_hostile_inputs_are_refused_or_kept_as_text():
     ).tools
     assert parse_call("<function=f>\n<parameter=n>\nNaN\n</parameter>\n</function>", number).arguments == {"n": "NaN"}
     assert parse_call("<function= >\n</function>", number) is None
+
+
+def test_pydantic_style_parameters_are_typed_and_enforced(compiler):
+    """Parameters written as ``anyOf`` (Optional) and ``$ref`` into the tool's ``$defs``, as Pydantic
+    writes them, are typed by what they point to, and their grammar compiles with the definitions;
+    a tool's uncompilable schema is blamed on ``tools`` even when a response_format is present."""
+    params = {
+        "type": "object",
+        "$defs": {"Pt": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+        "properties": {
+            "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "p": {"$ref": "#/$defs/Pt"},
+            "ps": {"type": "array", "items": {"$ref": "#/$defs/Pt"}},
+        },
+        "required": ["p", "ps"],
+    }
+    reply = parse_reply_format([{"type": "function", "function": {"name": "f", "parameters": params}}], "required")
+    assert reply.tools[0].parameter_types() == {"n": {"integer", "null"}, "p": {"object"}, "ps": {"array"}}
+    compiler.check(reply)
+    block = '<function=f>\n<parameter=n>\n3\n</parameter>\n<parameter=p>\n{"x": 1}\n</parameter>\n</function>'
+    assert parse_call(block, reply.tools).arguments == {"n": 3, "p": {"x": 1}}
+    bad = {"type": "object", "properties": {"s": {"type": "object", "properties": {"t": {"pattern": "(?<=a)b"}}}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": bad}}
+    with pytest.raises(ChatInputError) as info:
+        compiler.check(parse_reply_format([tool], None, None, {"type": "json_object"}))
+    assert info.value.param == "tools"
+
+
+def test_a_call_block_without_a_function_stays_content():
+    parser = ToolCallParser(())
+    assert parser.feed("a<tool_call>\nhello\n</tool_call>b") == ("a<tool_call>\nhello\n</tool_call>b", [])

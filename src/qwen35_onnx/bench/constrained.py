@@ -64,8 +64,9 @@ class ConstrainedCost:
 class _TimedConstraint(TokenConstraint):
     """A :class:`TokenConstraint` that adds the seconds of :meth:`mask` and :meth:`accept` up."""
 
-    seconds = 0.0
-    calls = 0
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds, self.calls = 0.0, 0
 
     def mask(self, logits):
         start = time.perf_counter()

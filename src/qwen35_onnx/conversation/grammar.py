@@ -52,10 +52,11 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _value_rule(schema, rule: str) -> list[str]:
+def _value_rule(schema, rule: str, definitions: dict) -> list[str]:
     """Lark lines defining ``rule`` as one parameter value followed by ``\\n</parameter>`` (see the
-    module docstring)."""
-    types = schema_types(schema)
+    module docstring); ``definitions``: the tool's ``$defs`` / ``definitions``, which a JSON value's
+    schema may point to."""
+    types = schema_types(schema, definitions)
     schema = schema if isinstance(schema, dict) else {}
     if not types or "string" in types:
         values = schema.get("enum")
@@ -66,7 +67,7 @@ def _value_rule(schema, rule: str) -> list[str]:
         if isinstance(high, int) and high <= MAX_BOUNDED_LENGTH or isinstance(low, int) and low > 0:
             bounds = f"{{{int(low or 0)},{int(high) if isinstance(high, int) else ''}}}?"
         return [f"{rule}[lazy]: /(?s:.{bounds})\\n<\\/parameter>/"]
-    return [f'{rule}: {_json_rule(schema)} "\\n</parameter>"']
+    return [f'{rule}: {_json_rule({**definitions, **schema})} "\\n</parameter>"']
 
 
 def _calls_rules(tools: tuple[ToolSpec, ...], parallel: bool) -> list[str]:
@@ -79,9 +80,9 @@ def _calls_rules(tools: tuple[ToolSpec, ...], parallel: bool) -> list[str]:
         for j, (name, schema) in enumerate(properties.items()):
             rule = f"p_{i}_{j}"
             lines.append(f'{rule}: "<parameter={name}>\\n" v_{i}_{j} "\\n"')
-            lines += _value_rule(schema, f"v_{i}_{j}")
+            lines += _value_rule(schema, f"v_{i}_{j}", tool.definitions)
             parts.append(rule if name in required else f"{rule}?")
-        lines.append(f'fn_{i}: "<function={tool.name}>\\n" {" ".join(parts)} "</function>\\n"'.replace("  ", " "))
+        lines.append(" ".join([f'fn_{i}: "<function={tool.name}>\\n"', *parts, '"</function>\\n"']))
     return lines
 
 
@@ -204,22 +205,31 @@ class GrammarCompiler:
                 self._llg_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, eos_token=self._stops)
         return self._llg_tokenizer
 
-    def check(self, reply: ReplyFormat) -> str | None:
-        """Compile ``reply``'s grammar once to check it; returns it (None: free text).
+    def check(self, reply: ReplyFormat) -> None:
+        """Compile ``reply``'s grammar to check it, before any graph runs (free text: nothing to do).
 
         Raises:
             ChatInputError: llguidance cannot compile it (e.g. a schema feature it lacks), named.
         """
         grammar = reply_grammar(reply)
-        if grammar is None:
-            return None
+        if grammar is not None:
+            import llguidance
+
+            self._refuse(reply, llguidance.LLMatcher.validate_grammar(grammar, self.llg_tokenizer))
+
+    def _refuse(self, reply: ReplyFormat, error: str) -> None:
+        """Raise the :class:`ChatInputError` for llguidance's ``error`` (none when empty), naming
+        ``response_format`` when its schema alone fails to compile, else ``tools``."""
+        if not error:
+            return
         import llguidance
 
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.llg_tokenizer)
-        if error:
-            param = "response_format" if reply.json_schema is not None else "tools"
-            raise ChatInputError(f"{param} cannot be enforced: {error.strip()[:400]}", param)
-        return grammar
+        param = "tools"
+        if reply.json_schema is not None:
+            alone = reply_grammar(ReplyFormat(json_schema=reply.json_schema))
+            if llguidance.LLMatcher.validate_grammar(alone, self.llg_tokenizer):
+                param = "response_format"
+        raise ChatInputError(f"{param} cannot be enforced: {error.strip()[:400]}", param)
 
     def constraint(
         self, reply: ReplyFormat, think_end: int | None = None, reasoning_budget: int | None = None
@@ -229,12 +239,11 @@ class GrammarCompiler:
         Raises:
             ChatInputError: see :meth:`check`.
         """
-        grammar = self.check(reply)
+        grammar = reply_grammar(reply)
         if grammar is None:
             return None
         import llguidance
 
         matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ChatInputError(f"the reply's grammar cannot be built: {matcher.get_error()}", "response_format")
+        self._refuse(reply, matcher.get_error() if matcher.is_error() else "")
         return TokenConstraint(matcher, self.llg_tokenizer.vocab_size, think_end, reasoning_budget, self._stops)

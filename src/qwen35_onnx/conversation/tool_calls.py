@@ -142,6 +142,8 @@ class ToolCallParser:
             if call is not None:
                 calls.append(call)
                 self.calls.append(call)
+            else:  # no function named: the block stays text, as written
+                out += CALL_START + text[: end + len(CALL_END)]
             text, self._in_call = text[end + len(CALL_END) :], False
         self.content += out
         return out, calls

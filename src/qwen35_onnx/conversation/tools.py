@@ -41,14 +41,20 @@ class ToolSpec:
 
     def template_form(self) -> dict:
         """The tool as chat templates receive it (OpenAI's ``{"type": "function", "function": {...}}``)."""
-        function = {"name": self.name, "parameters": self.parameters}
-        if self.description is not None:
-            function = {"name": self.name, "description": self.description, "parameters": self.parameters}
-        return {"type": "function", "function": function}
+        described = {} if self.description is None else {"description": self.description}
+        return {"type": "function", "function": {"name": self.name, **described, "parameters": self.parameters}}
+
+    @property
+    def definitions(self) -> dict:
+        """The schemas the parameters may point to (``$defs`` and ``definitions``, as Pydantic writes them)."""
+        return {
+            key: self.parameters[key] for key in ("$defs", "definitions") if isinstance(self.parameters.get(key), dict)
+        }
 
     def parameter_types(self) -> dict[str, set[str]]:
         """JSON types each parameter may take, by name (empty set: the schema does not say)."""
-        return {name: schema_types(schema) for name, schema in (self.parameters.get("properties") or {}).items()}
+        properties = self.parameters.get("properties") or {}
+        return {name: schema_types(schema, self.definitions) for name, schema in properties.items()}
 
 
 @dataclass(frozen=True)
@@ -99,11 +105,19 @@ class ReplyFormat:
         return self.offered_tools
 
 
-def schema_types(schema) -> set[str]:
-    """The JSON types a schema allows at its top (``type``, a list of them, or what its ``enum`` /
-    ``const`` values are); empty when it does not say."""
-    if not isinstance(schema, dict):
+def schema_types(schema, definitions: dict | None = None, depth: int = 0) -> set[str]:
+    """The JSON types a schema allows at its top (``type``, a list of them, what its ``enum`` /
+    ``const`` values are, the union over ``anyOf`` / ``oneOf``, a local ``$ref`` into
+    ``definitions`` followed); empty when it does not say."""
+    if not isinstance(schema, dict) or depth > 16:
         return set()
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        section, _, name = ref[2:].partition("/")
+        return schema_types((definitions or {}).get(section, {}).get(name), definitions, depth + 1)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            return set().union(*(schema_types(s, definitions, depth + 1) for s in schema[key]))
     kind = schema.get("type")
     if isinstance(kind, str):
         return {kind}

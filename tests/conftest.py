@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 CAPACITY = 128
+IMAGE_TOKENS = 64
+"""Image-token budget of the test exports: the demo processor's minimum (65536 pixels), so that an
+image prompt fits CAPACITY (the shipped 256 x 256 photo is exactly 16 x 16 patches, 64 tokens)."""
 MAX_NEW_TOKENS = 40
 PROMPT = "Describe this image."
 
@@ -124,11 +127,12 @@ def photo() -> Path:
 
 
 def export_to(checkpoint: Path, out: Path, **options) -> Path:
-    """Export with capacity CAPACITY (unless ``options`` say otherwise) and ``options``; returns ``out``."""
+    """Export with capacity CAPACITY and IMAGE_TOKENS image tokens per image (unless ``options`` say
+    otherwise) and ``options``; returns ``out``."""
     from qwen35_onnx.export.exporter import export
     from qwen35_onnx.export.options import ExportOptions
 
-    export(checkpoint, out, ExportOptions(**{"capacity": CAPACITY, **options}))
+    export(checkpoint, out, ExportOptions(**{"capacity": CAPACITY, "image_tokens": IMAGE_TOKENS, **options}))
     return out
 
 

@@ -37,20 +37,21 @@ __all__ = [
 
 #: Image processor settings (``preprocessor_config.json``) of the demo checkpoint:
 #: the published Qwen3.5 patching (16 px patches, temporal 2, 2x2 merge, mean and
-#: std 0.5), with a pixel budget of 128x128 .. 256x256 so images stay small.
+#: std 0.5) and pixel range (``shortest_edge`` 65536 = 64 image tokens at least,
+#: ``longest_edge`` 16777216); an export caps the maximum at its image-token budget.
 _IMAGE_PROCESSOR = {
     "patch_size": 16,
     "temporal_patch_size": 2,
     "merge_size": 2,
     "image_mean": [0.5, 0.5, 0.5],
     "image_std": [0.5, 0.5, 0.5],
-    "size": {"shortest_edge": 128 * 128, "longest_edge": 256 * 256},
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
 }
 
 #: Seed of the demo checkpoint's weights (see :func:`build_demo_checkpoint`).
 DEMO_SEED = 23
 
-_FORMAT_VERSION = 2  # 2: the chat templates render tools
+_FORMAT_VERSION = 3  # 2: the chat templates render tools; 3: the published processor pixel range
 _MARKER = ".qwen35_onnx_demo"
 _REQUIRED_FILES = (  # one weights file: save_pretrained shards above 50 GB only (the 9B preset is 18.8 GB)
     "config.json",

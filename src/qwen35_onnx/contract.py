@@ -16,8 +16,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
-"""Version of the manifest layout; bumped when a field changes meaning."""
+FORMAT_VERSION = 2
+"""Version of the manifest layout; bumped when a field changes meaning (2: image-token budget and
+vision grids instead of one image size)."""
 
 METADATA_KEY = "qwen35_onnx.contract"
 """Key of the contract JSON in each graph's ``metadata_props``."""
@@ -29,6 +30,19 @@ class GraphKind(StrEnum):
     """The three kinds of graph of an export."""
 
     VISION, PREFILL, DECODE = "vision", "prefill", "decode"
+
+    @classmethod
+    def of(cls, key: str) -> GraphKind:
+        """The kind of the graph listed under ``key`` in a manifest (``vision_16x16``: vision,
+        ``prefill_512``: prefill).
+
+        Raises:
+            ContractError: a key of no known kind.
+        """
+        for kind in cls:
+            if key == kind or key.startswith(f"{kind}_"):
+                return kind
+        raise ContractError(f"graph key {key!r} is of no known kind ({', '.join(cls)})")
 
 
 TEXT_WEIGHTS = "weights.data"
@@ -134,22 +148,68 @@ def check_dummy_seq_len(dummy_seq_len: int, capacity: int) -> None:
         )
 
 
-def check_image_size(image_size: int, patch_size: int, merge_size: int) -> None:
-    """Check ``--vision-image-size`` (pixels) against the vision tower's patch x merge factor.
+def check_image_budget(image_tokens: int, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int) -> None:
+    """Check ``--image-tokens`` (the image-token budget of one image) against the checkpoint's image
+    processor: its pixels (``image_tokens * (patch_size * merge_size)**2``) must lie in
+    ``[min_pixels, max_pixels]``.
 
     Raises:
-        ValueError: the size is not a positive multiple of ``patch_size * merge_size``.
+        ValueError: not an integer >= 1, or its pixels outside the processor's range (naming both).
     """
+    if isinstance(image_tokens, bool) or not isinstance(image_tokens, int) or image_tokens < 1:
+        raise ValueError(f"--image-tokens must be an integer >= 1, got {image_tokens!r}")
     factor = patch_size * merge_size
-    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < factor or image_size % factor:
+    pixels = image_tokens * factor**2
+    if pixels < min_pixels:
         raise ValueError(
-            f"--vision-image-size {image_size!r} must be a positive multiple of patch_size x spatial_merge_size "
-            f"= {patch_size} x {merge_size} = {factor}"
+            f"--image-tokens {image_tokens} gives {pixels} pixels ({factor}x{factor} per token), below the image "
+            f"processor's min_pixels {min_pixels}: use at least {-(-min_pixels // factor**2)} tokens"
+        )
+    if pixels > max_pixels:
+        raise ValueError(
+            f"--image-tokens {image_tokens} gives {pixels} pixels ({factor}x{factor} per token), above the image "
+            f"processor's max_pixels {max_pixels}: use at most {max_pixels // factor**2} tokens"
         )
 
 
+def check_vision_grids(
+    grids, image_tokens: int, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int
+) -> None:
+    """Check static vision grids ``(h, w)`` (patches down, across): positive multiples of the merge
+    size, no repeats, and pixels (``h * w * patch_size**2``) within ``[min_pixels, min(max_pixels,
+    the budget's pixels)]``.
+
+    Raises:
+        ValueError: naming the grid and the limit it broke.
+    """
+    seen = set()
+    budget = min(max_pixels, image_tokens * (patch_size * merge_size) ** 2)
+    for grid in grids:
+        ok = isinstance(grid, (tuple, list)) and len(grid) == 2
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in grid)
+        if not ok:
+            raise ValueError(f"vision grid {grid!r} must be two positive integers (patches down, across)")
+        h, w = grid
+        if h % merge_size or w % merge_size:
+            raise ValueError(f"vision grid {h}x{w}: both sides must be multiples of the spatial merge size {merge_size}")
+        pixels = h * w * patch_size**2
+        if pixels < min_pixels:
+            raise ValueError(
+                f"vision grid {h}x{w} is {pixels} pixels, below the image processor's min_pixels {min_pixels}"
+            )
+        if pixels > budget:
+            raise ValueError(
+                f"vision grid {h}x{w} is {h * w // merge_size**2} image tokens ({pixels} pixels), above the budget of "
+                f"{image_tokens} tokens ({budget} pixels with max_pixels {max_pixels})"
+            )
+        if (h, w) in seen:
+            raise ValueError(f"vision grid {h}x{w} is listed twice")
+        seen.add((h, w))
+
+
 def check_max_images(max_images: int, n_image_tokens: int, capacity: int) -> None:
-    """Check ``--max-images`` (images per prompt) against the capacity (tokens).
+    """Check ``--max-images`` (images per prompt) with ``n_image_tokens`` (the budget) each against
+    the capacity (tokens).
 
     Raises:
         ValueError: ``max_images`` is not an integer >= 1, or its image tokens alone
@@ -159,8 +219,8 @@ def check_max_images(max_images: int, n_image_tokens: int, capacity: int) -> Non
         raise ValueError(f"--max-images must be an integer >= 1, got {max_images!r}")
     if max_images * n_image_tokens > capacity:
         raise ValueError(
-            f"--max-images {max_images} needs {max_images} x {n_image_tokens} = {max_images * n_image_tokens} "
-            f"image tokens, more than the capacity {capacity} (--max-seq-len)"
+            f"--max-images {max_images} with --image-tokens {n_image_tokens} needs {max_images} x {n_image_tokens} = "
+            f"{max_images * n_image_tokens} image tokens, more than the capacity {capacity} (--max-seq-len)"
         )
 
 
@@ -228,12 +288,15 @@ class ShapeContract:
     dtype: Dtype
     batch: int
     # vision
-    image_size: int
+    image_tokens: int
     patch_size: int
     temporal_patch_size: int
     spatial_merge_size: int
     in_channels: int
     image_embed_dim: int
+    min_pixels: int
+    max_pixels: int
+    pos_embed_side: int
     # text
     hidden_size: int
     vocab_size: int
@@ -261,22 +324,11 @@ class ShapeContract:
     max_images: int = 1
     quant_accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL
     quantize_embedding: bool = False
+    vision_grids: tuple[tuple[int, int], ...] = ()
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
     # ---- derived quantities -------------------------------------------------------
-    @property
-    def grid_thw(self) -> tuple[int, int, int]:
-        """Patch grid (temporal, height, width) of the exported image size."""
-        side = self.image_size // self.patch_size
-        return (1, side, side)
-
-    @property
-    def n_patches(self) -> int:
-        """Rows of ``pixel_values``."""
-        t, h, w = self.grid_thw
-        return t * h * w
-
     @property
     def patch_dim(self) -> int:
         """Columns of ``pixel_values``: channels x temporal patch x patch x patch."""
@@ -284,15 +336,58 @@ class ShapeContract:
 
     @property
     def n_image_tokens(self) -> int:
-        """Image tokens of one image (rows of the vision graph's ``image_embeds``) after the
-        spatial merge."""
-        return self.n_patches // self.spatial_merge_size**2
+        """The most image tokens one image may have (the budget, ``--image-tokens``)."""
+        return self.image_tokens
+
+    @property
+    def max_patches(self) -> int:
+        """The most patches one image may have: ``image_tokens * spatial_merge_size**2``."""
+        return self.image_tokens * self.spatial_merge_size**2
+
+    @property
+    def image_max_pixels(self) -> int:
+        """Largest resized image (pixels): the processor's ``max_pixels`` capped at the budget."""
+        return min(self.max_pixels, self.image_tokens * (self.patch_size * self.spatial_merge_size) ** 2)
 
     @property
     def n_image_rows(self) -> int:
         """Rows of the prefill graph's ``image_embeds`` input: room for :attr:`max_images` images
-        of :attr:`n_image_tokens` each (unused rows are ignored by the graph)."""
-        return self.max_images * self.n_image_tokens
+        of at most :attr:`image_tokens` each, one after the other (unused rows are ignored)."""
+        return self.max_images * self.image_tokens
+
+    @property
+    def static_vision(self) -> bool:
+        """True when the export serves a fixed set of static grids (:attr:`vision_grids`), False when
+        its one vision graph takes any grid up to the budget (a dynamic patch count)."""
+        return bool(self.vision_grids)
+
+    def vision_graph_key(self, grid: tuple[int, int] | None) -> str:
+        """Key in :attr:`graphs` of the vision graph for a static ``(h, w)`` grid, or of the any-grid
+        graph (``grid`` None)."""
+        return "vision" if grid is None else f"vision_{grid[0]}x{grid[1]}"
+
+    def vision_graph_keys(self) -> list[str]:
+        """Keys of every vision graph of the export."""
+        return [self.vision_graph_key(g) for g in self.vision_grids] or [self.vision_graph_key(None)]
+
+    def check_grid(self, grid: tuple[int, int]) -> None:
+        """Check that the export can run an image of patch grid ``(h, w)``.
+
+        Raises:
+            ContractError: a static-grid export without that grid, or a grid over the budget or
+                not made of whole merge blocks, naming the grid and the limit.
+        """
+        h, w = grid
+        merge = self.spatial_merge_size
+        if h < 1 or w < 1 or h % merge or w % merge:
+            raise ContractError(f"image grid {h}x{w} must be positive multiples of the spatial merge size {merge}")
+        if self.static_vision and (h, w) not in self.vision_grids:
+            raise ContractError(f"image grid {h}x{w} is not one of this export's vision grids {list(self.vision_grids)}")
+        if h * w > self.max_patches:
+            raise ContractError(
+                f"image grid {h}x{w} has {h * w // merge**2} image tokens, more than the export's budget "
+                f"{self.image_tokens} (--image-tokens)"
+            )
 
     def prefill_graph_key(self, bucket: int | None) -> str:
         """Key in :attr:`graphs` of the prefill graph for ``bucket`` (None: the dynamic-length graph)."""
@@ -404,11 +499,12 @@ class ShapeContract:
         d["layer_types"] = list(self.layer_types)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["prefill_buckets"] = list(self.prefill_buckets)
+        d["vision_grids"] = [list(g) for g in self.vision_grids]
         d["derived"] = {
-            "grid_thw": list(self.grid_thw),
-            "n_patches": self.n_patches,
+            "vision": "static grids" if self.static_vision else "any grid",
+            "max_patches": self.max_patches,
+            "image_max_pixels": self.image_max_pixels,
             "patch_dim": self.patch_dim,
-            "n_image_tokens": self.n_image_tokens,
             "n_image_rows": self.n_image_rows,
             "n_linear": self.n_linear,
             "n_full": self.n_full,
@@ -441,8 +537,15 @@ class ShapeContract:
             )
         names = {f.name for f in dataclasses.fields(cls)}
         # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0;
-        # quantize_embedding: False before 0.6.0
-        optional = ("graphs", "format_version", "max_images", "quant_accuracy_level", "quantize_embedding")
+        # quantize_embedding: False before 0.6.0; vision_grids: none (any grid)
+        optional = (
+            "graphs",
+            "format_version",
+            "max_images",
+            "quant_accuracy_level",
+            "quantize_embedding",
+            "vision_grids",
+        )
         missing = sorted(n for n in names if n not in data and n not in optional)
         if missing:
             raise ContractError(f"contract is missing fields: {', '.join(missing)}")
@@ -456,6 +559,10 @@ class ShapeContract:
             if not isinstance(graphs, dict):
                 raise TypeError(f"graphs must be an object, got {graphs!r}")
             kwargs["graphs"] = dict(graphs)
+            grids = kwargs.get("vision_grids", [])
+            if not isinstance(grids, list) or not all(isinstance(g, list) and len(g) == 2 for g in grids):
+                raise TypeError(f"vision_grids must be a list of [h, w] pairs, got {grids!r}")
+            kwargs["vision_grids"] = tuple(tuple(g) for g in grids)
             for name, mode in _MODES.items():
                 if kwargs[name] in tuple(mode):
                     kwargs[name] = mode(kwargs[name])
@@ -497,7 +604,9 @@ class ShapeContract:
             raise ContractError(f"batch {self.batch} is not supported (only batch 1)")
         try:
             check_capacity(self.capacity)
-            check_image_size(self.image_size, self.patch_size, self.spatial_merge_size)
+            processor = (self.patch_size, self.spatial_merge_size, self.min_pixels, self.max_pixels)
+            check_image_budget(self.image_tokens, *processor)
+            check_vision_grids(self.vision_grids, self.image_tokens, *processor)
         except ValueError as exc:
             raise ContractError(str(exc)) from exc
         bad = sorted(set(self.layer_types) - {"linear_attention", "full_attention"})

@@ -46,7 +46,7 @@ from .contract import ShapeContract, read_manifest
 from .conversation.grammar import GrammarCompiler, TokenConstraint
 from .conversation.images import load_image, to_rgb
 from .conversation.messages import ChatInputError, ImagePolicy, normalize_messages
-from .conversation.processor import Preprocessor
+from .conversation.processor import ImageSizing, Preprocessor
 from .conversation.reasoning import THINK_END, ChatDelta, ReasoningParser, prompt_opens_reasoning
 from .conversation.tool_calls import ToolCall, ToolCallParser
 from .conversation.tools import ReplyFormat, parse_reply_format
@@ -290,15 +290,18 @@ class Pipeline:
         root = Path(path)
         contract = read_manifest(root)
         backend = open_backend(root, contract, options)
-        preprocessor = Preprocessor.from_pretrained(root, contract.image_size, contract.image_token_id)
+        preprocessor = Preprocessor.from_pretrained(root, ImageSizing.of(contract), contract.image_token_id)
         return cls(root, contract, backend, preprocessor)
 
     # ---- host-side preparation -----------------------------------------------------------
-    def prepare(self, image, prompt: str, chat_template_kwargs: dict | None = None) -> PreparedPrompt:
+    def prepare(
+        self, image, prompt: str, chat_template_kwargs: dict | None = None, max_image_tokens: int | None = None
+    ) -> PreparedPrompt:
         """Chat-template and preprocess one user turn: ``image`` (a path, a PIL image, a list of
         them, or None for text only) first, then ``prompt``; the one-turn case of
         :meth:`prepare_chat` (``chat_template_kwargs``: template variables, e.g.
-        ``{"enable_thinking": False}``).
+        ``{"enable_thinking": False}``; ``max_image_tokens``: image-token limit per image, by
+        default the export's budget).
 
         Raises:
             FileNotFoundError / ValueError: missing or unreadable image.
@@ -323,7 +326,9 @@ class Pipeline:
                 )
             content.append({"type": "image", "image": picture})
         content.append({"type": "text", "text": prompt})
-        return self.prepare_chat([{"role": "user", "content": content}], chat_template_kwargs)
+        return self.prepare_chat(
+            [{"role": "user", "content": content}], chat_template_kwargs, max_image_tokens=max_image_tokens
+        )
 
     def reply_format(
         self, tools=None, tool_choice=None, parallel_tool_calls: bool | None = None, response_format=None
@@ -347,6 +352,7 @@ class Pipeline:
         chat_template_kwargs: dict | None = None,
         image_policy: ImagePolicy | None = None,
         reply: ReplyFormat | None = None,
+        max_image_tokens: int | None = None,
     ) -> PreparedPrompt:
         """Render OpenAI-style chat ``messages`` (roles system / user / assistant; content a string
         or text and image parts, see :mod:`qwen35_onnx.conversation.messages`) with the checkpoint's chat
@@ -357,10 +363,14 @@ class Pipeline:
             chat_template_kwargs: template variables, e.g. ``{"enable_thinking": False}``.
             image_policy: where images may come from (default: data URLs and any local file).
             reply: tools to list in the prompt (:meth:`reply_format`; none by default).
+            max_image_tokens: image-token limit per image (by default the export's budget, see
+                :class:`~qwen35_onnx.conversation.processor.ImageSizing`); an image part's
+                ``detail`` 'low' asks for the smallest grid of its aspect ratio.
 
         Raises:
-            ChatInputError: a malformed message or image (``param`` names the field), or more
-                images than the export's ``max_images``.
+            ChatInputError: a malformed message or image (``param`` names the field), more
+                images than the export's ``max_images``, a bad ``max_image_tokens``, or an image
+                the processor refuses (aspect ratio of 200 or more).
             ValueError: text that is not valid Unicode, a template that cannot render, or a
                 prompt longer than the largest prefill bucket / the capacity.
         """
@@ -379,27 +389,34 @@ class Pipeline:
                     text.encode("utf-8")
                 except UnicodeEncodeError as exc:
                     raise ValueError(f"message text is not valid Unicode: {exc}") from None
-        pixel_values = None
-        if images:
-            pixel_values = np.concatenate([self.preprocessor.pixel_values(picture)[0] for picture in images])
+        pieces, grids = [], []
+        try:
+            self.preprocessor.sizing.limit(max_image_tokens)
+            for picture in images:
+                values, grid = self.preprocessor.pixel_values(picture.image, max_image_tokens, picture.detail)
+                pieces.append(values)
+                grids.append(grid)
+        except ValueError as exc:
+            raise ChatInputError(str(exc), "messages") from None
+        tokens = [t * h * w // c.spatial_merge_size**2 for t, h, w in grids]
         tools = [tool.template_form() for tool in reply.offered_tools] if reply is not None else None
-        ids, text = self.preprocessor.encode_chat(
-            template_messages, c.n_image_tokens if images else 0, chat_template_kwargs, tools
-        )
-        prepared = self.prepare_ids(ids, pixel_values)
+        ids, text = self.preprocessor.encode_chat(template_messages, tokens, chat_template_kwargs, tools)
+        prepared = self.prepare_ids(ids, np.concatenate(pieces) if pieces else None, grids)
         prepared.opens_reasoning = prompt_opens_reasoning(text)
         return prepared
 
-    def prepare_ids(self, input_ids: np.ndarray, pixel_values: np.ndarray | None = None) -> PreparedPrompt:
-        """Check already tokenized input against the contract and compute its positions (see
-        :func:`~qwen35_onnx.runtime.prompt.prepare_ids`).
+    def prepare_ids(
+        self, input_ids: np.ndarray, pixel_values: np.ndarray | None = None, image_grids=()
+    ) -> PreparedPrompt:
+        """Check already tokenized input (and each image's patch grid ``(h, w)``) against the contract
+        and compute its positions (see :func:`~qwen35_onnx.runtime.prompt.prepare_ids`).
 
         Raises:
             ValueError: bad shape, token ids outside the vocabulary, image tokens that do not
                 match the images, more images than ``max_images``, or a prompt longer than the
                 largest bucket / capacity.
         """
-        return prepare_ids(self.contract, input_ids, pixel_values)
+        return prepare_ids(self.contract, input_ids, pixel_values, image_grids)
 
     def generation(self, prepared: PreparedPrompt) -> Generation:
         """A :class:`~qwen35_onnx.runtime.generation.Generation` of ``prepared`` on this pipeline's
@@ -420,6 +437,7 @@ class Pipeline:
         sampling: SamplingConfig | None = None,
         stop: tuple[str, ...] | list[str] = (),
         chat_template_kwargs: dict | None = None,
+        max_image_tokens: int | None = None,
     ) -> GenerationStream:
         """Start a generation for ``image`` (path, PIL image, a list of them, or None) and
         ``prompt``; iterate the returned stream for text pieces. ``sampling`` None: the
@@ -430,7 +448,8 @@ class Pipeline:
             ValueError / FileNotFoundError: bad ``max_new_tokens``, sampling options or stop
                 strings, prompt over the largest bucket or capacity, unreadable image.
         """
-        return self.stream_prepared(self.prepare(image, prompt, chat_template_kwargs), max_new_tokens, sampling, stop)
+        prepared = self.prepare(image, prompt, chat_template_kwargs, max_image_tokens)
+        return self.stream_prepared(prepared, max_new_tokens, sampling, stop)
 
     def stream_chat(
         self,
@@ -444,6 +463,7 @@ class Pipeline:
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool | None = None,
         response_format: dict | None = None,
+        max_image_tokens: int | None = None,
     ) -> ChatStream:
         """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`), answered by
         streaming :class:`ChatDelta` s; ``max_new_tokens`` None: until end of sequence or capacity.
@@ -456,7 +476,7 @@ class Pipeline:
             ChatInputError / ValueError: see :meth:`reply_format`, :meth:`prepare_chat` and :meth:`stream`.
         """
         reply = self.reply_format(tools, tool_choice, parallel_tool_calls, response_format)
-        prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy, reply)
+        prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy, reply, max_image_tokens)
         return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop, reply)
 
     def stream_chat_prepared(

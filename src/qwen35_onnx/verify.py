@@ -1,7 +1,10 @@
 """Parity against the reference implementation (transformers ``Qwen3_5ForConditionalGeneration``).
 
-Needs torch (the ``export`` extra). The same host-side inputs (token ids, pixel values) feed
-both sides, so a difference can only come from the graphs or the decode loop.
+Needs torch (the ``export`` extra). The reference gets the raw images through the checkpoint's own
+image processor (``Qwen2VLImageProcessorPil`` from the checkpoint folder, its ``min_pixels`` and
+its ``max_pixels`` capped at the export's image-token budget, as a user would set
+``max_pixels``), the conversation through the checkpoint's chat template, each image placeholder
+expanded to the processor's grid (as ``Qwen3VLProcessor`` does); never our pixel values or ids.
 """
 
 from __future__ import annotations
@@ -66,18 +69,46 @@ def load_reference(model_id: str | Path):
     ).eval()
 
 
-def reference_generate(model, prepared: PreparedPrompt, grid_thw, max_new_tokens: int, eos_token_ids) -> list[int]:
-    """Greedy ``model.generate`` on the same ids (and pixels, each of the ``prepared.n_images``
-    images with patch grid ``grid_thw``, when the prompt has images); returns the new token ids,
-    stopping at any of ``eos_token_ids`` (kept, as ours)."""
+def reference_prompt(model_id: str | Path, messages: list[dict], max_pixels: int, chat_template_kwargs=None):
+    """The reference's own inputs for chat-template ``messages`` whose image parts are ``{"type":
+    "image", "image": PIL image}``: ``(input_ids [1, S] int64, pixel_values [P, patch_dim] fp32 or
+    None, image_grid_thw [n, 3] int64 or None)``, made by the checkpoint's tokenizer, chat template
+    and image processor (``max_pixels``: the processor's ``longest_edge`` capped at this)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(model_id)
+    processor = Qwen2VLImageProcessorPil.from_pretrained(model_id)
+    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+    )
+    pixel_values = grids = None
+    if images:
+        size = {"shortest_edge": processor.size["shortest_edge"], "longest_edge": min(processor.size["longest_edge"], max_pixels)}
+        out = processor(images=images, size=size, return_tensors="np")
+        pixel_values, grids = out["pixel_values"], out["image_grid_thw"]
+        pad = "<|image_pad|>"
+        pieces = text.split(pad)
+        counts = [int(np.prod(g)) // processor.merge_size**2 for g in grids]
+        text = pieces[0] + "".join(pad * n + piece for n, piece in zip(counts, pieces[1:]))
+    ids = np.asarray([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=np.int64)
+    return ids, pixel_values, grids
+
+
+def reference_generate(model, input_ids, pixel_values, image_grid_thw, max_new_tokens: int, eos_token_ids) -> list[int]:
+    """Greedy ``model.generate`` on ``input_ids`` ``[1, S]`` (and ``pixel_values`` with each image's
+    ``image_grid_thw`` row, when the prompt has images); returns the new token ids, stopping at any
+    of ``eos_token_ids`` (kept, as ours)."""
     import torch
 
-    ids = torch.from_numpy(prepared.input_ids)
+    ids = torch.from_numpy(input_ids)
     images = {}
-    if prepared.pixel_values is not None:
+    if pixel_values is not None:
         images = dict(
-            pixel_values=torch.from_numpy(prepared.pixel_values),
-            image_grid_thw=torch.tensor([list(grid_thw)] * prepared.n_images, dtype=torch.long),
+            pixel_values=torch.from_numpy(pixel_values),
+            image_grid_thw=torch.from_numpy(image_grid_thw),
             mm_token_type_ids=(ids == model.config.image_token_id).int(),
         )
     with torch.no_grad():
@@ -93,6 +124,53 @@ def reference_generate(model, prepared: PreparedPrompt, grid_thw, max_new_tokens
     return out[0, ids.shape[1] :].tolist()
 
 
+def reference_generate_prepared(model, prepared: PreparedPrompt, max_new_tokens: int, eos_token_ids) -> list[int]:
+    """:func:`reference_generate` on our own host inputs (``prepared``'s ids, pixel values and
+    grids): for checks of the graphs and the decode loop alone, where both sides must see the same
+    inputs."""
+    import numpy as np
+
+    grids = np.asarray(prepared.image_grids, dtype=np.int64).reshape(-1, 3) if prepared.image_grids else None
+    return reference_generate(model, prepared.input_ids, prepared.pixel_values, grids, max_new_tokens, eos_token_ids)
+
+
+def chat_parity(
+    pipeline: Pipeline,
+    model_id: str | Path,
+    messages: list[dict],
+    max_new_tokens: int,
+    model=None,
+    chat_template_kwargs: dict | None = None,
+) -> TokenParity:
+    """Greedy tokens of ``pipeline.chat`` on ``messages`` (image parts ``{"type": "image", "image":
+    path or PIL image}``) against transformers on the checkpoint ``model_id`` fed the raw images
+    (:func:`reference_prompt`, ``max_pixels`` the export's budget), both stopping at
+    ``pipeline.stop_token_ids``."""
+    from .conversation.images import load_image
+
+    def raw(part):
+        if part.get("type") != "image" or not isinstance(part.get("image"), (str, Path)):
+            return part
+        return {**part, "image": load_image(part["image"])}
+
+    messages = [
+        {**m, "content": [raw(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m for m in messages
+    ]
+    prepared = pipeline.prepare_chat(messages, chat_template_kwargs)
+    result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens, sampling=SamplingConfig())
+    model = model if model is not None else load_reference(model_id)
+    ids, pixel_values, grids = reference_prompt(
+        model_id, messages, pipeline.contract.image_max_pixels, chat_template_kwargs
+    )
+    # the export stops when its capacity is full; transformers has no such limit, so it is asked
+    # for no more than fit
+    fits = pipeline.token_room(prepared)
+    reference = reference_generate(
+        model, ids, pixel_values, grids, min(max_new_tokens, fits), pipeline.stop_token_ids
+    )
+    return TokenParity(result.token_ids, reference)
+
+
 def token_parity(
     pipeline: Pipeline,
     model_id: str | Path,
@@ -102,18 +180,21 @@ def token_parity(
     result: GenerationResult | None = None,
     model=None,
 ) -> TokenParity:
-    """Generate greedily with ``pipeline`` (unless ``result``, a greedy result, is given) and with
-    transformers on the checkpoint ``model_id``, both stopping at ``pipeline.stop_token_ids``;
-    compare the token ids."""
-    prepared = pipeline.prepare(image, prompt)
+    """Generate greedily with ``pipeline`` (unless ``result``, a greedy result for the same input,
+    is given) and with transformers on the checkpoint ``model_id`` fed the raw ``image`` (a path,
+    a PIL image, a list of them or None) through its own processor, both stopping at
+    ``pipeline.stop_token_ids``; compare the token ids."""
+    from .conversation.images import load_image
+
+    pictures = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+    pictures = [load_image(p) if isinstance(p, (str, Path)) else p for p in pictures]
+    content = [{"type": "image", "image": p} for p in pictures] + [{"type": "text", "text": prompt}]
+    messages = [{"role": "user", "content": content}]
+    prepared = pipeline.prepare_chat(messages)
     if result is None:
         result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens, sampling=SamplingConfig())
     model = model if model is not None else load_reference(model_id)
-    contract = pipeline.contract
-    # the export stops when its capacity is full; transformers has no such limit, so it is asked
-    # for no more than fit
+    ids, pixel_values, grids = reference_prompt(model_id, messages, pipeline.contract.image_max_pixels)
     fits = pipeline.token_room(prepared)
-    reference = reference_generate(
-        model, prepared, contract.grid_thw, min(max_new_tokens, fits), pipeline.stop_token_ids
-    )
+    reference = reference_generate(model, ids, pixel_values, grids, min(max_new_tokens, fits), pipeline.stop_token_ids)
     return TokenParity(result.token_ids, reference)

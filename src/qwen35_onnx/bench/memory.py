@@ -79,7 +79,7 @@ def weight_bytes(root: Path, graphs: dict[str, str]) -> dict[str, int]:
         path = Path(root) / rel
         for tensor in read_model(path.read_bytes()).initializers.values():
             if tensor.location is not None:
-                files.setdefault((path.parent / tensor.location).resolve(), "vision" if key == "vision" else "text")
+                files.setdefault((path.parent / tensor.location).resolve(), "vision" if GraphKind.of(key) == GraphKind.VISION else "text")
     out = {"text": 0, "vision": 0}
     for path, kind in files.items():
         out[kind] += path.stat().st_size

@@ -40,7 +40,28 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .images import to_rgb
 
-__all__ = ["ChatInputError", "ImageTooLarge", "ImagePolicy", "ROLES", "normalize_messages", "decode_image_url"]
+__all__ = [
+    "ChatImage",
+    "ChatInputError",
+    "DETAILS",
+    "ImageTooLarge",
+    "ImagePolicy",
+    "ROLES",
+    "normalize_messages",
+    "decode_image_url",
+]
+
+DETAILS = ("auto", "low", "high")
+"""OpenAI's ``image_url.detail``: ``low`` the smallest grid of the image's aspect ratio, ``high`` and
+``auto`` (the default) the export's image-token budget."""
+
+
+@dataclass(frozen=True)
+class ChatImage:
+    """One image of a conversation: the RGB picture and its ``detail`` (one of :data:`DETAILS`)."""
+
+    image: Image.Image
+    detail: str = "auto"
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
@@ -87,7 +108,7 @@ class ImagePolicy:
         return cls(allow_any_local=True)
 
 
-def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[list[dict], list[Image.Image]]:
+def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[list[dict], list[ChatImage]]:
     """Check OpenAI-style ``messages`` and split them into template messages and images.
 
     Args:
@@ -96,7 +117,8 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
 
     Returns:
         ``(template_messages, images)``: messages for ``apply_chat_template`` (one
-        ``{"type": "image"}`` part per image) and the images as RGB ``PIL.Image`` in prompt order.
+        ``{"type": "image"}`` part per image) and the images (:class:`ChatImage`: RGB ``PIL.Image``
+        and ``detail``) in prompt order.
 
     Raises:
         ChatInputError: naming the field: not a list, empty, unknown role, bad content or part
@@ -109,7 +131,7 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
     if not messages:
         raise ChatInputError("messages must hold at least one message", "messages")
     rendered: list[dict] = []
-    images: list[Image.Image] = []
+    images: list[ChatImage] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -145,7 +167,7 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
             elif kind in ("image_url", "image"):
                 if role != "user":
                     raise ChatInputError(f"{here}: images are allowed in user messages only, not in {role!r}", here)
-                images.append(_part_image(part, here, policy))
+                images.append(ChatImage(_part_image(part, here, policy), _detail(part, here)))
                 parts.append({"type": "image"})
             else:
                 if not isinstance(part, dict):
@@ -196,6 +218,22 @@ def _tool_calls(message: dict, where: str) -> dict:
             )
         out.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
     return {"tool_calls": out}
+
+
+def _detail(part: dict, here: str) -> str:
+    """The part's ``detail`` (``image_url.detail``, or ``detail`` beside a Python ``image``), 'auto' when absent.
+
+    Raises:
+        ChatInputError: not one of :data:`DETAILS`.
+    """
+    value, param = part.get("detail"), f"{here}.detail"
+    if part["type"] == "image_url" and isinstance(part.get("image_url"), dict):
+        value, param = part["image_url"].get("detail"), f"{here}.image_url.detail"
+    if value is None:
+        return "auto"
+    if value not in DETAILS:
+        raise ChatInputError(f"{param} {value!r:.80} must be one of {', '.join(DETAILS)}", param)
+    return value
 
 
 def _template_role(role: str) -> str:

@@ -2,9 +2,9 @@
 
 Turns a conversation and its images into the host inputs of the vision and prefill graphs:
 
-* :meth:`Preprocessor.pixel_values`: a picture (:mod:`.images`) fitted to the exported grid and
-  patchified into ``[n_patches, C*T*P*P]`` float32 patches on the fixed grid
-  ``(1, image_size/P, image_size/P)`` the vision graph was exported for;
+* :meth:`Preprocessor.pixel_values`: a picture (:mod:`.images`) sized by the checkpoint's own
+  resolution rule within the export's image-token budget, on a grid the export serves
+  (:mod:`qwen35_onnx.image_grids`), and patchified into ``[h*w, C*T*P*P]`` float32 patches;
 * :meth:`Preprocessor.encode_chat`: a conversation through the checkpoint's chat template,
   each image placeholder expanded to the number of image tokens, tokenized
   (:meth:`Preprocessor.encode`: one user turn with at most one image);
@@ -32,10 +32,108 @@ from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from ..image_grids import Grid, choose_grid, fit_budget, grid_tokens, processor_grid, smallest_grid
 from .detokenizer import TextStreamer
-from .images import fit_to_grid
+from .messages import DETAILS
 
-__all__ = ["Preprocessor", "TemplateKwargsError"]
+__all__ = ["ImageSizing", "Preprocessor", "TemplateKwargsError"]
+
+
+class ImageSizing:
+    """How this export sizes images: the checkpoint processor's pixel range, the export's budget and
+    its static grids (none: any grid up to the budget).
+
+    Args:
+        patch_size, merge_size: the vision tower's patch side (pixels) and spatial merge.
+        min_pixels, max_pixels: the checkpoint image processor's range (pixels).
+        image_tokens: the export's budget (tokens per image).
+        grids: the export's static grids ``(h, w)``, or empty for any grid.
+    """
+
+    def __init__(self, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int, image_tokens: int, grids=()):
+        self.patch_size, self.merge_size = patch_size, merge_size
+        self.factor = patch_size * merge_size
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.image_tokens = image_tokens
+        self.grids: tuple[Grid, ...] = tuple(tuple(g) for g in grids)
+
+    @classmethod
+    def of(cls, contract) -> ImageSizing:
+        """The sizing of an export (a :class:`~qwen35_onnx.contract.ShapeContract`)."""
+        return cls(
+            contract.patch_size,
+            contract.spatial_merge_size,
+            contract.min_pixels,
+            contract.max_pixels,
+            contract.image_tokens,
+            contract.vision_grids,
+        )
+
+    @property
+    def min_tokens(self) -> int:
+        """The fewest tokens a per-call limit may ask for: the processor's ``min_pixels`` in tokens."""
+        return -(-self.min_pixels // self.factor**2)
+
+    def limit(self, max_image_tokens: int | None) -> int:
+        """The image-token limit of one call: the export's budget, or ``max_image_tokens`` below it.
+
+        Raises:
+            ValueError: ``max_image_tokens`` not an integer, below :attr:`min_tokens` or above the
+                budget (naming both).
+        """
+        if max_image_tokens is None:
+            return self.image_tokens
+        if isinstance(max_image_tokens, bool) or not isinstance(max_image_tokens, int):
+            raise ValueError(f"max_image_tokens must be an integer, got {max_image_tokens!r}")
+        if max_image_tokens < self.min_tokens:
+            raise ValueError(
+                f"max_image_tokens {max_image_tokens} is below the image processor's minimum of {self.min_tokens} "
+                f"tokens (min_pixels {self.min_pixels})"
+            )
+        if max_image_tokens > self.image_tokens:
+            raise ValueError(
+                f"max_image_tokens {max_image_tokens} is above this export's budget of {self.image_tokens} image "
+                "tokens (--image-tokens)"
+            )
+        return max_image_tokens
+
+    def max_pixels_for(self, max_image_tokens: int | None = None, detail: str = "auto") -> int:
+        """The processor's ``max_pixels`` for one image: the checkpoint's, capped at the limit's
+        pixels (:meth:`limit`), and at ``min_pixels`` for ``detail`` 'low'.
+
+        Raises:
+            ValueError: ``detail`` not one of :data:`DETAILS`, or see :meth:`limit`.
+        """
+        if detail not in DETAILS:
+            raise ValueError(f"image detail {detail!r} must be one of {', '.join(DETAILS)}")
+        top = min(self.max_pixels, self.limit(max_image_tokens) * self.factor**2)
+        return min(top, self.min_pixels) if detail == "low" else top
+
+    def grid(self, height: int, width: int, max_image_tokens: int | None = None, detail: str = "auto") -> tuple[Grid, Grid]:
+        """``(grid, processor_grid)`` for a ``width x height`` image: the patch grid it runs at and
+        the grid the checkpoint's processor gives it with ``max_pixels`` at the limit (for
+        ``detail`` 'low': at ``min_pixels``). They are equal unless the export lacks that grid (or
+        it is over the budget, which the processor's upscaling of tiny images can give).
+
+        Raises:
+            ValueError: ``detail`` not one of :data:`DETAILS`; a bad ``max_image_tokens`` (see
+                :meth:`limit`); an aspect ratio of 200 or more (the processor's limit); no static
+                grid within ``max_image_tokens``.
+        """
+        tokens = self.limit(max_image_tokens)
+        top = self.max_pixels_for(max_image_tokens, detail)
+        exact = processor_grid(height, width, self.patch_size, self.merge_size, self.min_pixels, top)
+        if not self.grids:
+            return fit_budget(exact, tokens, self.merge_size), exact
+        grids = [g for g in self.grids if grid_tokens(g, self.merge_size) <= tokens]
+        if not grids:
+            smallest = min(grid_tokens(g, self.merge_size) for g in self.grids)
+            raise ValueError(
+                f"max_image_tokens {tokens} is below this export's smallest vision grid ({smallest} tokens)"
+            )
+        if detail == "low":
+            return smallest_grid(height, width, grids), exact
+        return choose_grid(height, width, grids, exact), exact
 
 
 class TemplateKwargsError(ValueError):
@@ -49,33 +147,32 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 class Preprocessor:
-    """Tokenizer + chat template + Qwen2-VL image processor for one fixed image size.
+    """Tokenizer + chat template + the checkpoint's Qwen2-VL image processor, sizing images as an
+    export serves them.
 
     Attributes:
         tokenizer: the ``transformers`` tokenizer (with its chat template).
         image_processor: ``Qwen2VLImageProcessorPil``.
-        image_size: image side in pixels the vision graph was exported for.
+        sizing: the export's :class:`ImageSizing`.
         image_token_id: id of the image placeholder token (``config.image_token_id``).
         image_token: its string, e.g. ``"<|image_pad|>"``.
-        grid_thw: the fixed patch grid ``(1, image_size // P, image_size // P)``.
-        n_image_tokens: image tokens per image, ``grid_h * grid_w // merge**2``.
     """
 
     def __init__(
-        self, tokenizer, image_processor: Qwen2VLImageProcessorPil, image_size: int, image_token_id: int
+        self, tokenizer, image_processor: Qwen2VLImageProcessorPil, sizing: ImageSizing, image_token_id: int
     ) -> None:
         """Wire the parts together; prefer :meth:`from_pretrained`.
 
         Raises:
-            ValueError: ``image_size`` is not a positive multiple of ``patch_size *
-                merge_size``; ``image_token_id`` is not a token of the tokenizer; or
-                the tokenizer has no chat template.
+            ValueError: the processor's patch or merge size differs from ``sizing``'s;
+                ``image_token_id`` is not a token of the tokenizer; or the tokenizer has no chat
+                template.
         """
-        factor = image_processor.patch_size * image_processor.merge_size
-        if image_size <= 0 or image_size % factor:
+        theirs = (image_processor.patch_size, image_processor.merge_size)
+        if theirs != (sizing.patch_size, sizing.merge_size):
             raise ValueError(
-                f"image_size {image_size} must be a positive multiple of patch_size * merge_size = "
-                f"{image_processor.patch_size} * {image_processor.merge_size} = {factor}"
+                f"the image processor's patch_size / merge_size {theirs} differ from the export's "
+                f"{(sizing.patch_size, sizing.merge_size)}"
             )
         image_token = tokenizer.convert_ids_to_tokens(int(image_token_id))
         if image_token is None or tokenizer.convert_tokens_to_ids(image_token) != image_token_id:
@@ -90,21 +187,18 @@ class Preprocessor:
         # request may be prepared on one thread while a generation streams on another
         self.lock = threading.RLock()
         self.image_processor = image_processor
-        self.image_size = image_size
+        self.sizing = sizing
         self.image_token_id = int(image_token_id)
         self.image_token = image_token
-        side = image_size // image_processor.patch_size
-        self.grid_thw = (1, side, side)
-        self.n_image_tokens = side * side // image_processor.merge_size**2
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, image_size: int, image_token_id: int) -> Preprocessor:
+    def from_pretrained(cls, path: str | os.PathLike, sizing: ImageSizing, image_token_id: int) -> Preprocessor:
         """Load tokenizer, chat template and image processor from a Hugging Face folder.
 
         Args:
             path: folder with ``tokenizer.json`` / ``tokenizer_config.json`` (+ chat
                 template) and ``preprocessor_config.json``.
-            image_size: image side in pixels (multiple of ``patch_size * merge_size``).
+            sizing: how the export sizes images (:meth:`ImageSizing.of` its contract).
             image_token_id: ``config.image_token_id`` of the checkpoint (from the
                 shape contract), e.g. 248056 for Qwen3.5.
 
@@ -124,40 +218,51 @@ class Preprocessor:
                 "tokenizer_config.json)"
             )
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
-        return cls(tokenizer, image_processor, image_size, image_token_id)
+        return cls(tokenizer, image_processor, sizing, image_token_id)
 
-    def pixel_values(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """Image -> vision-graph input on the fixed grid.
+    def pixel_values(
+        self, image: Image.Image, max_image_tokens: int | None = None, detail: str = "auto"
+    ) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """Image -> vision-graph input, sized as the checkpoint's processor sizes it.
 
-        The image is first padded to a centred square and resized by :func:`fit_to_grid`, then patchified by the
-        image processor with ``size = {shortest_edge: image_size**2, longest_edge:
-        image_size**2}``, which pins ``smart_resize`` to ``image_size x image_size``
-        whatever min/max pixels the checkpoint's ``preprocessor_config.json`` sets.
+        The grid is :meth:`ImageSizing.grid`'s. When it is the processor's own grid, the processor
+        itself resizes and patchifies the image (``size = {shortest_edge: min_pixels,
+        longest_edge: the limit's pixels}``): the same pixel values as transformers. Otherwise (a
+        static-grid export without that grid, or a tiny image upscaled over the budget) the image is
+        resized (bicubic, the processor's resampling) to exactly the grid and patchified without
+        another resize.
 
         Args:
-            image: RGB ``PIL.Image`` of any size (e.g. from :func:`load_image`).
+            image: RGB ``PIL.Image`` of any size (e.g. from :func:`.images.load_image`).
+            max_image_tokens: image-token limit of this image (default: the export's budget).
+            detail: 'auto' / 'high' (the limit) or 'low' (the smallest grid of its aspect ratio).
 
         Returns:
-            ``(pixel_values, grid_thw)``: float32 ``[t*h*w, C*T*P*P]`` (e.g. ``[64, 1536]``
-            for 128 px, patch 16, temporal patch 2, 3 channels; values normalised with
-            the processor's mean/std) and ``(1, image_size/P, image_size/P)``.
+            ``(pixel_values, grid_thw)``: float32 ``[h*w, C*T*P*P]`` (e.g. ``[936, 1536]`` for a
+            26 x 36 grid, patch 16, temporal patch 2, 3 channels; normalised with the processor's
+            mean/std) and ``(1, h, w)``.
 
         Raises:
-            ValueError: the processor returned a grid other than :attr:`grid_thw`.
+            ValueError: see :meth:`ImageSizing.grid`; the processor returned another grid.
         """
-        pixels = self.image_size * self.image_size
-        out = self.image_processor(
-            images=[fit_to_grid(image, self.image_size)],
-            size={"shortest_edge": pixels, "longest_edge": pixels},
-            return_tensors="np",
-        )
-        grid = tuple(int(v) for v in out["image_grid_thw"][0])
-        if grid != self.grid_thw:
-            raise ValueError(f"image processor produced grid {grid}, expected {self.grid_thw}")
-        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), grid
+        sizing = self.sizing
+        grid, exact = sizing.grid(image.height, image.width, max_image_tokens, detail)
+        if grid == exact:
+            top = sizing.max_pixels_for(max_image_tokens, detail)
+            kwargs = {"size": {"shortest_edge": sizing.min_pixels, "longest_edge": top}}
+        else:
+            size = (grid[1] * sizing.patch_size, grid[0] * sizing.patch_size)
+            image = image.resize(size, Image.Resampling(int(self.image_processor.resample)))
+            kwargs = {"do_resize": False}
+        out = self.image_processor(images=[image], return_tensors="np", **kwargs)
+        got = tuple(int(v) for v in out["image_grid_thw"][0])
+        if got != (1, *grid):
+            raise ValueError(f"image processor produced grid {got}, expected {(1, *grid)}")
+        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), got
 
     def encode(self, prompt: str, n_image_tokens: int) -> np.ndarray:
-        """Chat-template a user turn (one image, or none, then the text) and tokenize it.
+        """Chat-template a user turn (one image of ``n_image_tokens`` tokens, or none, then the
+        text) and tokenize it.
 
         ``messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text",
         "text": prompt}]}]`` (no image part when ``n_image_tokens`` is 0), rendered by
@@ -178,26 +283,26 @@ class Preprocessor:
         content = [{"type": "text", "text": prompt}]
         if n_image_tokens:
             content.insert(0, {"type": "image"})
-        return self.encode_chat([{"role": "user", "content": content}], n_image_tokens)[0]
+        return self.encode_chat([{"role": "user", "content": content}], [n_image_tokens] if n_image_tokens else [])[0]
 
     def encode_chat(
         self,
         messages: list[dict],
-        n_image_tokens: int,
+        image_tokens: list[int],
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
     ) -> tuple[np.ndarray, str]:
         """Render a conversation with the checkpoint's chat template and tokenize it.
 
         ``messages`` are chat-template messages (:func:`.messages.normalize_messages`): each
-        ``{"type": "image"}`` part becomes one image placeholder, which is replaced by
-        ``n_image_tokens`` copies (as ``Qwen3VLProcessor`` does); the text is rendered with
+        ``{"type": "image"}`` part becomes one image placeholder, which is replaced by that image's
+        number of image tokens (as ``Qwen3VLProcessor`` does, in prompt order); the text is rendered with
         ``add_generation_prompt=True`` plus ``chat_template_kwargs`` (e.g. Qwen3.5's
         ``enable_thinking``) and tokenized without adding special tokens again.
 
         Args:
             messages: ``[{"role", "content": str | [{"type": "text", "text"} | {"type": "image"}]}]``.
-            n_image_tokens: image tokens per image (>= 0).
+            image_tokens: the image tokens of each image (>= 1 each), one per image part, in order.
             chat_template_kwargs: extra template variables.
             tools: OpenAI-form tool definitions the template lists (``tools`` of
                 ``apply_chat_template``), None for none.
@@ -211,8 +316,9 @@ class Preprocessor:
                 part (e.g. a message text contains the placeholder itself), the template
                 fails to render, or tokenization did not yield the expected image tokens.
         """
-        if n_image_tokens < 0:
-            raise ValueError(f"n_image_tokens must be >= 0, got {n_image_tokens}")
+        image_tokens = [int(n) for n in image_tokens]
+        if any(n < 1 for n in image_tokens):
+            raise ValueError(f"every image needs at least one image token, got {image_tokens}")
         n_images = sum(
             1
             for m in messages
@@ -234,20 +340,21 @@ class Preprocessor:
                 )
         except Exception as exc:  # jinja2 errors, raise_exception() in templates
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
-        found = text.count(self.image_token)
-        if found != n_images:
+        if n_images != len(image_tokens):
+            raise ValueError(f"the messages hold {n_images} images but {len(image_tokens)} image-token counts were given")
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != n_images:
             raise ValueError(
-                f"the chat-templated prompt holds {found} image placeholders {self.image_token!r}; "
+                f"the chat-templated prompt holds {len(pieces) - 1} image placeholders {self.image_token!r}; "
                 f"expected {n_images} (does the text contain {self.image_token!r}?)"
             )
-        if n_image_tokens and n_images:
-            text_expanded = text.replace(self.image_token, self.image_token * n_image_tokens)
-        else:
-            text_expanded = text
+        text_expanded = pieces[0] + "".join(
+            self.image_token * n + piece for n, piece in zip(image_tokens, pieces[1:])
+        )
         with self.lock:
             encoded = self.tokenizer(text_expanded, add_special_tokens=False)["input_ids"]
         ids = np.asarray(encoded, dtype=np.int64)
-        got, expected = int((ids == self.image_token_id).sum()), n_images * n_image_tokens
+        got, expected = int((ids == self.image_token_id).sum()), sum(image_tokens)
         if got != expected:
             raise ValueError(f"tokenized prompt holds {got} image tokens, expected {expected}")
         return ids[None, :], text

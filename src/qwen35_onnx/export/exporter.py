@@ -32,13 +32,15 @@ from ..contract import (
     Ops,
     Quantization,
     ShapeContract,
-    check_image_size,
+    check_image_budget,
+    check_vision_grids,
     check_max_images,
     read_manifest,
     write_manifest,
 )
+from ..image_grids import default_grids
 from ..paths import check_checkpoint_folder
-from .options import ALL_COMPONENTS, ExportError, ExportOptions, component_options
+from .options import ALL_COMPONENTS, STATIC_GRIDS, ExportError, ExportOptions, component_options
 from .weight_source import CheckpointWeights, WeightsError, peak_rss_bytes
 from .weights import WeightsFileWriter
 
@@ -60,6 +62,9 @@ def torch_dtype(name: Dtype):
 
 
 TEXT_DIR = "text"
+VISION_DIR = "vision"
+POS_EMBED_TAPS = 4
+"""Position-embedding taps per patch: Qwen3.5 resamples its table bilinearly (2 x 2 taps)."""
 """Folder of the prefill and decode graphs and of their shared weights file."""
 VISION_DATA = "model.onnx.data"
 """External-data file of the vision graph (its tensors of 1 KiB or more)."""
@@ -128,17 +133,31 @@ def chunk_size_for(lengths: Sequence[int], preferred: int) -> int:
     return chunk
 
 
-def processor_max_pixels(model_dir: str | Path) -> int | None:
-    """The image processor's largest image in pixels (``size.longest_edge`` or ``max_pixels`` of
-    ``preprocessor_config.json``), or None when the checkpoint does not say."""
+def processor_pixel_range(model_dir: str | Path) -> tuple[int, int]:
+    """The checkpoint image processor's ``(min_pixels, max_pixels)`` from ``preprocessor_config.json``:
+    ``size.shortest_edge`` / ``size.longest_edge`` (transformers 5 spelling) or ``min_pixels`` /
+    ``max_pixels`` (earlier spelling).
+
+    Raises:
+        ExportError: no readable ``preprocessor_config.json``, or neither spelling gives two positive
+            integers with min <= max.
+    """
     path = Path(model_dir) / "preprocessor_config.json"
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    size = data.get("size") if isinstance(data.get("size"), dict) else {}
-    value = size.get("longest_edge", data.get("max_pixels"))
-    return int(value) if isinstance(value, (int, float)) and value > 0 else None
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"the checkpoint's image processor settings {str(path)!r} cannot be read: {exc}") from None
+    size = data.get("size") if isinstance(data, dict) and isinstance(data.get("size"), dict) else {}
+    data = data if isinstance(data, dict) else {}
+    low = size.get("shortest_edge", data.get("min_pixels"))
+    high = size.get("longest_edge", data.get("max_pixels"))
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1 for v in (low, high))
+    if not ok or low > high:
+        raise ExportError(
+            f"{str(path)!r} must give the image processor's pixel range as size.shortest_edge / size.longest_edge "
+            f"(or min_pixels / max_pixels), positive with min <= max; got {low!r} / {high!r}"
+        )
+    return int(low), int(high)
 
 
 FROM_VISION_CONFIG = "patch_size temporal_patch_size spatial_merge_size in_channels".split()
@@ -150,31 +169,31 @@ FROM_TEXT_CONFIG = (
 """Contract fields that are the checkpoint's ``text_config`` attributes of the same names."""
 
 
-def build_contract(config, generation_config, options: ExportOptions, max_pixels: int | None = None) -> ShapeContract:
+def build_contract(
+    config, generation_config, options: ExportOptions, pixel_range: tuple[int, int] = (65536, 16777216)
+) -> ShapeContract:
     """The contract of an export of ``config`` (a ``Qwen3_5Config``) with ``options``.
 
     Args:
-        max_pixels: the checkpoint image processor's largest image (pixels), if known.
+        pixel_range: the checkpoint image processor's ``(min_pixels, max_pixels)``
+            (:func:`processor_pixel_range`; by default the published Qwen3.5 processor's).
 
     Raises:
-        ExportError: unsupported architecture; image size not a multiple of patch x merge or
-            above the processor's ``max_pixels``; capacity above the model's
-            ``max_position_embeddings``.
+        ExportError: unsupported architecture; an image-token budget or a vision grid outside the
+            processor's pixel range or the budget; image tokens over the capacity; capacity above
+            the model's ``max_position_embeddings``.
     """
     check_architecture(config)
     vision, text = config.vision_config, config.text_config
+    min_pixels, max_pixels = pixel_range
+    grids = options.vision_grids
+    processor = (vision.patch_size, vision.spatial_merge_size, min_pixels, max_pixels)
     try:
-        check_image_size(options.image_size, vision.patch_size, vision.spatial_merge_size)
-    except ValueError as exc:
-        raise ExportError(str(exc)) from exc
-    if max_pixels is not None and options.image_size**2 > max_pixels:
-        raise ExportError(
-            f"--vision-image-size {options.image_size} gives {options.image_size**2} pixels, more than the "
-            f"checkpoint's image processor allows (max_pixels {max_pixels})"
-        )
-    n_image_tokens = (options.image_size // vision.patch_size) ** 2 // vision.spatial_merge_size**2
-    try:
-        check_max_images(options.max_images, n_image_tokens, options.capacity)
+        check_image_budget(options.image_tokens, *processor)
+        if grids == STATIC_GRIDS:
+            grids = default_grids(options.image_tokens, *processor)
+        check_vision_grids(grids, options.image_tokens, *processor)
+        check_max_images(options.max_images, options.image_tokens, options.capacity)
     except ValueError as exc:
         raise ExportError(str(exc)) from exc
     if options.embedding_quantized and options.ops == Ops.ORT and text.hidden_size % options.quant_block_size:
@@ -191,11 +210,14 @@ def build_contract(config, generation_config, options: ExportOptions, max_pixels
     pad = getattr(generation_config, "pad_token_id", None) if generation_config is not None else None
     key_dim = text.linear_num_key_heads * text.linear_key_head_dim
     contract = ShapeContract(
-        **options.contract_values(),
+        **{**options.contract_values(), "vision_grids": tuple(tuple(g) for g in grids)},
         **{name: getattr(vision, name) for name in FROM_VISION_CONFIG},
         **{name: getattr(text, name) for name in FROM_TEXT_CONFIG},
         batch=1,
         image_embed_dim=vision.out_hidden_size,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        pos_embed_side=int(vision.num_position_embeddings**0.5),
         layer_types=tuple(text.layer_types),
         conv_dim=2 * key_dim + text.linear_num_value_heads * text.linear_value_head_dim,
         conv_kernel=text.linear_conv_kernel_dim,
@@ -224,12 +246,14 @@ class GraphJob:
     kind: GraphKind
     path: str
     bucket: int | None = None
+    grid: tuple[int, int] | None = None
 
 
 def graph_jobs(contract: ShapeContract, components: Sequence[GraphKind] = tuple(GraphKind)) -> list[GraphJob]:
-    """The graphs of an export: ``vision/model.onnx``; in ``text/``, one prefill per bucket
-    (fixed mode) or one dynamic-length prefill (dynamic mode), and decode, which share one
-    weights file (``text/weights.data``, see :mod:`.weights`)."""
+    """The graphs of an export: in ``vision/``, one static graph per vision grid
+    (``grid_{h}x{w}.onnx``) or the any-grid graph ``model.onnx``, sharing one weights file; in
+    ``text/``, one prefill per bucket (fixed mode) or one dynamic-length prefill (dynamic mode), and
+    decode, which share one weights file (``text/weights.data``, see :mod:`.weights`)."""
     jobs = []
     for kind in components:
         if kind == GraphKind.PREFILL and contract.prefill_buckets:
@@ -238,7 +262,10 @@ def graph_jobs(contract: ShapeContract, components: Sequence[GraphKind] = tuple(
                 for b in contract.prefill_buckets
             ]
         elif kind == GraphKind.VISION:
-            jobs.append(GraphJob(str(kind), kind, "vision/model.onnx"))
+            jobs += [
+                GraphJob(contract.vision_graph_key(g), kind, f"vision/grid_{g[0]}x{g[1]}.onnx", grid=g)
+                for g in contract.vision_grids
+            ] or [GraphJob(contract.vision_graph_key(None), kind, "vision/model.onnx")]
         else:
             jobs.append(GraphJob(str(kind), kind, f"{TEXT_DIR}/{kind}.onnx"))
     return jobs
@@ -257,13 +284,30 @@ def trace_seq_len(job: GraphJob, contract: ShapeContract, dummy_seq_len: int) ->
     return min(n_chunks, contract.capacity // chunk) * chunk
 
 
-def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int):
-    """Example inputs for tracing a graph of ``kind`` (the values only matter for shapes)."""
+def vision_trace_grid(job: GraphJob, contract: ShapeContract) -> tuple[int, int]:
+    """Patch grid a vision graph is traced at: a static graph's own grid; for the any-grid graph,
+    one merge block high and up to 4 wide (within the budget; ``torch.export`` specialises sizes 0
+    and 1, so the patch count is at least 2 merge blocks)."""
+    if job.grid is not None:
+        return job.grid
+    merge = contract.spatial_merge_size
+    return merge, merge * max(2, min(4, contract.image_tokens))
+
+
+def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int, grid: tuple[int, int] | None = None):
+    """Example inputs for tracing a graph of ``kind`` (the values only matter for shapes; ``grid``
+    the patch grid of a vision graph)."""
     import torch
 
     b = contract.batch
     if kind == GraphKind.VISION:
-        return (torch.randn(contract.n_patches, contract.patch_dim),)
+        n = grid[0] * grid[1]
+        return (
+            torch.randn(n, contract.patch_dim),
+            torch.randint(0, contract.pos_embed_side**2, (n, POS_EMBED_TAPS)),
+            torch.rand(n, POS_EMBED_TAPS),
+            torch.randint(0, max(grid), (n, 2)),
+        )
     if kind == GraphKind.PREFILL:
         ids = torch.randint(0, contract.vocab_size, (b, seq_len))
         return (
@@ -305,7 +349,12 @@ def dynamic_shapes(job: GraphJob, contract: ShapeContract):
     chunk count for the dynamic-length prefill; the past length for dynamic decode."""
     from torch.export import Dim
 
-    if job.kind == GraphKind.VISION or job.bucket is not None:
+    if job.kind == GraphKind.VISION:
+        if job.grid is not None:
+            return None
+        patches = contract.spatial_merge_size**2 * Dim("image_tokens", min=2, max=contract.image_tokens)
+        return ({0: patches},) * 4
+    if job.bucket is not None:
         return None
     if job.kind == GraphKind.PREFILL:
         max_chunks = contract.capacity // contract.chunk_size
@@ -323,7 +372,14 @@ def graph_module(kind: GraphKind, model, contract: ShapeContract):
     from .graphs import DecodeGraph, PrefillGraph, VisionGraph
 
     if kind == GraphKind.VISION:
-        return VisionGraph(model.model.visual, contract)
+        visual = model.model.visual
+        resampling = (visual.interpolation_mode, visual.interpolation_align_corners)
+        if resampling != ("bilinear", True):
+            raise ExportError(
+                f"the vision tower resamples its position embeddings with {resampling}; the runtime computes the "
+                "taps for ('bilinear', align_corners=True), Qwen3.5's"
+            )
+        return VisionGraph(visual, contract)
     return (PrefillGraph if kind == GraphKind.PREFILL else DecodeGraph)(model, contract)
 
 
@@ -368,7 +424,7 @@ def export_graph(
     with torch.no_grad(), quiet_torch_export():
         program = torch.onnx.export(
             module,
-            dummy_inputs(job.kind, contract, trace_seq_len(job, contract, dummy_seq_len)),
+            dummy_inputs(job.kind, contract, trace_seq_len(job, contract, dummy_seq_len), vision_trace_grid(job, contract)),
             dynamo=True,
             opset_version=BF16_OPSET if contract.dtype == Dtype.BF16 else OPSET,
             input_names=inputs,
@@ -509,7 +565,7 @@ def export(
         options = component_options(existing, options, explicit)
         options.validate()
     config, generation_config = load_config(model_dir)
-    contract = build_contract(config, generation_config, options, processor_max_pixels(model_dir))
+    contract = build_contract(config, generation_config, options, processor_pixel_range(model_dir))
     contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
     if options.component != ALL_COMPONENTS and existing.same_shapes(contract):
         raise ExportError(
@@ -542,20 +598,20 @@ def export(
             text = WeightsFileWriter(tmp / TEXT_DIR)
             exporting = {job.key for job in jobs}
             for key, path in contract.graphs.items():  # text graphs kept from the existing export
-                if key != GraphKind.VISION and key not in exporting:
+                if GraphKind.of(key) != GraphKind.VISION and key not in exporting:
                     text.add(tmp / path)
+        vision = None
+        if any(job.kind == GraphKind.VISION for job in jobs):
+            (tmp / VISION_DIR).mkdir(exist_ok=True)
+            vision = WeightsFileWriter(tmp / VISION_DIR, data_name=VISION_DATA)
         bar = tqdm(jobs, desc="export", unit="graph", disable=not show_progress, file=sys.stderr)
         for job in bar:
             bar.set_postfix_str(job.key)
-            if job.kind == GraphKind.VISION:
-                (tmp / job.path).parent.mkdir(parents=True, exist_ok=True)
-                vision = WeightsFileWriter((tmp / job.path).parent, data_name=VISION_DATA)
-                export_graph(job, model, contract, tmp, options.trace_len, source, vision)
-                vision.finish()
-            else:
-                export_graph(job, model, contract, tmp, options.trace_len, source, text)
-        if text is not None:
-            text.finish()
+            writer = vision if job.kind == GraphKind.VISION else text
+            export_graph(job, model, contract, tmp, options.trace_len, source, writer)
+        for writer in (vision, text):
+            if writer is not None:
+                writer.finish()
         copy_processor_files(model_dir, tmp)
         write_manifest(tmp, contract)
         _swap_into_place(tmp, out)

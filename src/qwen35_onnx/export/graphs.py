@@ -7,7 +7,8 @@ the cache objects, the gated delta rule, the causal conv and the attention mask.
 Graph I/O (names as in the reference system; B = 1, L = capacity):
 
 =========  ================================================================================
-vision     pixel_values [n_patches, patch_dim] -> image_embeds [n_image_tokens, hidden]
+vision     pixel_values [N, patch_dim], pos_embed_indices [N, 4], pos_embed_weights [N, 4],
+           rotary_position_ids [N, 2] -> image_embeds [N / merge**2, hidden] (N: one image's patches)
 prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_embeds [N,hidden]
            -> logits [B,1,V] (last real token; [B,S,V] with prefill_logits='all'),
               present_conv_states [n_linear,B,conv_dim,K-1],
@@ -32,7 +33,7 @@ from torch import nn
 from ..contract import KvMode, Ops, PrefillLogits, Quantization, ShapeContract
 from . import fused, layers
 
-VISION_INPUTS = ["pixel_values"]
+VISION_INPUTS = ["pixel_values", "pos_embed_indices", "pos_embed_weights", "rotary_position_ids"]
 VISION_OUTPUTS = ["image_embeds"]
 PREFILL_INPUTS = ["input_ids", "attention_mask", "position_ids", "image_embeds"]
 DECODE_INPUTS = [
@@ -87,60 +88,41 @@ def _rms_scale(norm: nn.Module) -> torch.Tensor:
 
 
 class VisionGraph(nn.Module):
-    """ViT tower for one image at the exported grid.
+    """ViT tower for one image of any patch grid (the grid's patch count N is the inputs' first
+    axis: static in a static-grid graph, dynamic in the any-grid graph).
 
-    Position embeddings (bilinear resampling of the learned grid) and the 2-D rotary tables
-    depend only on the grid, which the contract fixes, so they are computed once here with
-    transformers' own functions and stored as constants. Mirrors ``Qwen3_5VisionModel.forward``
-    for a single image (one attention window over all patches).
+    What depends on the grid alone comes in as inputs, computed on the host per grid
+    (:mod:`qwen35_onnx.runtime.vision_positions`, a port of transformers'
+    ``get_vision_interpolation_indices_and_weights`` / ``get_vision_position_ids``, which
+    ``Qwen3_5VisionModel.forward`` also accepts precomputed): the taps and weights that resample the
+    learned square position-embedding table to the grid, and the (row, col) ids of the 2-D rotary
+    embedding. Mirrors ``Qwen3_5VisionModel.forward`` for a single image (one attention window over
+    all patches).
 
-    Input ``pixel_values [n_patches, patch_dim]`` (fp32), output ``image_embeds
-    [n_image_tokens, out_hidden]``.
+    Inputs ``pixel_values [N, patch_dim]`` fp32, ``pos_embed_indices [N, taps]`` int64,
+    ``pos_embed_weights [N, taps]`` fp32, ``rotary_position_ids [N, 2]`` int64; output
+    ``image_embeds [N / merge**2, out_hidden]`` fp32.
     """
 
     def __init__(self, visual: nn.Module, contract: ShapeContract):
         super().__init__()
-        from transformers.vision_utils import (
-            get_vision_interpolation_indices_and_weights,
-            get_vision_position_ids,
-        )
-
         self.visual = visual
-        grid = torch.tensor([contract.grid_thw], dtype=torch.long)
-        with torch.no_grad():
-            idx, weights = get_vision_interpolation_indices_and_weights(
-                grid,
-                num_grid_per_side=visual.num_grid_per_side,
-                mode=visual.interpolation_mode,
-                align_corners=visual.interpolation_align_corners,
-                spatial_merge_size=visual.config.spatial_merge_size,
-            )
-            position_ids = get_vision_position_ids(grid, visual.spatial_merge_size)
-            # the rotary tables depend on the grid only (x gives the device: real, whatever the weights)
-            cos, sin = visual.rotary_pos_emb(torch.empty(0), position_ids)
-        self.empty = getattr(visual, "empty_weights", False)
 
-        def pos_embeds(load):
-            table = load(visual.pos_embed.weight)
-            return (F.embedding(idx.to(table.device), table) * weights.to(table.device)[:, :, None]).sum(1)
-
-        self.recipes: dict[str, Recipe] = {}
-        register_derived(self, "pos_embeds", pos_embeds)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values, pos_embed_indices, pos_embed_weights, rotary_position_ids) -> torch.Tensor:
         from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
 
         visual = self.visual
         pixel_values = pixel_values.to(visual.patch_embed.proj.weight.dtype)  # fp32 in, the export's dtype inside
-        hidden = visual.patch_embed(pixel_values) + self.pos_embeds.to(pixel_values.dtype)
+        table = visual.pos_embed.weight
+        pos_embeds = (F.embedding(pos_embed_indices, table) * pos_embed_weights[:, :, None].to(table.dtype)).sum(1)
+        hidden = visual.patch_embed(pixel_values) + pos_embeds.to(pixel_values.dtype)
+        cos, sin = visual.rotary_pos_emb(hidden, rotary_position_ids)
         n_tokens = hidden.shape[0]
         for block in visual.blocks:
             attn = block.attn
             normed = block.norm1(hidden)
             q, k, v = attn.qkv(normed).reshape(n_tokens, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-            q, k = apply_rotary_pos_emb_vision(q, k, self.rope_cos, self.rope_sin)
+            q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
             q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, N, D]
             scores = (q @ k.transpose(-1, -2)) * attn.scaling
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)

@@ -30,6 +30,7 @@ from ..contract import (
     is_quant_block_size,
     plain,
 )
+from ..image_grids import parse_grids
 from ..options import declared, option
 
 ALL_COMPONENTS = "all"
@@ -54,6 +55,28 @@ def parse_buckets(text: str) -> tuple[int, ...]:
         ) from None
 
 
+DEFAULT_IMAGE_TOKENS = 256
+"""Default image-token budget per image (about 512 x 512 pixels)."""
+STATIC_GRIDS = "static"
+"""``--vision-grids`` value for the default static grid set (:func:`~qwen35_onnx.image_grids.default_grids`)."""
+
+
+def parse_vision_grids(text: str) -> tuple[tuple[int, int], ...] | str:
+    """``"any"`` -> ``()``; ``"static"`` -> :data:`STATIC_GRIDS`; ``"16x16,26x36"`` -> ``((16, 16), (26, 36))``.
+
+    Raises:
+        ValueError: anything else, naming the text.
+    """
+    if text.strip().lower() == "any":
+        return ()
+    if text.strip().lower() == STATIC_GRIDS:
+        return STATIC_GRIDS
+    try:
+        return parse_grids(text)
+    except ValueError as exc:
+        raise ValueError(f"--vision-grids {text!r}: {exc}; or 'any' or 'static'") from None
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """Options of ``qwen35-onnx export``; see each field's help. ``capacity`` (tokens) and
@@ -68,8 +91,16 @@ class ExportOptions:
                           help="fp32, fp16 or bf16: weights, activations, conv state and KV cache (the recurrent state "
                                "and the host-facing pixel_values, image_embeds and logits stay fp32; bf16 runs on "
                                "OpenVINO).")
-    image_size: int = option(128, "--vision-image-size", "Image side in pixels (multiple of patch x merge).",
-                             contract=True)
+    image_tokens: int = option(
+        DEFAULT_IMAGE_TOKENS, "--image-tokens", contract=True,
+        help="Image-token budget of one image (each token is 32x32 pixels with Qwen3.5's 16-pixel patches and 2x2 "
+             "merge, so 256 tokens is about 512x512 pixels): caps the image processor's max_pixels.")
+    vision_grids: tuple[tuple[int, int], ...] | str = option(
+        (), "--vision-grids", contract=True, parse=parse_vision_grids,
+        help="any (one vision graph, any patch grid up to the budget: every image gets exactly the image "
+             "processor's grid; ONNX Runtime only), static (the default static grids: common aspect ratios at the "
+             "budget and at min_pixels, each its own static graph, for static compilers such as OpenVINO), or a "
+             "list of HxW patch grids, e.g. 16x16,26x36.")
     dummy_seq_len: int | None = option(None, "--dummy-seq-len",
                                        "Trace length in tokens; by default 8, at most capacity - 1.")
     component: str = option(ALL_COMPONENTS, "--component",
@@ -155,6 +186,9 @@ class ExportOptions:
                 "--dtype bf16 needs --ops portable: ONNX Runtime's fused operators (--ops ort) take fp32 and fp16 "
                 "only, and OpenVINO, which runs bf16, reads portable graphs only"
             )
+        grids = self.vision_grids
+        if grids != STATIC_GRIDS and not isinstance(grids, (tuple, list)):
+            raise ExportError(f"--vision-grids {grids!r} must be 'any', 'static' or a list of (h, w) patch grids")
         if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 1:
             raise ExportError(f"--max-images must be an integer >= 1, got {self.max_images!r}")
         if self.prefill_buckets is not None:

@@ -41,6 +41,7 @@ from .checks import (
     check_prefill,
     check_vision,
 )
+from .vision_positions import vision_position_inputs
 
 
 class Runtime(StrEnum):
@@ -158,10 +159,11 @@ class Decoder(Protocol):
 
 
 class GraphSet(abc.ABC):
-    """The graphs of one export as one backend loaded them. Vision and decode load (and are
-    cross-checked) at once; each prefill graph (one per bucket in fixed mode) loads on first use
-    and is cross-checked then, before it runs, so unused buckets cost no memory. Each graph is
-    loaded once per GraphSet (until :meth:`unload_prefill`).
+    """The graphs of one export as one backend loaded them. Decode and the any-grid vision graph
+    load (and are cross-checked) at once; each prefill graph (one per bucket in fixed mode) and each
+    static vision grid loads on first use and is cross-checked then, before it runs, so unused
+    buckets and grids cost no memory. Each graph is loaded once per GraphSet (a prefill graph until
+    :meth:`unload_prefill`).
 
     A backend implements :meth:`_read` (open one graph file and describe it) and may implement
     :meth:`_prepare` (compile it, after it passed the checks).
@@ -173,8 +175,10 @@ class GraphSet(abc.ABC):
     def __init__(self, root: Path, contract: ShapeContract):
         self.root, self.contract = Path(root), contract
         self._prefill: dict[int | None, GraphSpec] = {}
+        self._vision: dict[tuple[int, int] | None, GraphSpec] = {}
         check_export_files(self.root, contract)
-        self.vision = self._load("vision", check_vision)
+        if not contract.static_vision:
+            self.vision(None)
         self.decode = self._load("decode", check_decode)
 
     @abc.abstractmethod
@@ -198,6 +202,28 @@ class GraphSet(abc.ABC):
         check_metadata(self.contract, graph)
         check(self.contract, graph)
         return self._prepare(graph)
+
+    def vision(self, grid: tuple[int, int] | None) -> GraphSpec:
+        """The vision graph for an image of patch grid ``(h, w)``: the any-grid graph (loaded with the
+        set), or the static graph of that grid (loaded, compiled and cross-checked on its first use).
+
+        Raises:
+            ContractError: a grid the export does not serve (see
+                :meth:`~qwen35_onnx.contract.ShapeContract.check_grid`), or a graph that disagrees
+                with the manifest.
+        """
+        if grid is not None:
+            self.contract.check_grid(tuple(grid))
+        key = tuple(grid) if grid is not None and self.contract.static_vision else None
+        if key not in self._vision:
+            name = self.contract.vision_graph_key(key)
+            self._vision[key] = self._load(name, lambda contract, graph: check_vision(contract, graph, key))
+        return self._vision[key]
+
+    @property
+    def loaded_grids(self) -> list[tuple[int, int] | None]:
+        """The vision grids whose graphs are loaded (None: the any-grid graph)."""
+        return list(self._vision)
 
     def prefill(self, bucket: int | None) -> GraphSpec:
         """The prefill graph for ``bucket`` tokens (``None``: the dynamic-length graph)."""
@@ -255,10 +281,30 @@ class Backend(abc.ABC):
         (empty where they share nothing); see each backend."""
         return {}
 
+    def run_vision(self, grid: tuple[int, int], pixel_values: np.ndarray) -> np.ndarray:
+        """The vision graph of ``grid`` (patches down, across) on one image's patches ``[h * w,
+        patch_dim]`` fp32, with the grid's position-embedding taps and rotary ids
+        (:func:`~.vision_positions.vision_position_inputs`); returns its embeddings ``[h * w /
+        merge**2, image_embed_dim]`` fp32 (a host array the caller owns).
+
+        Raises:
+            ContractError: a grid the export does not serve.
+            ValueError: ``pixel_values`` of another shape than the grid's.
+        """
+        c = self.contract
+        h, w = grid
+        if pixel_values.shape != (h * w, c.patch_dim):
+            raise ValueError(
+                f"pixel_values of a {h}x{w} grid must have shape {(h * w, c.patch_dim)}, got {pixel_values.shape}"
+            )
+        graph = self.graphs.vision((h, w))
+        feeds = vision_position_inputs((1, h, w), c.pos_embed_side, c.spatial_merge_size)
+        return self._run_vision(graph, {"pixel_values": pixel_values, **feeds})
+
     @abc.abstractmethod
-    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
-        """Vision graph on one image's patches ``[n_patches, patch_dim]`` fp32; returns its
-        embeddings ``[n_image_tokens, image_embed_dim]`` (a host array the caller owns)."""
+    def _run_vision(self, graph: GraphSpec, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        """Run a vision graph (as :meth:`GraphSet.vision` loaded it) on host ``feeds``; returns
+        ``image_embeds`` as a host array the caller owns."""
 
     @abc.abstractmethod
     def run_prefill(self, bucket: int | None, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, Any]]:

@@ -72,7 +72,8 @@ def check_export_files(root: Path, contract: ShapeContract) -> None:
     Raises:
         ContractError: naming the missing graph or file.
     """
-    expected = {"vision", "decode"} | {contract.prefill_graph_key(b) for b in contract.prefill_buckets or [None]}
+    expected = {"decode", *contract.vision_graph_keys()}
+    expected |= {contract.prefill_graph_key(b) for b in contract.prefill_buckets or [None]}
     missing = sorted(expected - set(contract.graphs))
     if missing:
         raise ContractError(f"manifest.json lists no graph for {missing} (has {sorted(contract.graphs)})")
@@ -174,16 +175,39 @@ def _check_capacity(contract: ShapeContract, widths: dict[str, object]) -> None:
             )
 
 
-def check_vision(contract: ShapeContract, vision: GraphSpec) -> None:
-    """pixel_values ``[n_patches, patch_dim]`` and image_embeds ``[n_image_tokens, dim]``."""
-    _expect(
-        "vision input pixel_values shape", vision.inputs.get("pixel_values"), [contract.n_patches, contract.patch_dim]
-    )
-    _expect(
-        "vision output image_embeds shape",
-        vision.outputs.get("image_embeds"),
-        [contract.n_image_tokens, contract.image_embed_dim],
-    )
+#: The vision graph's inputs (pixel_values first; the other three computed per grid on the host,
+#: see :mod:`.vision_positions`) and their element types.
+VISION_INPUT_TYPES = {
+    "pixel_values": "tensor(float)",
+    "pos_embed_indices": "tensor(int64)",
+    "pos_embed_weights": "tensor(float)",
+    "rotary_position_ids": "tensor(int64)",
+}
+
+
+def check_vision(contract: ShapeContract, vision: GraphSpec, grid: tuple[int, int] | None) -> None:
+    """The inputs of :data:`VISION_INPUT_TYPES`, each with one row per patch; ``pixel_values [N,
+    patch_dim]`` and ``image_embeds [N / merge**2, image_embed_dim]`` where N is the static
+    ``grid``'s patch count, or symbolic in the any-grid graph (``grid`` None)."""
+    _check_names(vision, "input", list(VISION_INPUT_TYPES))
+    _check_names(vision, "output", ["image_embeds"])
+    for name, onnx_type in VISION_INPUT_TYPES.items():
+        _expect(f"{vision.name} input {name} element type", vision.types.get(name), onnx_type)
+    patches = vision.dim("input", "pixel_values", 0)
+    if grid is not None:
+        tokens = grid[0] * grid[1] // contract.spatial_merge_size**2
+        _expect(f"{vision.name} input pixel_values shape", vision.inputs["pixel_values"], [grid[0] * grid[1], contract.patch_dim])
+        _expect(f"{vision.name} output image_embeds shape", vision.outputs["image_embeds"], [tokens, contract.image_embed_dim])
+    else:
+        if isinstance(patches, int):
+            raise ContractError(
+                f"{vision.name} graph takes {patches} patches only, but the manifest lists it as the any-grid graph "
+                "(a dynamic patch count); re-export the vision graph"
+            )
+        _expect(f"{vision.name} input pixel_values columns", vision.dim("input", "pixel_values", 1), contract.patch_dim)
+        _expect(
+            f"{vision.name} output image_embeds columns", vision.dim("output", "image_embeds", 1), contract.image_embed_dim
+        )
     _check_host_types(vision, "vision")
 
 

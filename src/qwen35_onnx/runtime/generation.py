@@ -109,8 +109,8 @@ class Generation:
         return int(self.mask.sum())
 
     def run_vision(self) -> np.ndarray:
-        """The vision graph once per image of the prompt; returns the embeddings stacked in prompt
-        order and zero-padded to the prefill's ``[n_image_rows, image_embed_dim]`` fp32 (all zeros
+        """The vision graph of each image's grid once per image of the prompt; returns the embeddings
+        stacked in prompt order and zero-padded to the prefill's ``[n_image_rows, image_embed_dim]`` fp32 (all zeros
         for a text-only prompt).
 
         Raises:
@@ -123,11 +123,12 @@ class Generation:
             if n_tokens:
                 raise ValueError(f"the prompt has {n_tokens} image tokens but no image was given")
             return rows
-        filled = 0
-        for start in range(0, prompt.pixel_values.shape[0], c.n_patches):
-            embeds = self.backend.run_vision(prompt.pixel_values[start : start + c.n_patches])
+        filled = start = 0
+        for _, h, w in prompt.image_grids:
+            embeds = self.backend.run_vision((h, w), prompt.pixel_values[start : start + h * w])
             rows[filled : filled + embeds.shape[0]] = embeds
             filled += embeds.shape[0]
+            start += h * w
         if filled != n_tokens:
             raise ValueError(
                 f"vision graph returned {filled} image embeddings but the prompt has {n_tokens} image tokens"

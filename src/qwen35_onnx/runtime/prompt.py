@@ -16,18 +16,23 @@ __all__ = ["PreparedPrompt", "prepare_ids"]
 @dataclass
 class PreparedPrompt:
     """Host-side inputs of one request, checked against the contract: ids ``[1, S]`` int64,
-    pixel values ``[n_images * n_patches, patch_dim]`` fp32 (the images' patches one after the
-    other; None for a text-only prompt), position ids ``[4, 1, S]`` int64, ``rope_deltas``, the
-    prefill ``bucket`` (tokens) it will run in, and whether the rendered prompt ends inside an
-    open ``<think>`` block (``opens_reasoning``: the reply starts as reasoning)."""
+    pixel values ``[sum of h*w, patch_dim]`` fp32 (the images' patches one after the other; None
+    for a text-only prompt), each image's patch grid ``(t, h, w)`` in prompt order
+    (``image_grids``), position ids ``[4, 1, S]`` int64, ``rope_deltas``, the prefill ``bucket``
+    (tokens) it will run in, and whether the rendered prompt ends inside an open ``<think>`` block
+    (``opens_reasoning``: the reply starts as reasoning)."""
 
     input_ids: np.ndarray
     pixel_values: np.ndarray | None
     position_ids: np.ndarray
     rope_deltas: int
     bucket: int
-    n_images: int = 0
+    image_grids: tuple[tuple[int, int, int], ...] = ()
     opens_reasoning: bool = False
+
+    @property
+    def n_images(self) -> int:
+        return len(self.image_grids)
 
     @property
     def prompt_len(self) -> int:
@@ -46,21 +51,26 @@ class PreparedPrompt:
 
 
 def prepare_ids(
-    contract: ShapeContract, input_ids: np.ndarray, pixel_values: np.ndarray | None = None
+    contract: ShapeContract,
+    input_ids: np.ndarray,
+    pixel_values: np.ndarray | None = None,
+    image_grids=(),
 ) -> PreparedPrompt:
     """Check already tokenized input against ``contract`` and compute its positions
     (:func:`~.positions.mrope_position_ids`).
 
     Args:
-        input_ids: int ``[1, S]``; holds ``n_image_tokens`` image tokens per image, each
-            image's tokens one contiguous run.
-        pixel_values: fp32 ``[n_images * n_patches, patch_dim]`` (1 <= n_images <=
-            ``max_images``) or None.
+        input_ids: int ``[1, S]``; holds ``t*h*w / merge**2`` image tokens per image, each image's
+            tokens one contiguous run.
+        pixel_values: fp32 ``[sum of t*h*w, patch_dim]`` (the images' patches one after the other)
+            or None.
+        image_grids: each image's patch grid ``(t, h, w)`` (or ``(h, w)``), in prompt order; one
+            per image, none without ``pixel_values``.
 
     Raises:
-        ValueError: bad shape, token ids outside the vocabulary, image tokens that do not
-            match the images, more images than ``max_images``, or a prompt longer than the
-            largest bucket / capacity.
+        ValueError: bad shape, token ids outside the vocabulary, image tokens that do not match
+            the images, more images than ``max_images``, a grid the export does not serve, or a
+            prompt longer than the largest bucket / capacity.
     """
     c = contract
     ids = np.asarray(input_ids)
@@ -71,27 +81,43 @@ def prepare_ids(
         raise ValueError(f"token ids must lie in [0, {c.vocab_size}), got min {low} max {high}")
     ids = ids.astype(np.int64)
     bucket = c.select_bucket(int(ids.shape[1]))
-    n_images = 0
+    grids = tuple(_grid(g) for g in image_grids)
+    if pixel_values is None and grids:
+        raise ValueError(f"{len(grids)} image grids were given without pixel_values")
+    if len(grids) > c.max_images:
+        raise ValueError(f"the prompt holds {len(grids)} images, more than the export's max_images {c.max_images}")
+    for _, h, w in grids:
+        c.check_grid((h, w))
     if pixel_values is not None:
         pixel_values = np.asarray(pixel_values)
-        rows = pixel_values.shape[0] if pixel_values.ndim == 2 else 0
+        rows = sum(t * h * w for t, h, w in grids)
         if (
-            pixel_values.ndim != 2
-            or pixel_values.shape[1] != c.patch_dim
-            or rows == 0
-            or rows % c.n_patches
+            not grids
+            or pixel_values.ndim != 2
+            or pixel_values.shape != (rows, c.patch_dim)
             or pixel_values.dtype.kind not in "fiu"
         ):
             raise ValueError(
-                f"pixel_values must be numbers of shape [n_images * {c.n_patches}, {c.patch_dim}] (the exported "
-                f"grid, images one after the other), got {pixel_values.dtype} {tuple(pixel_values.shape)}"
+                f"pixel_values must be numbers of shape [{rows}, {c.patch_dim}] (the patches of the image grids "
+                f"{[g[1:] for g in grids]}, one image after the other), got {pixel_values.dtype} "
+                f"{tuple(pixel_values.shape)}"
             )
-        n_images = rows // c.n_patches
-        if n_images > c.max_images:
-            raise ValueError(f"pixel_values hold {n_images} images, more than the export's max_images {c.max_images}")
         if not np.isfinite(pixel_values).all():
             raise ValueError("pixel_values hold NaN or infinite values")
         pixel_values = np.ascontiguousarray(pixel_values, dtype=np.float32)
-    grids = [c.grid_thw] * n_images
-    positions, rope_deltas = mrope_position_ids(ids, c.image_token_id, grids, c.spatial_merge_size)
-    return PreparedPrompt(ids, pixel_values, positions, int(rope_deltas), bucket, n_images)
+    positions, rope_deltas = mrope_position_ids(ids, c.image_token_id, list(grids), c.spatial_merge_size)
+    return PreparedPrompt(ids, pixel_values, positions, int(rope_deltas), bucket, grids)
+
+
+def _grid(grid) -> tuple[int, int, int]:
+    """``(h, w)`` or ``(1, h, w)`` as ``(1, h, w)`` ints.
+
+    Raises:
+        ValueError: anything else (video grids with t > 1 are not served).
+    """
+    values = tuple(int(v) for v in np.asarray(grid).reshape(-1))
+    if len(values) == 2:
+        values = (1, *values)
+    if len(values) != 3 or values[0] != 1 or min(values) < 1:
+        raise ValueError(f"an image grid must be (h, w) or (1, h, w) with positive sides, got {grid!r}")
+    return values

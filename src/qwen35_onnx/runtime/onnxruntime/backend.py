@@ -55,8 +55,8 @@ class OrtBackend(Backend):
             return {"mapped": graphs.weights.mapped_bytes(), "transposed": graphs.weights.transposed_bytes()}
         return {}
 
-    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
-        (embeds,) = self.graphs.vision.session.run(None, {"pixel_values": pixel_values})
+    def _run_vision(self, graph, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        (embeds,) = graph.session.run(None, feeds)
         return embeds
 
     def run_prefill(self, bucket: int | None, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:

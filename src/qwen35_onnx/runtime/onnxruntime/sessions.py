@@ -207,7 +207,7 @@ class OrtGraphSet(GraphSet):
         files = {
             (self.root / rel).parent / TEXT_WEIGHTS
             for key, rel in self.contract.graphs.items()
-            if key != GraphKind.VISION
+            if GraphKind.of(key) != GraphKind.VISION
         }
         return int(1.5 * sum(f.stat().st_size for f in files if f.is_file()))
 
@@ -230,7 +230,7 @@ class OrtGraphSet(GraphSet):
             release_freed_memory()
 
     def _read(self, key: str, path: Path) -> GraphSession:
-        arena = key in (GraphKind.VISION, GraphKind.DECODE)
+        arena = GraphKind.of(key) in (GraphKind.VISION, GraphKind.DECODE)
         if self.prepacked is not None:
             cache = self.prepacked
             try:
@@ -246,7 +246,8 @@ class OrtGraphSet(GraphSet):
                 graph = self._read(key, path)
                 warn_unavailable(exc)
                 return graph
-        weights = None if key == GraphKind.VISION else self.weights  # the vision graph has its own weights
+        # each vision graph has its own weights (a static-grid export loads a grid on its first image)
+        weights = None if GraphKind.of(key) == GraphKind.VISION else self.weights
         return self._session(key, path, weights=weights, arena=arena)
 
     def _session(self, key: str, path: Path, **extra) -> GraphSession:

@@ -1,12 +1,13 @@
 """The OpenVINO backend (no torch): the static graphs of a fixed-KV ``--ops portable`` export,
-each read and compiled once (vision and decode at load, each prefill bucket on first use) for an
-OpenVINO device (CPU here; GPU or NPU where present) with an inference precision hint.
+each read and compiled once (decode at load, each vision grid and each prefill bucket on first use)
+for an OpenVINO device (CPU here; GPU or NPU where present) with an inference precision hint.
 
 Checked before anything compiles:
 
 - the export: fixed KV (a dynamic-mode export is refused: its decode KV grows by one token per
   step, so a static compiler would compile the decode graph again for every token; NPU
-  compilers take static shapes only); no operator outside the ONNX standard that OpenVINO cannot
+  compilers take static shapes only); static vision grids (the any-grid vision graph is refused the
+  same way: it would compile again for every image size); no operator outside the ONNX standard that OpenVINO cannot
   read (``--ops ort`` exports are refused naming the operators);
 - each graph: read by OpenVINO's ONNX reader (a failure is a ContractError with its summary),
   no dynamic dimension on any input or output (``Model.is_dynamic()``), the contract in its
@@ -188,7 +189,8 @@ class OpenVinoBackend(Backend):
 
     Raises:
         ValueError: device not available, or precision it does not support.
-        ContractError: the export cannot run on OpenVINO (dynamic KV, ``--ops ort``), or see
+        ContractError: the export cannot run on OpenVINO (dynamic KV, the any-grid vision graph,
+            ``--ops ort``), or see
             :class:`OpenVinoGraphSet`.
     """
 
@@ -207,6 +209,12 @@ class OpenVinoBackend(Backend):
                 f"the export at {str(root)!r} has a dynamic KV cache (--kv-cache {contract.kv_mode}), which OpenVINO "
                 "would have to compile again for every decode step; re-export with --kv-cache fixed for OpenVINO"
             )
+        if not contract.static_vision:
+            raise ContractError(
+                f"the export at {str(root)!r} has one vision graph for any image grid (a dynamic patch count, "
+                "--vision-grids any), which OpenVINO would have to compile again for every image size; re-export with "
+                "--vision-grids static (or a list of grids) for OpenVINO"
+            )
         check_export_files(root, contract)
         if contract.ops != Ops.PORTABLE:
             path = root / contract.graphs["decode"]
@@ -224,9 +232,10 @@ class OpenVinoBackend(Backend):
             config["INFERENCE_NUM_THREADS"] = threads
         self.graphs = OpenVinoGraphSet(root, contract, core, self.device, config)
 
-    def run_vision(self, pixel_values: np.ndarray) -> np.ndarray:
-        request = self.graphs.vision.request
-        np.copyto(request.get_tensor("pixel_values").data, pixel_values)
+    def _run_vision(self, graph: CompiledGraph, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        request = graph.request
+        for name, value in feeds.items():
+            np.copyto(request.get_tensor(name).data, value)
         run_request(request)
         return request.get_tensor("image_embeds").data.copy()
 

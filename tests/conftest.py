@@ -180,6 +180,19 @@ def fixed_export(checkpoint, tmp_path_factory) -> Path:
     return shared_export(tmp_path_factory, checkpoint, "fixed", kv_mode="fixed", ops="portable")
 
 
+PHOTO_GRID = (16, 16)
+"""The shipped 256 x 256 photo's patch grid: the one static vision grid of `static_export`."""
+
+
+def static_grid_export(checkpoint: Path, tmp_path_factory) -> Path:
+    """`fixed_export` (portable operators, fixed KV) with one static vision graph, for the photo's
+    grid, instead of the any-grid graph, which OpenVINO refuses (it would compile again for every
+    image size); built once per run (the OpenVINO, CLI and server tests share it)."""
+    return shared_export(
+        tmp_path_factory, checkpoint, "openvino", kv_mode="fixed", ops="portable", vision_grids=(PHOTO_GRID,)
+    )
+
+
 @pytest.fixture(scope="session")
 def dynamic_export(checkpoint, tmp_path_factory) -> Path:
     return shared_export(tmp_path_factory, checkpoint, "dynamic", kv_mode="dynamic", ops="portable")
@@ -195,8 +208,9 @@ def small_export(checkpoint, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def chat_export(checkpoint, tmp_path_factory):
-    """Default operators (ort), fixed KV, room for two images per prompt."""
-    return shared_export(tmp_path_factory, checkpoint, "chat", max_images=2)
+    """Default operators (ort), fixed KV, room for two images per prompt (capacity 2 * CAPACITY:
+    two images of IMAGE_TOKENS tokens each and their text)."""
+    return shared_export(tmp_path_factory, checkpoint, "chat", max_images=2, capacity=2 * CAPACITY)
 
 
 @pytest.fixture(scope="session")
@@ -210,12 +224,11 @@ def reference_model(checkpoint):
 def reference_tokens(fixed_export, reference_model, photo) -> list[int]:
     """Greedy transformers tokens for the demo prompt (shared by all parity tests)."""
     from qwen35_onnx.pipeline import Pipeline
-    from qwen35_onnx.verify import reference_generate
+    from qwen35_onnx.verify import reference_generate_prepared
 
     pipe = Pipeline.from_exported(fixed_export)
     prepared = pipe.prepare(photo, PROMPT)
-    c = pipe.contract
-    return reference_generate(reference_model, prepared, c.grid_thw, MAX_NEW_TOKENS, c.eos_token_ids)
+    return reference_generate_prepared(reference_model, prepared, MAX_NEW_TOKENS, pipe.contract.eos_token_ids)
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ def test_padded_prefill_equals_unpadded(reference_model, pipe):
     graph = PrefillGraph(reference_model, contract).eval()
     for length in (5, 31, 40):
         prepared = pipe.prepare_ids(random_prompt(pipe, length, seed=length))
-        embeds = torch.zeros(contract.n_image_tokens, contract.image_embed_dim)
+        embeds = torch.zeros(contract.n_image_rows, contract.image_embed_dim)
         with torch.no_grad():
             plain = graph(
                 torch.from_numpy(prepared.input_ids),
@@ -59,18 +59,18 @@ def test_padded_prefill_equals_unpadded(reference_model, pipe):
 
 @pytest.mark.parametrize("length", [1, 31, 32, 33, CAPACITY - 8])
 def test_prompt_lengths_around_buckets_match_transformers(pipe, reference_model, length):
-    from qwen35_onnx.verify import reference_generate
+    from qwen35_onnx.verify import reference_generate_prepared
 
     prepared = pipe.prepare_ids(random_prompt(pipe, length, seed=100 + length))
     max_new = min(12, CAPACITY - length + 1)
     ours = pipe.generate_prepared(prepared, max_new_tokens=max_new)
-    reference = reference_generate(reference_model, prepared, None, max_new, pipe.contract.eos_token_ids)
+    reference = reference_generate_prepared(reference_model, prepared, max_new, pipe.contract.eos_token_ids)
     assert ours.token_ids == reference
     assert ours.prompt_tokens == length
 
 
 def test_capacity_exhaustion_returns_every_token(pipe, reference_model, caplog):
-    from qwen35_onnx.verify import reference_generate
+    from qwen35_onnx.verify import reference_generate_prepared
 
     length = CAPACITY - 6
     prepared = pipe.prepare_ids(random_prompt(pipe, length, seed=7))
@@ -79,7 +79,7 @@ def test_capacity_exhaustion_returns_every_token(pipe, reference_model, caplog):
     assert "exceeds the capacity" in caplog.text and "at most 7 new tokens" in caplog.text
     assert result.finish_reason == "length"
     assert len(result.token_ids) == CAPACITY - length + 1
-    assert result.token_ids == reference_generate(reference_model, prepared, None, len(result.token_ids), ())
+    assert result.token_ids == reference_generate_prepared(reference_model, prepared, len(result.token_ids), ())
 
 
 def test_sampling_same_seed_same_text(pipe, photo):
@@ -185,6 +185,9 @@ def test_numpy_integer_max_new_tokens_and_str_stop(pipe):
 
 def test_nan_pixels_rejected(pipe):
     c = pipe.contract
-    ids = pipe.preprocessor.encode("hi", c.n_image_tokens)
+    ids = pipe.preprocessor.encode("hi", 16 * 16 // c.spatial_merge_size**2)
+    pixels = np.zeros((16 * 16, c.patch_dim), dtype=np.float32)
+    pipe.prepare_ids(ids, pixels, [(16, 16)])  # finite pixels of the grid pass
+    pixels[3, 5] = np.nan
     with pytest.raises(ValueError, match="NaN or infinite"):
-        pipe.prepare_ids(ids, np.full((c.n_patches, c.patch_dim), np.nan, dtype=np.float32))
+        pipe.prepare_ids(ids, pixels, [(16, 16)])

@@ -16,7 +16,7 @@ from qwen35_onnx.conversation.messages import ChatInputError
 from qwen35_onnx.pipeline import Pipeline
 from qwen35_onnx.runtime.sampling import Sampler
 
-from .conftest import CAPACITY
+from .conftest import CAPACITY, IMAGE_TOKENS
 
 N_TOKENS = 32
 
@@ -36,7 +36,10 @@ def data_url(image: Image.Image, fmt: str = "PNG") -> str:
 @pytest.fixture(scope="module")
 def images(photo):
     first = Image.open(photo).convert("RGB")
-    second = ImageOps.mirror(first).rotate(90).crop((0, 0, 200, 120))  # another picture, not square
+    # another picture, not square (5:3), over the budget: the checkpoint's processor scales it down to
+    # a 12 x 20 grid (60 tokens) that the export serves as it is (a smaller picture would be upscaled
+    # to min_pixels and over the test exports' budget of IMAGE_TOKENS = min_pixels' 64 tokens)
+    second = ImageOps.mirror(first).rotate(90).crop((0, 0, 200, 120)).resize((400, 240))
     return first, second
 
 
@@ -44,32 +47,54 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def reference_positions(model, prepared, grid):
-    """transformers' get_rope_index on the same ids: [3, 1, S] and rope_deltas."""
+def reference_positions(model, input_ids, grids):
+    """transformers' get_rope_index on ``input_ids`` with each image's ``grids`` row: [3, 1, S] and
+    rope_deltas."""
     import torch
 
-    ids = torch.from_numpy(prepared.input_ids)
+    ids = torch.from_numpy(input_ids)
     with torch.no_grad():
         pos, deltas = model.model.get_rope_index(
             ids,
             mm_token_type_ids=(ids == model.config.image_token_id).int(),
-            image_grid_thw=torch.tensor([list(grid)] * prepared.n_images),
+            image_grid_thw=torch.from_numpy(np.asarray(grids, dtype=np.int64)),
         )
     return pos.numpy(), int(deltas.item())
 
 
-def check_parity(pipe, reference_model, messages, n_images):
-    from qwen35_onnx.verify import reference_generate
+def raw_image_messages(messages):
+    """``messages`` with each image part (a data URL or a path) replaced by ``{"type": "image",
+    "image": the decoded PIL image}``: what transformers' own processor is given."""
+    from qwen35_onnx.conversation.messages import ImagePolicy, normalize_messages
+
+    decoded = iter(normalize_messages(messages, ImagePolicy.trusted())[1])
+
+    def raw(part):
+        return {"type": "image", "image": next(decoded).image} if part["type"] in ("image", "image_url") else part
+
+    return [{**m, "content": [raw(p) for p in m["content"]]} if isinstance(m["content"], list) else m for m in messages]
+
+
+def check_parity(pipe, checkpoint, reference_model, messages, grids):
+    """Our prompt (ids, each image's grid and pixels) is the one the checkpoint's own tokenizer, chat
+    template and image processor make of the raw images; our positions are transformers'; and our
+    greedy tokens are transformers' on its own inputs."""
+    from qwen35_onnx.verify import reference_generate, reference_prompt
 
     c = pipe.contract
     prepared = pipe.prepare_chat(messages)
-    assert prepared.n_images == n_images
-    assert int((prepared.input_ids == c.image_token_id).sum()) == n_images * c.n_image_tokens
-    positions, deltas = reference_positions(reference_model, prepared, c.grid_thw)
+    assert prepared.image_grids == tuple(grids)
+    ids, pixel_values, reference_grids = reference_prompt(checkpoint, raw_image_messages(messages), c.image_max_pixels)
+    assert [tuple(g) for g in reference_grids.tolist()] == list(grids)
+    np.testing.assert_array_equal(prepared.input_ids, ids)
+    np.testing.assert_allclose(prepared.pixel_values, pixel_values, rtol=0, atol=1e-6)
+    tokens = sum(h * w // c.spatial_merge_size**2 for _, h, w in grids)
+    assert int((prepared.input_ids == c.image_token_id).sum()) == tokens
+    positions, deltas = reference_positions(reference_model, ids, reference_grids)
     np.testing.assert_array_equal(prepared.position_ids[1:], positions)
     assert prepared.rope_deltas == deltas
     result = pipe.chat(messages, max_new_tokens=N_TOKENS)
-    reference = reference_generate(reference_model, prepared, c.grid_thw, N_TOKENS, c.eos_token_ids)
+    reference = reference_generate(reference_model, ids, pixel_values, reference_grids, N_TOKENS, c.eos_token_ids)
     assert len(reference) >= N_TOKENS, "the demo checkpoint must not stop before 32 tokens here"
     assert result.generation.token_ids == reference
     assert result.finish_reason == "length"
@@ -77,7 +102,7 @@ def check_parity(pipe, reference_model, messages, n_images):
 
 
 @pytest.mark.slow
-def test_two_images_in_one_prompt_match_transformers(pipe, reference_model, images):
+def test_two_images_in_one_prompt_match_transformers(pipe, checkpoint, reference_model, images):
     messages = [
         {
             "role": "user",
@@ -89,26 +114,26 @@ def test_two_images_in_one_prompt_match_transformers(pipe, reference_model, imag
             ],
         }
     ]
-    check_parity(pipe, reference_model, messages, 2)
+    check_parity(pipe, checkpoint, reference_model, messages, [(1, 16, 16), (1, 12, 20)])
 
 
 @pytest.mark.slow
-def test_image_in_turn_one_and_turn_three_match_transformers(pipe, reference_model, images, photo):
+def test_image_in_turn_one_and_turn_three_match_transformers(pipe, checkpoint, reference_model, images, photo):
     messages = [
         {"role": "system", "content": "You describe pictures."},
         {"role": "user", "content": [image_part(str(photo)), {"type": "text", "text": "What is this?"}]},
         {"role": "assistant", "content": "A person in a white suit."},
         {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image_part(data_url(images[1]))]},
     ]
-    result = check_parity(pipe, reference_model, messages, 2)
+    result = check_parity(pipe, checkpoint, reference_model, messages, [(1, 16, 16), (1, 12, 20)])
     # the first image stays in turn one: its tokens come before the assistant reply's
     prepared = pipe.prepare_chat(messages)
     ids = prepared.input_ids[0]
     reply = pipe.preprocessor.tokenizer("A person in a white suit.", add_special_tokens=False)["input_ids"]
     reply_at = next(i for i in range(len(ids)) if ids[i : i + len(reply)].tolist() == reply)
     image_at = np.flatnonzero(ids == pipe.contract.image_token_id)
-    assert (image_at < reply_at).sum() == pipe.contract.n_image_tokens
-    assert (image_at > reply_at).sum() == pipe.contract.n_image_tokens
+    assert (image_at < reply_at).sum() == 16 * 16 // 4  # the photo's grid
+    assert (image_at > reply_at).sum() == 12 * 20 // 4  # the second picture's
     assert result.content == result.generation.text and result.reasoning_content is None
 
 
@@ -149,7 +174,7 @@ def test_one_image_export_refuses_a_second_image(fixed_export, images):
 
 def test_prefill_graph_takes_rows_for_every_image(pipe, chat_export):
     c = pipe.contract
-    assert c.max_images == 2 and c.n_image_rows == 2 * c.n_image_tokens
+    assert c.max_images == 2 and c.n_image_tokens == IMAGE_TOKENS and c.n_image_rows == 2 * IMAGE_TOKENS
     graph = pipe.backend.graphs.prefill(c.prefill_buckets[0])
     assert graph.inputs["image_embeds"] == [c.n_image_rows, c.image_embed_dim]
 
@@ -171,9 +196,10 @@ def test_export_refuses_more_image_tokens_than_capacity(checkpoint, tmp_path):
     from qwen35_onnx.export.options import ExportError, ExportOptions
 
     with pytest.raises(
-        ExportError, match=r"--max-images 9 needs 9 x 16 = 144 image tokens, more than the capacity 128"
+        ExportError,
+        match=r"--max-images 3 with --image-tokens 64 needs 3 x 64 = 192 image tokens, more than the capacity 128",
     ):
-        export(checkpoint, tmp_path / "x", ExportOptions(capacity=CAPACITY, max_images=9))
+        export(checkpoint, tmp_path / "x", ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS, max_images=3))
     with pytest.raises(ExportError, match=r"--max-images must be an integer >= 1, got 0"):
         export(checkpoint, tmp_path / "y", ExportOptions(capacity=CAPACITY, max_images=0))
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
@@ -273,7 +299,7 @@ def test_image_formats_and_modes(images):
     rgba = images[1].convert("RGBA")
     for fmt, picture in (("PNG", rgba), ("JPEG", images[0]), ("WEBP", images[1]), ("GIF", images[1].convert("P"))):
         _, decoded = normalize_messages([{"role": "user", "content": [image_part(data_url(picture, fmt))]}])
-        assert decoded[0].mode == "RGB" and decoded[0].size == picture.size
+        assert decoded[0].image.mode == "RGB" and decoded[0].image.size == picture.size and decoded[0].detail == "auto"
 
 
 def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, monkeypatch, tmp_path):

@@ -131,8 +131,42 @@ def test_image_processor_loads_without_torchvision(demo_dir):
     processor = transformers.AutoImageProcessor.from_pretrained(demo_dir, backend="pil")
     assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
     out = processor(images=[Image.open(photo_path())], return_tensors="np")
-    assert out["image_grid_thw"].tolist() == [[1, 16, 16]]  # 256x256 px, 16 px patches
+    assert out["image_grid_thw"].tolist() == [[1, 16, 16]]  # 256x256 px, 16 px patches: 64 image tokens
     assert out["pixel_values"].shape == (256, 3 * 2 * 16 * 16)
+
+
+def test_image_processor_has_the_published_pixel_range(demo_dir):
+    """The published Qwen3.5 processor's range (64 image tokens at least, 16384 at most), which an
+    export reads (min_pixels / max_pixels of its contract) and caps at its image-token budget."""
+    from qwen35_onnx.export.exporter import processor_pixel_range
+
+    config = json.loads((demo_dir / "preprocessor_config.json").read_text())
+    assert config["size"] == {"shortest_edge": 65536, "longest_edge": 16777216}
+    assert processor_pixel_range(demo_dir) == (65536, 16777216)
+    processor = transformers.AutoImageProcessor.from_pretrained(demo_dir, backend="pil")
+    for size, grid in (((64, 48), [1, 14, 20]), ((256, 256), [1, 16, 16]), ((4000, 3000), [1, 188, 250])):
+        out = processor(images=[Image.new("RGB", size)], return_tensors="np")
+        assert out["image_grid_thw"].tolist() == [grid], size
+        h, w = grid[1:]
+        assert 65536 <= h * w * 16 * 16 <= 16777216
+
+
+def test_cache_of_an_older_format_is_rebuilt(demo_dir, tmp_path, monkeypatch):
+    """A demo checkpoint cached before the published processor range (format 2, 128x128 ..
+    256x256 pixels) is rebuilt, not used with the old range."""
+    import shutil
+
+    assert json.loads((demo_dir / checkpoints._MARKER).read_text())["format_version"] >= 3
+    old = shutil.copytree(demo_dir, tmp_path / "old")
+    marker = json.loads((old / checkpoints._MARKER).read_text())
+    (old / checkpoints._MARKER).write_text(json.dumps({**marker, "format_version": 2}))
+
+    def fail(*args):
+        raise AssertionError("rebuilt")
+
+    monkeypatch.setattr(checkpoints, "_write_checkpoint", fail)
+    with pytest.raises(AssertionError, match="rebuilt"):
+        build_demo_checkpoint(old)
 
 
 def test_greedy_demo_generation_is_well_separated(demo_dir, tokenizer):

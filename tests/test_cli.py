@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from .conftest import CAPACITY
+from .conftest import CAPACITY, static_grid_export
 
 pytestmark = pytest.mark.slow
 
@@ -137,9 +137,9 @@ def test_generate_and_chat_sample_as_the_checkpoint_says_and_switch_thinking(fix
     seen = []
     prepare_chat, stream_prepared = Pipeline.prepare_chat, Pipeline.stream_prepared
 
-    def record_template(self, messages, chat_template_kwargs=None, image_policy=None, reply=None):
+    def record_template(self, messages, chat_template_kwargs=None, *args, **kwargs):
         seen.append(chat_template_kwargs)
-        return prepare_chat(self, messages, chat_template_kwargs, image_policy, reply)
+        return prepare_chat(self, messages, chat_template_kwargs, *args, **kwargs)
 
     def record_sampling(self, prepared, max_new_tokens=128, sampling=None, stop=(), constraint=None):
         seen.append(sampling)
@@ -176,12 +176,40 @@ def test_generate_and_chat_sample_as_the_checkpoint_says_and_switch_thinking(fix
     _assert_clean_error(proc, "top_p must be in (0, 1], got 1.5")
 
 
-def test_export_bad_image_size(checkpoint, tmp_path):
-    proc = invoke_cli(
-        "export", "--model-id", str(checkpoint), "--output-dir", str(tmp_path / "o"), "--vision-image-size", "100"
-    )
-    _assert_clean_error(proc, "--vision-image-size 100")
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (
+            ["--image-tokens", "32"],
+            ["--image-tokens 32 gives 32768 pixels", "below the image processor's min_pixels 65536", "at least 64"],
+        ),
+        (["--image-tokens", "0"], ["--image-tokens must be an integer >= 1, got 0"]),
+        (["--image-tokens", "256", "--max-seq-len", "128"], ["256 image tokens, more than the capacity 128"]),
+        (["--vision-grids", "16x15"], ["vision grid 16x15", "multiples of the spatial merge size 2"]),
+        (["--vision-grids", "8x8"], ["vision grid 8x8 is 16384 pixels, below the image processor's min_pixels 65536"]),
+        (["--vision-grids", "16 by 16"], ["--vision-grids '16 by 16'", "must be HxW", "or 'any' or 'static'"]),
+    ],
+)
+def test_export_bad_image_options(checkpoint, tmp_path, args, fragments):
+    proc = invoke_cli("export", "--model-id", str(checkpoint), "--output-dir", str(tmp_path / "o"), *args)
+    _assert_clean_error(proc, *fragments)
     assert not (tmp_path / "o").exists()
+
+
+def test_generate_takes_an_image_limit_and_any_shape(fixed_export, tmp_path):
+    """--max-image-tokens within the export's range (64 tokens: the demo processor's minimum and the
+    test exports' budget); a 6:1 panorama runs (on its own 6 x 38 grid, unpadded)."""
+    from PIL import Image
+
+    panorama = tmp_path / "panorama.png"
+    Image.new("RGB", (1536, 256), (200, 120, 40)).save(panorama)
+    args = ["generate", "--model", str(fixed_export), "--image", str(panorama), "--prompt", "hi"]
+    proc = invoke_cli(*args, "--max-new-tokens", "2", "--max-image-tokens", "64")
+    assert proc.returncode == 0, proc.stderr
+    proc = invoke_cli(*args, "--max-image-tokens", "63")
+    _assert_clean_error(proc, "--max-image-tokens 63 is below the image processor's minimum of 64 tokens")
+    proc = invoke_cli(*args, "--max-image-tokens", "65")
+    _assert_clean_error(proc, "--max-image-tokens 65 is above this export's budget of 64 image tokens")
 
 
 def test_export_missing_checkpoint(tmp_path):
@@ -189,16 +217,24 @@ def test_export_missing_checkpoint(tmp_path):
     _assert_clean_error(proc, "is not a local Hugging Face checkpoint folder")
 
 
+@pytest.fixture(scope="module")
+def ov_export(checkpoint, tmp_path_factory):
+    """An export OpenVINO runs (conftest's `static_grid_export`, one build per run)."""
+    return static_grid_export(checkpoint, tmp_path_factory)
+
+
 @pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
-def test_runtime_generates_without_torch(fixed_export, photo, runtime):
-    """torch (and the onnx package) made unimportable (as in an install without the export extra)."""
+def test_runtime_generates_without_torch(request, photo, runtime):
+    """torch (and the onnx package) made unimportable (as in an install without the export extra);
+    OpenVINO on a static-grid export."""
+    export = request.getfixturevalue("fixed_export" if runtime == "onnxruntime" else "ov_export")
     code = textwrap.dedent(
         f"""
         import sys
         for name in ("torch", "torchvision", "onnx"):
             sys.modules[name] = None
         from qwen35_onnx.pipeline import Pipeline
-        pipe = Pipeline.from_exported({str(fixed_export)!r}, runtime={runtime!r})
+        pipe = Pipeline.from_exported({str(export)!r}, runtime={runtime!r})
         result = pipe.generate({str(photo)!r}, "Hi", max_new_tokens=4)
         assert len(result.token_ids) == 4, result
         loaded = [m for m in sys.modules if m.split(".")[0] in ("torch", "onnx") and sys.modules[m] is not None]

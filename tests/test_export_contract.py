@@ -10,13 +10,13 @@ from pathlib import Path
 import onnx
 import pytest
 
-from qwen35_onnx.contract import METADATA_KEY, ContractError, ShapeContract, read_manifest
+from qwen35_onnx.contract import FORMAT_VERSION, METADATA_KEY, ContractError, GraphKind, ShapeContract, read_manifest
 from qwen35_onnx.export import exporter
 from qwen35_onnx.export.exporter import export
 from qwen35_onnx.export.options import ExportError, ExportOptions
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import CAPACITY
+from .conftest import CAPACITY, IMAGE_TOKENS
 from .onnx_graphs import all_nodes, node_counts, symbolic_dims
 
 pytestmark = pytest.mark.slow
@@ -28,11 +28,33 @@ def _fixed_graphs(export_dir):
 
 
 def test_every_fixed_mode_graph_is_static(fixed_export):
+    """The text graphs of a fixed-KV export are fully static; its one any-grid vision graph (the
+    default --vision-grids any) has one dynamic size, the patch count (whole merge blocks, up to the
+    budget). The static-grid vision graphs have none (tests/test_vision_grids.py)."""
     contract, graphs = _fixed_graphs(fixed_export)
+    assert not contract.static_vision and contract.vision_graph_keys() == ["vision"]
     assert set(graphs) == {"vision", "decode", *(f"prefill_{b}" for b in contract.prefill_buckets)}
     assert contract.prefill_buckets == (32, CAPACITY)
     for key, model in graphs.items():
-        assert symbolic_dims(model) == [], key
+        if key != "vision":
+            assert symbolic_dims(model) == [], key
+    vision = graphs["vision"]
+    shapes = {
+        io.name: [d.dim_value or d.dim_param for d in io.type.tensor_type.shape.dim]
+        for io in [*vision.graph.input, *vision.graph.output]
+    }
+    patches = "4*image_tokens"  # spatial_merge_size**2 patches per image token
+    tokens = shapes["image_embeds"][0]  # the merged count (torch.export names it, e.g. 's87')
+    assert isinstance(tokens, str) and tokens
+    assert shapes == {
+        "pixel_values": [patches, contract.patch_dim],
+        "pos_embed_indices": [patches, 4],
+        "pos_embed_weights": [patches, 4],
+        "rotary_position_ids": [patches, 2],
+        "image_embeds": [tokens, contract.image_embed_dim],
+    }
+    # inside too, nothing but the patch count and the token count is dynamic
+    assert {d.split(":", 1)[1] for d in symbolic_dims(vision)} == {patches, tokens}
 
 
 def test_decode_writes_one_slot_per_k_and_v(fixed_export):
@@ -87,6 +109,15 @@ def test_manifest_and_metadata_round_trip(fixed_export):
     assert ShapeContract.from_json(contract.to_json()) == contract
     raw = json.loads((fixed_export / "manifest.json").read_text())
     assert raw["capacity"] == CAPACITY and raw["kv_mode"] == "fixed"
+    assert raw["format_version"] == FORMAT_VERSION == 2 and "image_size" not in raw
+    # the image-token budget, the checkpoint processor's range, any grid
+    assert raw["image_tokens"] == IMAGE_TOKENS and raw["vision_grids"] == []
+    assert (raw["min_pixels"], raw["max_pixels"]) == (65536, 16777216)
+    assert raw["graphs"]["vision"] == "vision/model.onnx"
+    assert raw["derived"]["vision"] == "any grid"
+    assert raw["derived"]["max_patches"] == 4 * IMAGE_TOKENS
+    assert raw["derived"]["image_max_pixels"] == IMAGE_TOKENS * 32 * 32
+    assert raw["derived"]["n_image_rows"] == contract.max_images * IMAGE_TOKENS
     assert raw["derived"]["kv_shape"] == [
         2 * contract.n_full,
         1,
@@ -116,7 +147,7 @@ def test_interrupted_export_leaves_nothing_generate_accepts(checkpoint, tmp_path
     monkeypatch.setattr(exporter, "export_graph", failing)
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        export(checkpoint, out, ExportOptions(capacity=CAPACITY))
+        export(checkpoint, out, ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS))
     assert calls == ["vision", "prefill"]
     assert not out.exists()
     assert list(tmp_path.iterdir()) == [], "no temporary folder may be left behind"
@@ -165,17 +196,19 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
     with pytest.raises(ExportError, match="--overwrite only replaces a previous qwen35-onnx export"):
-        export(checkpoint, precious, ExportOptions(capacity=CAPACITY, overwrite=True))
+        export(checkpoint, precious, ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS, overwrite=True))
     assert (precious / "notes.txt").read_text() == "keep me"
     with pytest.raises(ExportError, match="holds the checkpoint --model-id"):
-        export(checkpoint, checkpoint, ExportOptions(capacity=CAPACITY, overwrite=True))
+        export(checkpoint, checkpoint, ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS, overwrite=True))
     with pytest.raises(ExportError, match="holds the checkpoint --model-id"):
-        export(checkpoint, checkpoint.parent, ExportOptions(capacity=CAPACITY, overwrite=True))
+        export(
+            checkpoint, checkpoint.parent, ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS, overwrite=True)
+        )
     assert (checkpoint / "model.safetensors").is_file()
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ExportError, match="is a file, not a folder"):
-        export(checkpoint, a_file, ExportOptions(capacity=CAPACITY))
+        export(checkpoint, a_file, ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS))
 
 
 @pytest.mark.parametrize(
@@ -183,10 +216,40 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
     [
         (dict(capacity=1), r"--max-seq-len \(capacity\) must be an integer >= 2, got 1"),
         (dict(capacity=100000), r"--max-seq-len 100000 is above the model's max_position_embeddings 4096"),
-        (dict(image_size=512), r"--vision-image-size 512 gives 262144 pixels, more than .* \(max_pixels 65536\)"),
+        (
+            dict(image_tokens=32),
+            r"--image-tokens 32 gives 32768 pixels \(32x32 per token\), below the image processor's min_pixels 65536: "
+            r"use at least 64 tokens",
+        ),
+        (
+            dict(image_tokens=16385),
+            r"--image-tokens 16385 gives 16778240 pixels .* above the image processor's max_pixels 16777216: "
+            r"use at most 16384 tokens",
+        ),
+        (dict(image_tokens=0), r"--image-tokens must be an integer >= 1, got 0"),
+        (
+            dict(capacity=128),
+            r"--max-images 1 with --image-tokens 256 needs 1 x 256 = 256 image tokens, more than the capacity 128",
+        ),
+        (dict(max_images=3, image_tokens=1024), r"--max-images 3 with --image-tokens 1024 needs 3 x 1024 = 3072"),
+        (
+            dict(vision_grids=((16, 15),)),
+            r"vision grid 16x15: both sides must be multiples of the spatial merge size 2",
+        ),
+        (
+            dict(vision_grids=((8, 8),)),
+            r"vision grid 8x8 is 16384 pixels, below the image processor's min_pixels 65536",
+        ),
+        (
+            dict(vision_grids=((32, 34),)),
+            r"vision grid 32x34 is 272 image tokens \(278528 pixels\), above the budget of 256 tokens",
+        ),
+        (dict(vision_grids=((16, 16), (32, 32), (16, 16))), r"vision grid 16x16 is listed twice"),
+        (dict(vision_grids=((0, 16),)), r"vision grid \(0, 16\) must be two positive integers"),
+        (dict(vision_grids="some"), r"--vision-grids 'some' must be 'any', 'static' or a list of \(h, w\) patch grids"),
+        (dict(image_tokens=32, vision_grids="static"), r"--image-tokens 32 gives 32768 pixels"),
         (dict(capacity=16, dummy_seq_len=16), r"--dummy-seq-len 16 leaves no decode slot.*--max-seq-len 16"),
         (dict(dummy_seq_len=0), r"--dummy-seq-len must be an integer >= 1, got 0"),
-        (dict(image_size=100), r"--vision-image-size 100 must be a positive multiple of .* = 32"),
         (dict(kv_mode="paged"), r"--kv-cache 'paged' must be one of fixed, dynamic"),
         (dict(dtype="int3"), r"--dtype 'int3' must be one of fp32, fp16, bf16"),
         (dict(component="audio"), r"--component 'audio' must be one of"),
@@ -224,19 +287,58 @@ def test_unsupported_architecture_is_rejected(checkpoint, tmp_path):
     config["architectures"] = ["Qwen2VLForConditionalGeneration"]
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match="unsupported architecture: model_type 'qwen2_vl'"):
-        export(other, tmp_path / "out", ExportOptions(capacity=CAPACITY))
+        export(other, tmp_path / "out", ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS))
+
+
+@pytest.mark.parametrize(
+    ("processor", "found"),
+    [
+        ({"size": {"shortest_edge": 65536}}, "65536 / None"),
+        ({"size": {"shortest_edge": 65536, "longest_edge": 4096}}, "65536 / 4096"),
+        ({"min_pixels": 0, "max_pixels": 65536}, "0 / 65536"),
+        ({"size": {"height": 224, "width": 224}}, "None / None"),
+    ],
+)
+def test_checkpoint_without_a_processor_pixel_range_is_refused(checkpoint, tmp_path, processor, found):
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    config.pop("size", None)
+    (other / "preprocessor_config.json").write_text(json.dumps({**config, **processor}))
+    with pytest.raises(ExportError, match=rf"must give the image processor's pixel range .* got {found}"):
+        export(other, tmp_path / "out", ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_processors_range_reaches_the_contract(checkpoint, tmp_path):
+    """The earlier spelling (min_pixels / max_pixels) is read too, and a budget is checked against
+    it: 32 tokens is enough where min_pixels is 32768."""
+    from qwen35_onnx.export.exporter import build_contract, load_config, processor_pixel_range
+
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    config.pop("size")
+    (other / "preprocessor_config.json").write_text(json.dumps({**config, "min_pixels": 32768, "max_pixels": 1 << 20}))
+    assert processor_pixel_range(other) == (32768, 1 << 20)
+    contract = build_contract(
+        *load_config(other), ExportOptions(capacity=CAPACITY, image_tokens=32), processor_pixel_range(other)
+    )
+    assert (contract.min_pixels, contract.max_pixels, contract.image_tokens) == (32768, 1 << 20, 32)
+    with pytest.raises(ExportError, match="--image-tokens 1025 gives 1049600 pixels .* max_pixels 1048576"):
+        build_contract(*load_config(other), ExportOptions(image_tokens=1025), processor_pixel_range(other))
 
 
 def test_existing_output_needs_overwrite(checkpoint, fixed_export):
     with pytest.raises(ExportError, match="exists and is not empty; pass --overwrite"):
-        export(checkpoint, fixed_export, ExportOptions(capacity=CAPACITY))
+        export(checkpoint, fixed_export, ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS))
 
 
 def test_text_graphs_share_one_weights_file(fixed_export):
     """Every text graph reads its weights from text/weights.data, each distinct tensor stored
     once: the file is no larger than one graph's weights."""
     contract = read_manifest(fixed_export)
-    text = {k: v for k, v in contract.graphs.items() if k != "vision"}
+    text = {k: v for k, v in contract.graphs.items() if GraphKind.of(k) != GraphKind.VISION}
     assert {str(Path(p).parent) for p in text.values()} == {"text"}
     files = sorted(p.name for p in (fixed_export / "text").iterdir())
     assert files == sorted([Path(p).name for p in text.values()] + ["weights.data"])
@@ -366,5 +468,5 @@ def test_checkpoint_with_one_layer_type_is_refused(checkpoint, tmp_path, kind):
     (other / "config.json").write_text(json.dumps(config))
     missing = "full_attention" if kind == "linear_attention" else "linear_attention"
     with pytest.raises(ExportError, match=f"has no '{missing}' layer"):
-        export(other, tmp_path / "out", ExportOptions(capacity=CAPACITY))
+        export(other, tmp_path / "out", ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS))
     assert not (tmp_path / "out").exists()

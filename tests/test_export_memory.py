@@ -14,7 +14,7 @@ from qwen35_onnx.export import weight_source
 from qwen35_onnx.export.exporter import export
 from qwen35_onnx.export.options import ExportError, ExportOptions
 
-from .conftest import CAPACITY
+from .conftest import CAPACITY, IMAGE_TOKENS
 
 
 class _Tracker:
@@ -56,7 +56,7 @@ def test_export_holds_one_tensor_at_a_time(checkpoint, tmp_path, monkeypatch, qu
     export(
         checkpoint,
         tmp_path / "out",
-        ExportOptions(capacity=CAPACITY, prefill_buckets=(64, CAPACITY), quantize=quantize),
+        ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS, prefill_buckets=(64, CAPACITY), quantize=quantize),
     )
     assert set(tracker.reads) == set(nbytes)  # every tensor of the checkpoint is used
     repeated = {k: n for k, n in tracker.reads.items() if n > 1 and nbytes[k] >= 64 * 1024}
@@ -101,7 +101,9 @@ def test_missing_or_misshapen_tensor_is_a_clear_error(checkpoint, tmp_path):
         shutil.copytree(checkpoint, folder)
         save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(ExportError, match=what) as info:
-            export(folder, tmp_path / "out", ExportOptions(capacity=CAPACITY, component="all"))
+            export(
+                folder, tmp_path / "out", ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS, component="all")
+            )
         assert name in str(info.value)
         assert not (tmp_path / "out").exists()
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]

@@ -21,8 +21,9 @@ def contract(capacity: int = 12, kv_mode: KvMode = KvMode.FIXED, buckets: tuple[
     """A small contract (one Gated DeltaNet and one full-attention layer, no real graph behind it)."""
     # fmt: off
     c = ShapeContract(
-        capacity=capacity, kv_mode=kv_mode, dtype="fp32", batch=1, image_size=32, patch_size=16, temporal_patch_size=2,
-        spatial_merge_size=2, in_channels=3, image_embed_dim=8, hidden_size=8, vocab_size=VOCAB,
+        capacity=capacity, kv_mode=kv_mode, dtype="fp32", batch=1, image_tokens=1, patch_size=16, temporal_patch_size=2,
+        spatial_merge_size=2, in_channels=3, image_embed_dim=8, min_pixels=1024, max_pixels=4096, pos_embed_side=2,
+        hidden_size=8, vocab_size=VOCAB,
         layer_types=("linear_attention", "full_attention"), conv_dim=6, conv_kernel=4, linear_num_value_heads=1,
         linear_key_head_dim=2, linear_value_head_dim=2, num_key_value_heads=1, head_dim=2, chunk_size=4,
         prefill_buckets=buckets if kv_mode == KvMode.FIXED else (), prefill_logits="last", ops="portable",
@@ -46,7 +47,7 @@ class Recorder(Backend):
     def load_prefill(self, bucket):
         self.loaded.append(bucket)
 
-    def run_vision(self, pixel_values):
+    def _run_vision(self, graph, feeds):
         raise AssertionError("no image in these prompts")
 
     def run_prefill(self, bucket, feeds):

@@ -46,7 +46,8 @@ def test_each_graph_matches_transformers(pipe, reference_model, photo):
     prepared = pipe.prepare(photo, PROMPT)
     ids = torch.from_numpy(prepared.input_ids)
     pixels = torch.from_numpy(prepared.pixel_values)
-    grid = torch.tensor([list(contract.grid_thw)])
+    assert prepared.image_grids == ((1, 16, 16),)  # the photo's own grid (256 x 256 pixels)
+    grid = torch.tensor(prepared.image_grids)
     prompt_len = ids.shape[1]
     generation = pipe.generation(prepared)
 
@@ -96,3 +97,20 @@ def test_each_graph_matches_transformers(pipe, reference_model, photo):
         for n, ref in enumerate(ref_kv):
             assert _maxabs(past["kv_cache"][n, :, :, : prompt_len + step + 1], ref) <= TOL
         token = int(out.logits[0, -1].argmax())
+
+
+def test_vision_graph_of_another_grid_matches_transformers(pipe, reference_model, photo):
+    """The export's one any-grid vision graph on a grid that is not square (12 x 20 patches, the
+    checkpoint processor's grid of a 400 x 240 picture): its position taps and rotary ids are the
+    host's, per grid."""
+    import torch
+    from PIL import Image
+
+    picture = Image.open(photo).convert("RGB").resize((400, 240))
+    pixels, grid = pipe.preprocessor.pixel_values(picture)
+    assert grid == (1, 12, 20)
+    embeds = pipe.backend.run_vision(grid[1:], pixels)
+    assert embeds.shape == (12 * 20 // 4, pipe.contract.image_embed_dim)
+    with torch.no_grad():
+        ref = reference_model.model.get_image_features(torch.from_numpy(pixels), torch.tensor([grid])).pooler_output[0]
+    assert _maxabs(embeds, ref) <= TOL

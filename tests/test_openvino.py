@@ -13,26 +13,32 @@ import pytest
 from qwen35_onnx.contract import METADATA_KEY, ContractError, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import CAPACITY, MAX_NEW_TOKENS, PROMPT, random_prompt
+from .conftest import CAPACITY, MAX_NEW_TOKENS, PHOTO_GRID, PROMPT, random_prompt, static_grid_export
 from .test_cli import invoke_cli, run_cli
 
 ov = pytest.importorskip("openvino")
 
 GRAPH_TOLERANCE = 1e-4
+GRID = PHOTO_GRID
 
 
 @pytest.fixture(scope="module")
-def ov_pipe(fixed_export):
-    return Pipeline.from_exported(fixed_export, runtime="openvino")
+def ov_export(checkpoint, tmp_path_factory):
+    return static_grid_export(checkpoint, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def ort_pipe(fixed_export):
-    return Pipeline.from_exported(fixed_export)
+def ov_pipe(ov_export):
+    return Pipeline.from_exported(ov_export, runtime="openvino")
 
 
-def copy_export(fixed_export, tmp_path, name="copy"):
-    return shutil.copytree(fixed_export, tmp_path / name)
+@pytest.fixture(scope="module")
+def ort_pipe(ov_export):
+    return Pipeline.from_exported(ov_export)
+
+
+def copy_export(export, tmp_path, name="copy"):
+    return shutil.copytree(export, tmp_path / name)
 
 
 def _maxabs(a, b) -> float:
@@ -52,13 +58,13 @@ def test_greedy_tokens_with_an_image_match_transformers(ov_pipe, reference_token
 @pytest.mark.parametrize("length", [1, 31, 32, 33, CAPACITY - 8])
 def test_prompt_lengths_around_buckets_match_transformers(ov_pipe, reference_model, length):
     """40 new tokens (or up to the capacity: the near-capacity prompt ends with finish 'length')."""
-    from qwen35_onnx.verify import reference_generate
+    from qwen35_onnx.verify import reference_generate_prepared
 
     prepared = ov_pipe.prepare_ids(random_prompt(ov_pipe, length, seed=100 + length))
     room = CAPACITY - length + 1
     result = ov_pipe.generate_prepared(prepared, max_new_tokens=MAX_NEW_TOKENS)
-    expected = reference_generate(
-        reference_model, prepared, None, min(MAX_NEW_TOKENS, room), ov_pipe.contract.eos_token_ids
+    expected = reference_generate_prepared(
+        reference_model, prepared, min(MAX_NEW_TOKENS, room), ov_pipe.contract.eos_token_ids
     )
     assert result.token_ids == expected
     assert result.finish_reason == "length"
@@ -71,6 +77,7 @@ def test_each_graph_agrees_with_onnxruntime(ov_pipe, ort_pipe, photo):
     from qwen35_onnx.runtime.generation import Generation
 
     prepared = ov_pipe.prepare(photo, PROMPT)
+    assert prepared.image_grids == ((1, *GRID),)
     diffs = {}
     ov_run, ort_run = ov_pipe.generation(prepared), ort_pipe.generation(prepared)
     embeds = ov_run.run_vision()
@@ -103,10 +110,11 @@ def test_each_graph_agrees_with_onnxruntime(ov_pipe, ort_pipe, photo):
 # ---- static compilation ---------------------------------------------------------------------
 def test_every_graph_compiles_without_a_dynamic_dimension(ov_pipe):
     contract = ov_pipe.contract
-    graphs = [ov_pipe.backend.graphs.vision, ov_pipe.backend.graphs.decode] + [
+    assert contract.vision_grids == (GRID,)
+    graphs = [ov_pipe.backend.graphs.vision(GRID), ov_pipe.backend.graphs.decode] + [
         ov_pipe.backend.graphs.prefill(b) for b in contract.prefill_buckets
     ]
-    assert [g.name for g in graphs] == ["vision", "decode"] + [f"prefill_{b}" for b in contract.prefill_buckets]
+    assert [g.name for g in graphs] == ["vision_16x16", "decode"] + [f"prefill_{b}" for b in contract.prefill_buckets]
     for graph in graphs:
         compiled = graph.compiled
         assert compiled is not None and graph.model is None, graph.name
@@ -115,9 +123,9 @@ def test_every_graph_compiles_without_a_dynamic_dimension(ov_pipe):
         assert not compiled.get_runtime_model().is_dynamic(), graph.name
 
 
-def test_a_graph_with_a_dynamic_dimension_is_refused(fixed_export, tmp_path):
+def test_a_graph_with_a_dynamic_dimension_is_refused(ov_export, tmp_path):
     onnx = pytest.importorskip("onnx")
-    folder = copy_export(fixed_export, tmp_path)
+    folder = copy_export(ov_export, tmp_path)
     path = folder / read_manifest(folder).graphs["decode"]
     model = onnx.load(str(path), load_external_data=False)
     dim = next(i for i in model.graph.input if i.name == "input_ids").type.tensor_type.shape.dim[1]
@@ -130,9 +138,9 @@ def test_a_graph_with_a_dynamic_dimension_is_refused(fixed_export, tmp_path):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
-def test_each_graph_is_compiled_once(fixed_export, photo, monkeypatch):
-    """Vision and decode at load, a prefill bucket on its first prompt, nothing per step or per
-    prompt: the decode graph is compiled once for a 40-token generation and stays compiled."""
+def test_each_graph_is_compiled_once(ov_export, photo, monkeypatch):
+    """Decode at load, the vision grid and a prefill bucket on their first prompt, nothing per step
+    or per prompt: the decode graph is compiled once for a 40-token generation and stays compiled."""
     compiled = []
     real = ov.Core.compile_model
 
@@ -141,14 +149,18 @@ def test_each_graph_is_compiled_once(fixed_export, photo, monkeypatch):
         return real(self, model, *args, **kwargs)
 
     monkeypatch.setattr(ov.Core, "compile_model", spy)
-    pipe = Pipeline.from_exported(fixed_export, runtime="openvino")
-    assert sorted(compiled) == ["decode", "vision"]
+    pipe = Pipeline.from_exported(ov_export, runtime="openvino")
+    assert sorted(compiled) == ["decode"]
     result = pipe.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
     assert result.timings.decode_steps == MAX_NEW_TOKENS - 1
-    assert sorted(compiled) == ["decode", "prefill_32", "vision"]
-    pipe.generate(None, "Hello", max_new_tokens=8)  # the same bucket
-    pipe.generate_prepared(pipe.prepare_ids(random_prompt(pipe, 40, seed=1)), max_new_tokens=4)  # the next bucket
-    assert sorted(compiled) == ["decode", "prefill_128", "prefill_32", "vision"]
+    # the photo's 64 image tokens and the text: 78 tokens, the 128 bucket
+    assert sorted(compiled) == ["decode", "prefill_128", "vision_16x16"]
+    pipe.generate(None, "Hello", max_new_tokens=8)  # the other bucket
+    assert sorted(compiled) == ["decode", "prefill_128", "prefill_32", "vision_16x16"]
+    pipe.generate(photo, "Again?", max_new_tokens=2)  # the same grid and bucket
+    pipe.generate(None, "Hello again", max_new_tokens=2)  # the same bucket
+    pipe.generate_prepared(pipe.prepare_ids(random_prompt(pipe, 40, seed=1)), max_new_tokens=4)  # 128 again
+    assert sorted(compiled) == ["decode", "prefill_128", "prefill_32", "vision_16x16"]
     assert compiled.count("decode") == 1
 
 
@@ -169,8 +181,8 @@ def test_states_stay_in_openvino_tensors_and_alternate(ov_pipe, photo):
         assert not np.shares_memory(first.get_tensor(f"past_{state}").data, first.get_tensor(f"present_{state}").data)
 
 
-def test_host_state_roundtrip_gives_identical_tokens(fixed_export, ov_pipe, photo):
-    host = Pipeline.from_exported(fixed_export, runtime="openvino", host_state_roundtrip=True)
+def test_host_state_roundtrip_gives_identical_tokens(ov_export, ov_pipe, photo):
+    host = Pipeline.from_exported(ov_export, runtime="openvino", host_state_roundtrip=True)
     assert host.backend.host_state_roundtrip and not ov_pipe.backend.host_state_roundtrip
     a = ov_pipe.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
     b = host.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
@@ -202,27 +214,27 @@ def test_interleaved_generations_keep_their_own_states(ov_pipe, photo):
         (dict(runtime="onnxruntime", device="npu"), "device 'npu' must be one of cpu, cuda"),
     ],
 )
-def test_unknown_runtime_device_or_precision(fixed_export, kwargs, message):
+def test_unknown_runtime_device_or_precision(ov_export, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        Pipeline.from_exported(fixed_export, **kwargs)
+        Pipeline.from_exported(ov_export, **kwargs)
 
 
-def test_device_names_and_precisions(fixed_export):
+def test_device_names_and_precisions(ov_export):
     capabilities = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     pipe = Pipeline.from_exported(
-        fixed_export, runtime="openvino", device="CPU", precision="bf16" if "BF16" in capabilities else "f32"
+        ov_export, runtime="openvino", device="CPU", precision="bf16" if "BF16" in capabilities else "f32"
     )
     assert pipe.backend.device == "CPU" and pipe.backend.runtime == "openvino"
     assert pipe.backend.graphs.decode.compiled.get_property("INFERENCE_PRECISION_HINT") in (ov.Type.bf16, ov.Type.f32)
     for precision, capability in (("f16", "FP16"), ("bf16", "BF16")):
         if capability not in capabilities:
             with pytest.raises(ValueError, match=f"precision '{precision}' is not supported by OpenVINO device CPU"):
-                Pipeline.from_exported(fixed_export, runtime="openvino", precision=precision)
+                Pipeline.from_exported(ov_export, runtime="openvino", precision=precision)
 
 
 def test_f32_is_the_default_precision(ov_pipe):
     assert ov_pipe.backend.precision == "f32"
-    assert ov_pipe.backend.graphs.vision.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    assert ov_pipe.backend.graphs.vision(GRID).compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
     assert ov_pipe.backend.graphs.decode.compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
 
 
@@ -244,8 +256,8 @@ def test_mask_checks_run_before_any_graph(ov_pipe, photo, monkeypatch, broken):
     assert not ran
 
 
-def test_missing_and_empty_graph_files(fixed_export, tmp_path):
-    folder = copy_export(fixed_export, tmp_path)
+def test_missing_and_empty_graph_files(ov_export, tmp_path):
+    folder = copy_export(ov_export, tmp_path)
     decode = folder / read_manifest(folder).graphs["decode"]
     decode.unlink()
     with pytest.raises(ContractError, match="decode graph .* is missing or empty: the export is incomplete"):
@@ -258,16 +270,16 @@ def test_missing_and_empty_graph_files(fixed_export, tmp_path):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
-def test_corrupt_graph_file(fixed_export, tmp_path):
-    folder = copy_export(fixed_export, tmp_path)
+def test_corrupt_graph_file(ov_export, tmp_path):
+    folder = copy_export(ov_export, tmp_path)
     (folder / read_manifest(folder).graphs["decode"]).write_bytes(b"not an onnx file at all")
     with pytest.raises(ContractError, match="decode graph .* is not a readable ONNX file"):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
 @pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
-def test_damaged_export_files_are_named(fixed_export, tmp_path, runtime):
-    folder = copy_export(fixed_export, tmp_path)
+def test_damaged_export_files_are_named(ov_export, tmp_path, runtime):
+    folder = copy_export(ov_export, tmp_path)
     data = folder / "text" / "weights.data"
     size = data.stat().st_size
     with open(data, "r+b") as f:
@@ -279,11 +291,11 @@ def test_damaged_export_files_are_named(fixed_export, tmp_path, runtime):
     data.unlink()
     with pytest.raises(ContractError, match=r"weights.data', which is missing: the export is incomplete"):
         Pipeline.from_exported(folder, runtime=runtime)
-    shutil.copy2(fixed_export / "text" / "weights.data", data)
+    shutil.copy2(ov_export / "text" / "weights.data", data)
     (folder / "tokenizer.json").unlink()
     with pytest.raises(OSError, match=r"has no tokenizer \(tokenizer.json or vocab.json\)"):
         Pipeline.from_exported(folder, runtime=runtime)
-    shutil.copy2(fixed_export / "tokenizer.json", folder / "tokenizer.json")
+    shutil.copy2(ov_export / "tokenizer.json", folder / "tokenizer.json")
     (folder / "chat_template.jinja").unlink()
     with pytest.raises(ValueError, match=r"has no chat template \(chat_template.jinja or chat_template.json"):
         Pipeline.from_exported(folder, runtime=runtime)
@@ -299,9 +311,9 @@ def _add_node(path, op_type: str, domain: str = "") -> None:
     onnx.save(model, str(path))
 
 
-def test_ort_ops_export_is_refused_naming_the_operators(fixed_export, tmp_path):
+def test_ort_ops_export_is_refused_naming_the_operators(ov_export, tmp_path):
     """The contract says --ops ort: refused before any graph is read, naming the operators."""
-    folder = copy_export(fixed_export, tmp_path)
+    folder = copy_export(ov_export, tmp_path)
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["ops"] = "ort"
     (folder / "manifest.json").write_text(json.dumps(manifest))
@@ -313,8 +325,8 @@ def test_ort_ops_export_is_refused_naming_the_operators(fixed_export, tmp_path):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
-def test_a_graph_with_operators_openvino_cannot_read_is_refused(fixed_export, tmp_path):
-    folder = copy_export(fixed_export, tmp_path)
+def test_a_graph_with_operators_openvino_cannot_read_is_refused(ov_export, tmp_path):
+    folder = copy_export(ov_export, tmp_path)
     decode = folder / read_manifest(folder).graphs["decode"]
     _add_node(decode, "GatedRMSNorm", "com.microsoft")
     with pytest.raises(
@@ -323,10 +335,10 @@ def test_a_graph_with_operators_openvino_cannot_read_is_refused(fixed_export, tm
         Pipeline.from_exported(folder, runtime="openvino")
 
 
-def test_openvino_read_failures_are_contract_errors(fixed_export, tmp_path):
+def test_openvino_read_failures_are_contract_errors(ov_export, tmp_path):
     """A standard-domain operator OpenVINO has no conversion for (here a Mul renamed)."""
     onnx = pytest.importorskip("onnx")
-    folder = copy_export(fixed_export, tmp_path)
+    folder = copy_export(ov_export, tmp_path)
     path = folder / read_manifest(folder).graphs["decode"]
     model = onnx.load(str(path), load_external_data=False)
     next(node for node in model.graph.node if node.op_type == "Mul").op_type = "NotAnOnnxOperator"
@@ -336,8 +348,8 @@ def test_openvino_read_failures_are_contract_errors(fixed_export, tmp_path):
     assert "Exception from src" not in str(info.value) and "\n" not in str(info.value)
 
 
-def test_dynamic_kv_export_is_refused(fixed_export, tmp_path):
-    folder = copy_export(fixed_export, tmp_path)
+def test_dynamic_kv_export_is_refused(ov_export, tmp_path):
+    folder = copy_export(ov_export, tmp_path)
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["kv_mode"] = "dynamic"
     (folder / "manifest.json").write_text(json.dumps(manifest))
@@ -345,13 +357,23 @@ def test_dynamic_kv_export_is_refused(fixed_export, tmp_path):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
+def test_any_grid_vision_export_is_refused(fixed_export):
+    """The any-grid vision graph (a dynamic patch count) would compile again for every image size:
+    refused at load, before any graph is read, naming the export option to use."""
+    assert not read_manifest(fixed_export).static_vision
+    with pytest.raises(
+        ContractError, match=r"one vision graph for any image grid .*re-export with --vision-grids static"
+    ):
+        Pipeline.from_exported(fixed_export, runtime="openvino")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
-def test_a_capacity_64_prefill_in_a_capacity_128_export_fails_at_load(fixed_export, small_export, tmp_path, runtime):
+def test_a_capacity_64_prefill_in_a_capacity_128_export_fails_at_load(ov_export, small_export, tmp_path, runtime):
     """The capacity from two sources: the graph's metadata, then (with the manifest's contract
     written into its metadata) its own KV width."""
     onnx = pytest.importorskip("onnx")
-    folder = copy_export(fixed_export, tmp_path)
+    folder = copy_export(ov_export, tmp_path)
     key = "prefill_32"
     target = folder / read_manifest(folder).graphs[key]
     small = onnx.load(str(small_export / read_manifest(small_export).graphs[key]))  # weights inline
@@ -365,7 +387,7 @@ def test_a_capacity_64_prefill_in_a_capacity_128_export_fails_at_load(fixed_expo
     ours = {
         p.key: p.value
         for p in onnx.load(
-            str(fixed_export / read_manifest(fixed_export).graphs[key]), load_external_data=False
+            str(ov_export / read_manifest(ov_export).graphs[key]), load_external_data=False
         ).metadata_props
     }
     for prop in small.metadata_props:
@@ -383,12 +405,12 @@ def test_a_capacity_64_prefill_in_a_capacity_128_export_fails_at_load(fixed_expo
 
 # ---- command line ---------------------------------------------------------------------------
 @pytest.mark.slow
-def test_cli_generate_on_openvino(fixed_export, photo, ov_pipe):
+def test_cli_generate_on_openvino(ov_export, photo, ov_pipe):
     runtime = ["--runtime", "openvino", "--device", "cpu", "--precision", "f32"]
     proc = run_cli(
         "generate",
         "--model",
-        str(fixed_export),
+        str(ov_export),
         "--image",
         str(photo),
         "--prompt",
@@ -411,8 +433,8 @@ def test_cli_generate_on_openvino(fixed_export, photo, ov_pipe):
         (["--precision", "bf16"], "error: precision 'bf16' needs runtime 'openvino'"),
     ],
 )
-def test_cli_bad_runtime_options(fixed_export, args, message):
-    proc = invoke_cli("generate", "--model", str(fixed_export), "--prompt", "hi", *args)
+def test_cli_bad_runtime_options(ov_export, args, message):
+    proc = invoke_cli("generate", "--model", str(ov_export), "--prompt", "hi", *args)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -426,7 +448,7 @@ def test_bf16_token_agreement_with_f32(trained_export, photo):
     capabilities = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     if "BF16" not in capabilities:
         pytest.skip("this CPU has no bf16")
-    out = trained_export("portable")
+    out = trained_export("portable", vision_grids=(GRID,))  # as test_dtypes' portable fp32 export
     f32 = Pipeline.from_exported(out, runtime="openvino").generate(photo, PROMPT, max_new_tokens=64)
     bf16 = Pipeline.from_exported(out, runtime="openvino", precision="bf16").generate(photo, PROMPT, max_new_tokens=64)
     assert len(f32.token_ids) == 64 == len(bf16.token_ids)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
 
 from qwen35_onnx.cli import app
 from qwen35_onnx.contract import ShapeContract
-from qwen35_onnx.export.options import ExportOptions
+from qwen35_onnx.export.options import ANY_GRID, ExportOptions
 from qwen35_onnx.options import declared
 from qwen35_onnx.runtime import backend
 from qwen35_onnx.runtime.backend import RuntimeOptions
@@ -49,11 +50,29 @@ def test_contract_shaping_export_options_are_the_contract_fields():
     shaping = ExportOptions.contract_fields()
     assert set(shaping) <= fields
     assert {"capacity", "kv_mode", "dtype", "prefill_buckets", "ops", "quantize", "max_images"} <= set(shaping)
+    assert {"image_tokens", "vision_grids"} <= set(shaping) and "image_size" not in fields
     assert "component" not in shaping and "overwrite" not in shaping
     assert (
         ExportOptions.from_contract(ShapeContract.from_dict(_manifest(ExportOptions()))).contract_values()
         == ExportOptions().contract_values()
     )
+
+
+@pytest.mark.parametrize("grids", [ANY_GRID, "static", ((16, 16), (14, 20))])
+def test_image_options_round_trip_through_the_contract(grids):
+    """--image-tokens and --vision-grids reach the contract; a one-graph re-export rebuilds the same
+    contract from it, the static default set resolved to its grids."""
+    from qwen35_onnx.export.exporter import build_contract
+    from qwen35_onnx.image_grids import default_grids
+    from qwen35_onnx.presets import tiny_config
+
+    contract = ShapeContract.from_dict(_manifest(ExportOptions(image_tokens=96, vision_grids=grids)))
+    expected = {ANY_GRID: (), "static": default_grids(96, 16, 2, 65536, 16777216)}.get(grids, grids)
+    assert contract.image_tokens == 96 and contract.vision_grids == expected
+    assert contract.static_vision == bool(expected)
+    again = ExportOptions.from_contract(contract)
+    assert again.image_tokens == 96 and again.vision_grids == (expected or ANY_GRID)
+    assert build_contract(tiny_config(), None, again) == replace(contract, graphs={})
 
 
 def _manifest(options: ExportOptions) -> dict:
@@ -71,6 +90,9 @@ def _manifest(options: ExportOptions) -> dict:
         (["--no-quantize-embedding", "--kv-cache", "fixed"], {"quantize_embedding", "kv_mode"}),
         (["--quantize-embedding", "--max-seq-len", "2048"], {"quantize_embedding", "capacity"}),
         (["--overwrite", "--prefill-buckets", "32,64"], {"overwrite", "prefill_buckets"}),
+        (["--image-tokens", "64", "--vision-grids", "16x16, 12X20"], {"image_tokens", "vision_grids"}),
+        (["--vision-grids", "static"], {"vision_grids"}),
+        (["--vision-grids", "any"], {"vision_grids"}),
     ],
 )
 def test_the_options_a_user_gave_reach_the_exporter(args, given, monkeypatch):
@@ -90,6 +112,10 @@ def test_the_options_a_user_gave_reach_the_exporter(args, given, monkeypatch):
     assert seen["explicit"] == given
     if "prefill_buckets" in given:
         assert seen["options"].prefill_buckets == (32, 64)
+    if "image_tokens" in given:
+        assert seen["options"].image_tokens == 64
+    grids = {"static": "static", "any": ANY_GRID}.get(args[-1], ((16, 16), (12, 20))) if args else ANY_GRID
+    assert seen["options"].vision_grids == (grids if "vision_grids" in given else ANY_GRID)
 
 
 def test_bad_option_values_are_one_error_line():
@@ -97,6 +123,12 @@ def test_bad_option_values_are_one_error_line():
     assert result.exit_code == 2 and result.stderr.strip() == (
         "error: --prefill-buckets '32,x' must be comma-separated integers, e.g. 32,512,1024,2048"
     )
+    result = CliRunner().invoke(app, ["export", "--model-id", "m", "--output-dir", "o", "--vision-grids", "16x"])
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "error: --vision-grids '16x': vision grid '16x' must be HxW (patches down x across, integers), e.g. "
+        "16x16,12x20; or 'any' or 'static'"
+    )
+    assert "--vision-image-size" not in help_of("export")
     result = CliRunner().invoke(app, ["chat", "--model", "nowhere", "--top-p", "0"])
     assert result.exit_code == 2 and result.stderr.strip() == "error: top_p must be in (0, 1], got 0.0"
 

@@ -372,12 +372,16 @@ def test_portable_quantized_runs_on_onnxruntime(portable_export, trained_export,
         f"portable {scheme}: last-logit cosine {cosine:.5f} against fp32, first {same} of 32 greedy tokens equal "
         f"(fp32's margin there {margin:.3f})"
     )
-    # measured: int4 0.9982-0.9974, int8 1.0000; greedy tokens equal to fp32's until a near tie of fp32
-    # (its top two logits 0.03 apart), which fell at the 12th / 13th token on one CPU and the 3rd /
-    # 4th on another (the kernels' rounding differs between instruction sets)
+    # measured: int4 0.9982-0.9974, int8 1.0000 with the former 128-pixel image (16 image tokens);
+    # int4 0.99532 with the photo at the checkpoint's own resolution (64 image tokens). Greedy tokens
+    # equal to fp32's until a near tie of fp32 (its top two logits 0.03 apart), which fell at the
+    # 12th / 13th token on one CPU and the 3rd / 4th on another (the kernels' rounding differs
+    # between instruction sets); with 64 image tokens at the first token already (0.009 apart, of a
+    # spread of 11.4), where int4 may pick the other one
     assert cosine >= {"int4": 0.99, "int8": 0.999}[scheme]
-    assert int(reference.argmax()) == int(logits.argmax())
-    assert same >= 8 or margin < 0.02 * np.ptp(reference)
+    near_tie = margin < 0.02 * np.ptp(reference)
+    assert int(reference.argmax()) == int(logits.argmax()) or (same == 0 and near_tie)
+    assert same >= 8 or near_tie
     if scheme == "int4":
         # the same int4 weights (the embedding table stored alike: int8 and int4 rows would differ)
         out = trained_export("portable", quantize="int4", quantize_embedding=False)
@@ -491,10 +495,13 @@ def test_quant_accuracy_levels_against_fp32(scheme, trained_export, fp32_export,
         split, margin = split_margin(fp32_pipe, fp32_pipe.prepare(photo, PROMPT), fp32_tokens, tokens)
         print(
             f"{scheme} accuracy level {level}: last-logit cosine {_cosine(logits[level], reference):.5f} against fp32, "
-            f"greedy: first {split} of 64 equal to fp32 (fp32's margin there {margin:.3f}), {same} of 64 in place"
+            f"greedy: first {split} of {len(fp32_tokens)} equal to fp32 (fp32's margin there {margin:.3f}), "
+            f"{same} of {len(fp32_tokens)} in place"  # 64, or what fits the capacity after the photo's prompt
         )
-        # int4 measured 0.990-0.998 (level 0 on an AVX-512 VNNI CPU 0.98997)
-        assert _cosine(logits[level], reference) >= {"int4": 0.985, "int8": 0.999}[scheme]
+        # int4 measured 0.990-0.998 (level 0 on an AVX-512 VNNI CPU 0.98997) with the former 128-pixel
+        # image (16 image tokens); with the photo's 64 (the checkpoint's own resolution, an untrained
+        # vision tower) level 0 0.96819, level 4 0.97040 (the int4 embedding table: 0.992 without it)
+        assert _cosine(logits[level], reference) >= {"int4": 0.95, "int8": 0.999}[scheme]
     assert not np.array_equal(logits[0], logits[4])  # the level changes the computation
 
 

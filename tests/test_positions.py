@@ -150,6 +150,28 @@ def test_second_image_continues_after_the_first():
     assert deltas == 12 - ids.shape[1]
 
 
+def test_images_of_different_grids_match_get_rope_index():
+    """One prompt with the photo, a 6:1 panorama, a tall one and a tiny image, each on its own
+    processor grid, given as the runtime holds them (a tuple of ``(1, h, w)`` tuples)."""
+    grids = ((1, 16, 16), (1, 6, 38), (1, 38, 6), (1, 8, 8))
+    ids = multi_image_prompt([3, 2, 1, 4, 2], grids)
+    ours, deltas = mrope_position_ids(ids, IMAGE_ID, grids, MERGE)
+    input_ids = torch.from_numpy(ids)
+    with torch.no_grad():
+        ref, ref_deltas = tiny_model().model.get_rope_index(
+            input_ids, mm_token_type_ids=(input_ids == IMAGE_ID).int(), image_grid_thw=torch.tensor(grids)
+        )
+    np.testing.assert_array_equal(ours[1:], ref.numpy())
+    assert deltas == int(ref_deltas.item())
+    # 3 text tokens (0..2), the photo from 3 (running position 3 + 16 // 2 = 11 after it), 2 text
+    # tokens (11, 12), then the panorama: 3 x 19 merged tokens from 13, advancing by its long side
+    # (38 // 2 = 19), not by its 57 tokens
+    start = 3 + 64 + 2
+    assert ours[1:, 0, start].tolist() == [13, 13, 13]
+    assert ours[1:, 0, start + 56].tolist() == [13, 13 + 2, 13 + 18]  # its last token
+    assert ours[1:, 0, start + 57].tolist() == [13 + 19] * 3  # the text after it
+
+
 def test_more_runs_than_grids_is_rejected():
     ids = multi_image_prompt([1, 2, 1], [(1, 8, 8), (1, 8, 8)])
     with pytest.raises(ValueError, match=r"32 image tokens .* in 2 contiguous runs but 1 image grids"):
@@ -158,7 +180,20 @@ def test_more_runs_than_grids_is_rejected():
 
 @pytest.mark.parametrize(
     "prefix, grid, suffix",
-    [(4, (1, 8, 8), 6), (0, (1, 8, 8), 3), (5, (1, 4, 12), 0), (3, (1, 12, 4), 2), (1, (2, 4, 6), 1), (7, None, 0)],
+    [
+        (4, (1, 8, 8), 6),
+        (0, (1, 8, 8), 3),
+        (5, (1, 4, 12), 0),
+        (3, (1, 12, 4), 2),
+        (1, (2, 4, 6), 1),
+        (7, None, 0),
+        # grids of the checkpoint processor's rule at a 64-token budget: the 256 x 256 photo, a 6:1
+        # panorama each way (no square padding any more), a 200:1 strip fitted to the budget
+        (2, (1, 16, 16), 3),
+        (2, (1, 6, 38), 3),
+        (1, (1, 38, 6), 4),
+        (3, (1, 2, 128), 1),
+    ],
 )
 def test_known_layouts(prefix, grid, suffix):
     ids = prompt(prefix, grid, suffix)

@@ -56,14 +56,14 @@ def saves(monkeypatch) -> list[str]:
 def open_pipe(root: Path, **backend) -> Pipeline:
     """The export with vision and decode loaded by ``OrtBackend(**backend)``."""
     from qwen35_onnx.contract import read_manifest
-    from qwen35_onnx.conversation.processor import Preprocessor
+    from qwen35_onnx.conversation.processor import ImageSizing, Preprocessor
 
     contract = read_manifest(root)
     return Pipeline(
         root,
         contract,
         OrtBackend(root, contract, **backend),
-        Preprocessor.from_pretrained(root, contract.image_size, contract.image_token_id),
+        Preprocessor.from_pretrained(root, ImageSizing.of(contract), contract.image_token_id),
     )
 
 

@@ -23,6 +23,8 @@ import openai
 import pytest
 from PIL import Image
 
+from .conftest import static_grid_export
+
 REASONING = "hm,ok"
 CYCLE = "é日→ "
 CYCLE_TOKENS = 9  # é = 2 byte tokens, 日 = 3, → = 3, space = 1
@@ -327,13 +329,13 @@ def test_image_as_data_url_and_allowed_folder(client, server, photo, image_dir):
         model="bigram", messages=[{"role": "user", "content": content}], max_tokens=n
     )
     assert reply.choices[0].message.content == expected_content(n)
-    # one image: its image tokens (16 at 128x128) plus vision start / end
-    assert reply.usage.prompt_tokens == text_only.usage.prompt_tokens + 16 + 2
+    # one image: its image tokens (the 256 x 256 photo's own 16 x 16 patch grid: 64) plus vision start / end
+    assert reply.usage.prompt_tokens == text_only.usage.prompt_tokens + 64 + 2
     local = [{"type": "image_url", "image_url": {"url": str(image_dir / "photo.jpg")}}, {"type": "text", "text": "Hi"}]
     twice = client.chat.completions.create(
         model="bigram", messages=[{"role": "user", "content": content[:1] + local}], max_tokens=n
     )
-    assert twice.usage.prompt_tokens == reply.usage.prompt_tokens + 18
+    assert twice.usage.prompt_tokens == reply.usage.prompt_tokens + 66
 
 
 @pytest.mark.slow
@@ -670,7 +672,11 @@ def test_metrics_count_requests_tokens_and_times(server, client):
 
 
 @pytest.mark.slow
-def test_serve_on_openvino_answers_as_on_onnxruntime(fixed_export, photo, tmp_path):
+def test_serve_on_openvino_answers_as_on_onnxruntime(checkpoint, tmp_path_factory, photo, tmp_path):
+    pytest.importorskip("openvino")
+
+    # OpenVINO takes static vision grids only: both runtimes serve conftest's static-grid export (the photo's grid)
+    export = static_grid_export(checkpoint, tmp_path_factory)
     image = "data:image/jpeg;base64," + base64.b64encode(photo.read_bytes()).decode()
     messages = [
         {
@@ -681,7 +687,7 @@ def test_serve_on_openvino_answers_as_on_onnxruntime(fixed_export, photo, tmp_pa
     replies = {}
     for runtime in ("onnxruntime", "openvino"):
         log_path = tmp_path / f"{runtime}.log"
-        server = ServerProcess(["--model", str(fixed_export), "--port", "0", "--runtime", runtime], log_path)
+        server = ServerProcess(["--model", str(export), "--port", "0", "--runtime", runtime], log_path)
         try:
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
             reply = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
@@ -732,6 +738,7 @@ def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_
     from selenium.webdriver.support.ui import WebDriverWait
 
     from qwen35_onnx.contract import read_manifest
+    from qwen35_onnx.conversation.processor import ImageSizing
 
     shots = Path(os.environ.get("QWEN35_ONNX_SCREENSHOTS") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
@@ -793,8 +800,12 @@ def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_
     wait.until(lambda d: "finish: length" in text_of(last_reply(), ".meta"))
     assert len(browser.find_elements(By.CSS_SELECTOR, ".user")[-1].find_elements(By.TAG_NAME, "img")) == 2
     assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img")
-    image_tokens = read_manifest(bigram_export).n_image_tokens
-    assert server.health()["last"]["prompt_tokens"] > first_prompt + n + 2 * image_tokens  # history + both images
+    # each image has its own grid (the processor's, within the export's budget): the photo's 16 x 16
+    # patches, the dropped 48 x 32 picture's upscaled to min_pixels
+    sizing = ImageSizing.of(read_manifest(bigram_export))
+    image_tokens = sum(h * w // 4 for h, w in (sizing.grid(256, 256)[0], sizing.grid(32, 48)[0]))
+    assert image_tokens == 64 + 70
+    assert server.health()["last"]["prompt_tokens"] > first_prompt + n + image_tokens  # history + both images
     browser.save_screenshot(str(shots / "chat-page-3-images.png"))
 
     # stop: a generation to the capacity (about 2000 tokens), stopped right after it is sent

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from .conftest import PROMPT, export_to
+from .conftest import CAPACITY, PROMPT, export_to
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,8 @@ def test_4b_widths_greedy_parity_with_transformers(ops, wide_checkpoint, photo, 
 
     from .conftest import split_margin
 
-    out = export_to(wide_checkpoint, tmp_path / ops, ops=ops, prefill_buckets=(64,))
+    # one bucket of the capacity: the photo's 64 image tokens and the text are 78 tokens
+    out = export_to(wide_checkpoint, tmp_path / ops, ops=ops, prefill_buckets=(CAPACITY,))
     contract = read_manifest(out)
     assert (contract.hidden_size, contract.head_dim, contract.num_key_value_heads) == (2560, 256, 4)
     assert (contract.linear_num_value_heads, contract.linear_key_head_dim) == (32, 128)

@@ -33,6 +33,7 @@ def run_chat(
     sampling: SamplingConfig | None = None,
     chat_template_kwargs: dict | None = None,
     prompt: Callable[[], None] | None = None,
+    max_image_tokens: int | None = None,
 ) -> int:
     """Run the conversation over input ``lines``; returns the number of answered turns.
 
@@ -71,7 +72,9 @@ def run_chat(
             content.append({"type": "text", "text": line})
             turn = history + [{"role": "user", "content": content}]
             try:
-                stream = pipe.stream_chat(turn, max_new_tokens, sampling, (), chat_template_kwargs)
+                stream = pipe.stream_chat(
+                    turn, max_new_tokens, sampling, (), chat_template_kwargs, max_image_tokens=max_image_tokens
+                )
             except (ChatInputError, ValueError, OSError) as exc:
                 hint = "; /reset starts a new conversation" if isinstance(exc, PromptTooLongError) and history else ""
                 err.write(f"error: {exc}{hint}\n" + ("[attached images dropped]\n" if pending_images else ""))

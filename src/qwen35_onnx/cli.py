@@ -187,11 +187,23 @@ def _load(model: Path, runtime: RuntimeOptions):
 CHECKPOINT_SAMPLING = "as the export's generation_config.json says (greedy without one)"
 """Where ``generate`` and ``chat`` take the sampling options a user does not give."""
 
+MAX_IMAGE_TOKENS_HELP = (
+    "Image-token limit per image (from the image processor's minimum, 64 for Qwen3.5, up to the export's "
+    "--image-tokens). [default: the export's budget]"
+)
 THINKING_HELP = "Turn the chat template's thinking on or off (its enable_thinking). [default: the template's own]"
 
 
 def _thinking_kwargs(thinking: bool | None) -> dict | None:
     return None if thinking is None else {"enable_thinking": thinking}
+
+
+def _check_image_limit(pipe, max_image_tokens: int | None) -> None:
+    """``--max-image-tokens`` within the export's range, or one ``error:`` line."""
+    try:
+        pipe.preprocessor.sizing.limit(max_image_tokens)
+    except USER_ERRORS as exc:
+        _fail(ValueError(str(exc).replace("max_image_tokens", "--max-image-tokens", 1)))
 
 
 def _sampling(pipe, given: SamplingConfig, given_names: set[str]) -> SamplingConfig:
@@ -216,6 +228,9 @@ def generate(
     ),
     prompt: str = typer.Option(..., "--prompt", help="User prompt."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to generate."),
+    max_image_tokens: Optional[int] = typer.Option(
+        None, "--max-image-tokens", help=MAX_IMAGE_TOKENS_HELP, show_default=False
+    ),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not included in the output."),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
     runtime: RuntimeOptions = None,
@@ -228,6 +243,7 @@ def generate(
     except USER_ERRORS as exc:
         _fail(exc)
     pipe = _load(model, runtime)
+    _check_image_limit(pipe, max_image_tokens)
     sampling = _sampling(pipe, sampling, sampling_given)
     try:
         stream = pipe.stream(
@@ -237,6 +253,7 @@ def generate(
             sampling=sampling,
             stop=stop,
             chat_template_kwargs=_thinking_kwargs(thinking),
+            max_image_tokens=max_image_tokens,
         )
     except USER_ERRORS as exc:
         _fail(exc)
@@ -389,6 +406,9 @@ def chat(
         None, "--max-new-tokens", help="Most tokens per reply. [default: until end of sequence or capacity]"
     ),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
+    max_image_tokens: Optional[int] = typer.Option(
+        None, "--max-image-tokens", help=MAX_IMAGE_TOKENS_HELP, show_default=False
+    ),
     runtime: RuntimeOptions = None,
     sampling: SamplingConfig = None,
     sampling_given: set[str] = frozenset(),
@@ -403,6 +423,7 @@ def chat(
     if max_new_tokens is not None and max_new_tokens < 1:
         _fail(ValueError(f"--max-new-tokens must be >= 1 (omit it: until end of sequence), got {max_new_tokens}"))
     pipe = _load(model, runtime)
+    _check_image_limit(pipe, max_image_tokens)
     sampling = _sampling(pipe, sampling, sampling_given)
     interactive = sys.stdin.isatty()
     if interactive:
@@ -420,6 +441,7 @@ def chat(
             sampling=sampling,
             chat_template_kwargs=kwargs,
             prompt=show_prompt,
+            max_image_tokens=max_image_tokens,
         )
     except KeyboardInterrupt:
         typer.echo("", err=True)

@@ -191,7 +191,9 @@ def check_vision_grids(
             raise ValueError(f"vision grid {grid!r} must be two positive integers (patches down, across)")
         h, w = grid
         if h % merge_size or w % merge_size:
-            raise ValueError(f"vision grid {h}x{w}: both sides must be multiples of the spatial merge size {merge_size}")
+            raise ValueError(
+                f"vision grid {h}x{w}: both sides must be multiples of the spatial merge size {merge_size}"
+            )
         pixels = h * w * patch_size**2
         if pixels < min_pixels:
             raise ValueError(
@@ -382,7 +384,9 @@ class ShapeContract:
         if h < 1 or w < 1 or h % merge or w % merge:
             raise ContractError(f"image grid {h}x{w} must be positive multiples of the spatial merge size {merge}")
         if self.static_vision and (h, w) not in self.vision_grids:
-            raise ContractError(f"image grid {h}x{w} is not one of this export's vision grids {list(self.vision_grids)}")
+            raise ContractError(
+                f"image grid {h}x{w} is not one of this export's vision grids {list(self.vision_grids)}"
+            )
         if h * w > self.max_patches:
             raise ContractError(
                 f"image grid {h}x{w} has {h * w // merge**2} image tokens, more than the export's budget "

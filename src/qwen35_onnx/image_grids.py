@@ -34,7 +34,6 @@ __all__ = [
     "grid_tokens",
     "parse_grids",
     "processor_grid",
-    "smallest_grid",
 ]
 
 Grid = tuple[int, int]
@@ -59,7 +58,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     width)`` in pixels, multiples of ``factor``.
 
     Raises:
-        ValueError: the aspect ratio is 200 or more (the processor's limit), or a side is not positive.
+        ValueError: the aspect ratio is above 200 (the processor's limit), or a side is not positive.
     """
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as resize
 
@@ -78,9 +77,7 @@ def grid_tokens(grid: Grid, merge_size: int) -> int:
     return grid[0] * grid[1] // merge_size**2
 
 
-def processor_grid(
-    height: int, width: int, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int
-) -> Grid:
+def processor_grid(height: int, width: int, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int) -> Grid:
     """The patch grid the checkpoint's image processor gives an ``width x height`` image
     (:func:`smart_resize` with factor ``patch_size * merge_size``).
 
@@ -120,7 +117,7 @@ def choose_grid(height: int, width: int, grids: Sequence[Grid], preferred: Grid)
 def fit_budget(grid: Grid, image_tokens: int, merge_size: int) -> Grid:
     """``grid`` scaled down (aspect kept, sides multiples of ``merge_size``, at least one merge
     block) to at most ``image_tokens`` tokens; unchanged when it fits. The processor's rule can
-    exceed its ``max_pixels`` when it upscales a tiny image to ``min_pixels`` (it rounds up), and an
+    exceed its ``max_pixels`` when it rounds a tiny or very thin image up to ``min_pixels``, and an
     export cannot hold more than its budget."""
     if grid_tokens(grid, merge_size) <= image_tokens:
         return tuple(grid)
@@ -131,19 +128,9 @@ def fit_budget(grid: Grid, image_tokens: int, merge_size: int) -> Grid:
     return h * merge_size, w * merge_size
 
 
-def smallest_grid(height: int, width: int, grids: Sequence[Grid]) -> Grid:
-    """The grid of ``grids`` with the closest aspect ratio to ``width x height`` (log ratio, to
-    0.01), the fewest patches among those (``detail: low`` on a static-grid export).
-
-    Raises:
-        ValueError: ``grids`` is empty.
-    """
-    if not grids:
-        raise ValueError("no grid to choose from")
-    return tuple(min(grids, key=lambda g: (round(_aspect_error(g, height, width), 2), g[0] * g[1])))
-
-
-def default_grids(image_tokens: int, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int) -> tuple[Grid, ...]:
+def default_grids(
+    image_tokens: int, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int
+) -> tuple[Grid, ...]:
     """The default static grids of an export with a budget of ``image_tokens`` tokens per image:
     for each of :data:`ASPECT_RATIOS`, the processor's grid of a large picture of that ratio at the
     budget, and of a small one (upscaled to ``min_pixels``); those within ``[min_pixels, budget]``

@@ -365,12 +365,12 @@ class Pipeline:
             reply: tools to list in the prompt (:meth:`reply_format`; none by default).
             max_image_tokens: image-token limit per image (by default the export's budget, see
                 :class:`~qwen35_onnx.conversation.processor.ImageSizing`); an image part's
-                ``detail`` 'low' asks for the smallest grid of its aspect ratio.
+                ``detail`` 'low' asks for the processor's grid at its ``min_pixels``.
 
         Raises:
             ChatInputError: a malformed message or image (``param`` names the field), more
                 images than the export's ``max_images``, a bad ``max_image_tokens``, or an image
-                the processor refuses (aspect ratio of 200 or more).
+                the processor refuses (aspect ratio above 200).
             ValueError: text that is not valid Unicode, a template that cannot render, or a
                 prompt longer than the largest prefill bucket / the capacity.
         """

@@ -80,13 +80,18 @@ def reference_prompt(model_id: str | Path, messages: list[dict], max_pixels: int
 
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     processor = Qwen2VLImageProcessorPil.from_pretrained(model_id)
-    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+    images = [
+        p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"
+    ]
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
     )
     pixel_values = grids = None
     if images:
-        size = {"shortest_edge": processor.size["shortest_edge"], "longest_edge": min(processor.size["longest_edge"], max_pixels)}
+        size = {
+            "shortest_edge": processor.size["shortest_edge"],
+            "longest_edge": min(processor.size["longest_edge"], max_pixels),
+        }
         out = processor(images=images, size=size, return_tensors="np")
         pixel_values, grids = out["pixel_values"], out["image_grid_thw"]
         pad = "<|image_pad|>"
@@ -95,6 +100,25 @@ def reference_prompt(model_id: str | Path, messages: list[dict], max_pixels: int
         text = pieces[0] + "".join(pad * n + piece for n, piece in zip(counts, pieces[1:]))
     ids = np.asarray([tokenizer(text, add_special_tokens=False)["input_ids"]], dtype=np.int64)
     return ids, pixel_values, grids
+
+
+def check_comparable(prepared: PreparedPrompt, reference_grids, merge_size: int) -> None:
+    """Both sides run every image at the same grid.
+
+    Raises:
+        ValueError: an image the checkpoint's processor sizes to a grid this export cannot run (over
+            its budget, which the processor's rounding up of a tiny or very thin image can give, or
+            not among its static grids), naming both grids and what export would take it.
+    """
+    theirs = [] if reference_grids is None else [tuple(int(v) for v in g) for g in reference_grids]
+    for i, (ours, grid) in enumerate(zip(prepared.image_grids, theirs)):
+        if tuple(ours) != grid:
+            tokens = grid[1] * grid[2] // merge_size**2
+            raise ValueError(
+                f"image {i + 1}: the checkpoint's processor gives it a {grid[1]}x{grid[2]} grid ({tokens} image "
+                f"tokens) but this export runs it at {ours[1]}x{ours[2]}, so transformers cannot be compared on it; "
+                f"an export with --image-tokens {tokens} or more (and that grid, if its grids are static) can"
+            )
 
 
 def reference_generate(model, input_ids, pixel_values, image_grid_thw, max_new_tokens: int, eos_token_ids) -> list[int]:
@@ -141,11 +165,16 @@ def chat_parity(
     max_new_tokens: int,
     model=None,
     chat_template_kwargs: dict | None = None,
+    result: GenerationResult | None = None,
 ) -> TokenParity:
-    """Greedy tokens of ``pipeline.chat`` on ``messages`` (image parts ``{"type": "image", "image":
-    path or PIL image}``) against transformers on the checkpoint ``model_id`` fed the raw images
-    (:func:`reference_prompt`, ``max_pixels`` the export's budget), both stopping at
-    ``pipeline.stop_token_ids``."""
+    """Greedy tokens of ``pipeline`` on chat ``messages`` (image parts ``{"type": "image", "image":
+    path or PIL image}``; ``result``: a greedy result for the same input, made already) against
+    transformers on the checkpoint ``model_id`` fed the raw images (:func:`reference_prompt`,
+    ``max_pixels`` the export's budget), both stopping at ``pipeline.stop_token_ids``.
+
+    Raises:
+        ValueError: see :func:`check_comparable` (before anything runs).
+    """
     from .conversation.images import load_image
 
     def raw(part):
@@ -157,17 +186,16 @@ def chat_parity(
         {**m, "content": [raw(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m for m in messages
     ]
     prepared = pipeline.prepare_chat(messages, chat_template_kwargs)
-    result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens, sampling=SamplingConfig())
+    contract = pipeline.contract
+    ids, pixel_values, grids = reference_prompt(model_id, messages, contract.image_max_pixels, chat_template_kwargs)
+    check_comparable(prepared, grids, contract.spatial_merge_size)
+    if result is None:
+        result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens, sampling=SamplingConfig())
     model = model if model is not None else load_reference(model_id)
-    ids, pixel_values, grids = reference_prompt(
-        model_id, messages, pipeline.contract.image_max_pixels, chat_template_kwargs
-    )
     # the export stops when its capacity is full; transformers has no such limit, so it is asked
     # for no more than fit
     fits = pipeline.token_room(prepared)
-    reference = reference_generate(
-        model, ids, pixel_values, grids, min(max_new_tokens, fits), pipeline.stop_token_ids
-    )
+    reference = reference_generate(model, ids, pixel_values, grids, min(max_new_tokens, fits), pipeline.stop_token_ids)
     return TokenParity(result.token_ids, reference)
 
 
@@ -180,21 +208,8 @@ def token_parity(
     result: GenerationResult | None = None,
     model=None,
 ) -> TokenParity:
-    """Generate greedily with ``pipeline`` (unless ``result``, a greedy result for the same input,
-    is given) and with transformers on the checkpoint ``model_id`` fed the raw ``image`` (a path,
-    a PIL image, a list of them or None) through its own processor, both stopping at
-    ``pipeline.stop_token_ids``; compare the token ids."""
-    from .conversation.images import load_image
-
+    """:func:`chat_parity` of one user turn: the raw ``image`` (a path, a PIL image, a list of them or
+    None) first, then ``prompt``."""
     pictures = [] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
-    pictures = [load_image(p) if isinstance(p, (str, Path)) else p for p in pictures]
     content = [{"type": "image", "image": p} for p in pictures] + [{"type": "text", "text": prompt}]
-    messages = [{"role": "user", "content": content}]
-    prepared = pipeline.prepare_chat(messages)
-    if result is None:
-        result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens, sampling=SamplingConfig())
-    model = model if model is not None else load_reference(model_id)
-    ids, pixel_values, grids = reference_prompt(model_id, messages, pipeline.contract.image_max_pixels)
-    fits = pipeline.token_room(prepared)
-    reference = reference_generate(model, ids, pixel_values, grids, min(max_new_tokens, fits), pipeline.stop_token_ids)
-    return TokenParity(result.token_ids, reference)
+    return chat_parity(pipeline, model_id, [{"role": "user", "content": content}], max_new_tokens, model, None, result)

@@ -15,6 +15,7 @@ decoders start from runs of the same prefill (deterministic) and take turns (see
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ def reset_peak() -> bool:
 def weight_bytes(root: Path, graphs: dict[str, str]) -> dict[str, int]:
     """Bytes of the external-data files the graphs of an export read, per kind: ``{'text': ...,
     'vision': ...}`` (each file counted once; ``graphs``: manifest key -> path under ``root``)."""
+    from ..contract import GraphKind
     from ..onnxfile.edit import read_model
 
     files: dict[Path, str] = {}
@@ -79,7 +81,10 @@ def weight_bytes(root: Path, graphs: dict[str, str]) -> dict[str, int]:
         path = Path(root) / rel
         for tensor in read_model(path.read_bytes()).initializers.values():
             if tensor.location is not None:
-                files.setdefault((path.parent / tensor.location).resolve(), "vision" if GraphKind.of(key) == GraphKind.VISION else "text")
+                files.setdefault(
+                    (path.parent / tensor.location).resolve(),
+                    "vision" if GraphKind.of(key) == GraphKind.VISION else "text",
+                )
     out = {"text": 0, "vision": 0}
     for path, kind in files.items():
         out[kind] += path.stat().st_size
@@ -189,7 +194,9 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
         f"[memory] loaded vision, decode and {len(contract.prefill_buckets or [None])} prefill graph(s) "
         f"in {time.perf_counter() - start:.1f} s"
     )
-    pipe.backend.run_vision(np.zeros((contract.n_patches, contract.patch_dim), dtype=np.float32))
+    side = contract.spatial_merge_size * math.isqrt(contract.image_tokens)  # the largest grid: the most memory
+    grid = max(contract.vision_grids, key=lambda g: g[0] * g[1]) if contract.static_vision else (side, side)
+    pipe.backend.run_vision(grid, np.zeros((grid[0] * grid[1], contract.patch_dim), dtype=np.float32))
     prepared = pipe.prepare_ids(_prompt(pipe, min(20, contract.capacity - 1)))  # the smallest bucket
 
     def begin(backend):

@@ -223,15 +223,24 @@ def build_optimum(python: Path, checkpoint: Path, out: Path, log=print) -> Path:
 
 
 def bench_ovgenai(
-    name: str, python: Path, model_dir: Path, prompts: dict[int, np.ndarray], precision: str, protocol: Protocol
+    name: str,
+    python: Path,
+    model_dir: Path,
+    prompts: dict[int, np.ndarray],
+    precision: str,
+    protocol: Protocol,
+    image: dict | None = None,
 ) -> PeerResult:
     """Run :mod:`.ovgenai_peer` in the peer's environment (that file as a script: it imports nothing
-    of this project; ``-P``: its folder stays off ``sys.path``) and read its JSON."""
+    of this project; ``-P``: its folder stays off ``sys.path``) and read its JSON. ``image``:
+    ``{"path", "question"}`` of the image prompt whose time to first token it also measures
+    (``result.image``: ``{"ttft_ms", "prompt_tokens"}``)."""
     spec = {
         "model_dir": str(model_dir),
         "precision": precision,
         "protocol": asdict(protocol),
         "prompts": {str(n): ids[0].tolist() for n, ids in prompts.items()},
+        "image": image,
     }
     script = Path(__file__).resolve().with_name("ovgenai_peer.py")
     done = _run([str(python), "-P", str(script)], f"openvino-genai peer {name}", input=json.dumps(spec))
@@ -247,4 +256,5 @@ def bench_ovgenai(
     result.decode_bytes = (model_dir / "openvino_language_model.bin").stat().st_size
     result.note = json.dumps({k: out[k] for k in ("input_tokens", "tpot_ms", "versions")})
     result.peak_rss_bytes = out.get("peak_rss_bytes")  # the peer's own process
+    result.image = out.get("image")
     return result

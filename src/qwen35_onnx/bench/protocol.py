@@ -61,6 +61,9 @@ class PeerResult:
     """``peak_rss_bytes`` is the largest ``Pss`` sampled after each measurement instead of the
     kernel's ``VmHWM``: for sessions that map the shared pre-packed weights, whose pages VmRSS
     counts once per session (see :mod:`qwen35_onnx.runtime.onnxruntime.prepacked`)."""
+    image: dict | None = None
+    """An image prompt's time to first token, where the peer measured one (``{"ttft_ms",
+    "prompt_tokens"}``, see :mod:`.vision`)."""
     note: str = ""
 
 

@@ -20,7 +20,9 @@ on the same checkpoint:
 - the floor: bytes read per decode token (weights + states) / the machine's read
   bandwidth, measured in the same run (ONNX Runtime ReduceSum over 1 GiB);
 - constrained decoding (:mod:`.constrained`): the grammar's time per token against the decode
-  step, on the first of this project's ONNX Runtime rows measured.
+  step, on the first of this project's ONNX Runtime rows measured;
+- images (:mod:`.vision`): each of this project's rows' vision time per grid and the time to first
+  token of a question about a 640 x 480 photo, next to OpenVINO GenAI's on the same photo.
 
 Outputs ``bench.md`` (table, ratios against each peer), ``bench.json`` and ``bench.png`` (:mod:`.report`).
 Times are milliseconds.
@@ -36,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..contract import ContractError, read_manifest
-from ..export.options import ExportOptions
+from ..export.options import ANY_GRID, ExportOptions
 from ..paths import check_folder
 from ..runtime.host_memory import release_freed_memory
 from ..runtime.sampling import SamplingConfig
@@ -45,17 +47,18 @@ from .memory import reset_peak, resident
 from .peers import bench_genai, bench_ovgenai, bench_transformers, build_genai, build_optimum, ensure_optimum_venv
 from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read_bandwidth_gbps
 from .report import report, target_lines
+from .vision import QUESTION, ImageCost, image_costs, image_lines, photo
 
 LENGTHS = (32, 512, 1024, 2048)
 DECODE_ROOM = 256
 """Tokens of capacity past the longest prompt length (decode is timed at each length)."""
 #: The exports this project's rows run: folder name (spaces as dashes) -> ExportOptions fields.
 EXPORTS = {
-    "portable fp32": dict(ops="portable"),
+    "portable fp32": dict(ops="portable", vision_grids="static"),  # static grids: OpenVINO runs these
     "ort fp32": dict(ops="ort"),
     "ort int8": dict(ops="ort", quantize="int8"),
     "ort int4": dict(ops="ort", quantize="int4"),
-    "portable int4": dict(ops="portable", quantize="int4"),
+    "portable int4": dict(ops="portable", quantize="int4", vision_grids="static"),
 }
 #: This project's rows: row name -> (export, runtime, precision).
 PIPELINE_ROWS = {
@@ -133,9 +136,11 @@ def bench_export(
 
     pipe = Pipeline.from_exported(export_dir, runtime=runtime, precision=precision)
     try:
-        return bench_pipeline(
+        result = bench_pipeline(
             name, pipe, prompts, protocol, decode_weight_bytes(export_dir / pipe.contract.graphs["decode"])
         )
+        result.image = image_costs(name, pipe, protocol.prefill_runs)
+        return result
     finally:
         del pipe
         release_freed_memory()
@@ -166,13 +171,34 @@ def _is_cached(folder: Path, options) -> bool:
         c = read_manifest(folder)
     except ContractError:
         return False
-    return (c.exporter_version, c.capacity, c.prefill_buckets, c.ops, c.quantize) == (
+    return (c.exporter_version, c.capacity, c.prefill_buckets, c.ops, c.quantize, c.image_tokens, c.static_vision) == (
         __version__,
         options.capacity,
         tuple(options.prefill_buckets),
         options.ops,
         options.quantize,
+        options.image_tokens,
+        options.vision_grids not in (ANY_GRID, ()),
     )
+
+
+def peer_image_processor(checkpoint: Path, model_dir: Path, contract) -> None:
+    """Give OpenVINO's pipeline the checkpoint's image processor settings (optimum-intel's export
+    leaves ``preprocessor_config.json`` out without torchvision, and openvino-genai then falls back to
+    Qwen2-VL's 14-pixel patches), with ``max_pixels`` capped at this project's budget as a user would
+    set it (both spellings), so that both sides give the photo the same image tokens."""
+    config = json.loads((Path(checkpoint) / "preprocessor_config.json").read_text())
+    top = contract.image_max_pixels
+    config.update(min_pixels=contract.min_pixels, max_pixels=top)
+    config["size"] = {"shortest_edge": contract.min_pixels, "longest_edge": top}
+    (Path(model_dir) / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _image_cost(result: PeerResult) -> ImageCost:
+    """A row's image figures (this project's :class:`ImageCost`, or a peer's ``{"ttft_ms", "prompt_tokens"}``)."""
+    if isinstance(result.image, ImageCost):
+        return result.image
+    return ImageCost(result.name, ttft_ms=result.image["ttft_ms"], prompt_tokens=result.image["prompt_tokens"])
 
 
 def check_rows(rows) -> tuple[str, ...]:
@@ -294,14 +320,18 @@ def run_bench(
                 if optimum is None:
                     python = ensure_optimum_venv(work_dir.parent / ".venv-optimum", log)
                     optimum = (python, build_optimum(python, checkpoint, work_dir / "optimum-int4", log))
-                results.append(bench_ovgenai(row, *optimum, prompts, OVGENAI_ROWS[row], protocol))
+                    picture = work_dir / "photo-640x480.npy"
+                    np.save(picture, np.asarray(photo()))
+                    peer_image_processor(checkpoint, optimum[1], contract)
+                image = {"path": str(picture), "question": QUESTION}
+                results.append(bench_ovgenai(row, *optimum, prompts, OVGENAI_ROWS[row], protocol, image))
             except (RuntimeError, OSError, ValueError) as exc:
                 skipped.append(f"{row}: {exc}")
                 log(f"[bench] skipped {skipped[-1]}")
         if len(results) > done and results[-1].peak_rss_bytes is None:
             results[-1].peak_rss_bytes = resident().get("VmHWM")
     markdown = report(results, bandwidth, work_dir, state_bytes, protocol)
-    extra = target_lines(results) + constrained
+    extra = target_lines(results) + constrained + image_lines([_image_cost(r) for r in results if r.image])
     extra += ["", "Not measured:", ""] + [f"- {s}" for s in skipped] if skipped else []
     if extra:
         markdown += "\n".join(extra) + "\n"

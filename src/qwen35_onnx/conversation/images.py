@@ -1,9 +1,11 @@
-"""Image files to RGB pictures, and pictures to the exported grid (numpy + PIL, no torch).
+"""Image files to RGB pictures (numpy + PIL, no torch).
 
 * :func:`load_image`: a file to a fully loaded RGB ``PIL.Image`` (EXIF orientation applied,
   transparency composited on white);
-* :func:`to_rgb`: any PIL mode to 8-bit RGB (high bit depths scaled, not clipped);
-* :func:`fit_to_grid`: pad to a centred square and resize to the exported image size.
+* :func:`to_rgb`: any PIL mode to 8-bit RGB (high bit depths scaled, not clipped).
+
+How a picture is sized for the model is the checkpoint's own rule (:mod:`qwen35_onnx.image_grids`,
+:class:`.processor.ImageSizing`).
 
 Source: ``transformers.image_utils.load_image`` (transformers 5.24) for the EXIF handling.
 """
@@ -16,9 +18,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-__all__ = ["fit_to_grid", "load_image", "to_rgb"]
+__all__ = ["load_image", "to_rgb"]
 
-PAD_COLOUR = (0, 0, 0)  # fit_to_grid square padding: black
 WHITE = (255, 255, 255)  # background for transparent pixels in load_image
 
 
@@ -81,50 +82,3 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, WHITE + (255,))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
-
-
-MAX_PAD_SIDE = 4096
-"""Largest padded square (pixels per side) built at full resolution in :func:`fit_to_grid`."""
-
-
-def fit_to_grid(image: Image.Image, image_size: int) -> Image.Image:
-    """Bring ``image`` to the exported grid as the reference system does: pad it to a centred
-    square (black fill, side ``max(width, height)``), then resize (bicubic) to
-    ``image_size x image_size``. Black is the fill because it does not depend on the
-    processor's normalisation constants.
-
-    A square wider than :data:`MAX_PAD_SIDE` pixels (a very long, thin image) would cost
-    gigabytes, so such images are resized first (the short side keeping at least one pixel)
-    and padded after, which differs only by edge rounding.
-
-    Args:
-        image: ``PIL.Image`` of any size and mode (converted with :func:`to_rgb`).
-        image_size: output side in pixels (> 0).
-
-    Returns:
-        RGB ``PIL.Image`` of size ``(image_size, image_size)``; a square input of that
-        size comes back as an unchanged copy.
-
-    Raises:
-        ValueError: ``image_size`` is not positive.
-    """
-    if image_size <= 0:
-        raise ValueError(f"image_size must be positive, got {image_size}")
-    image = to_rgb(image)
-    width, height = image.size
-    side = max(width, height)
-    if side > MAX_PAD_SIDE:
-        # resize first (the short side keeps at least one pixel), then pad
-        scale = image_size / side
-        size = (max(1, round(width * scale)), max(1, round(height * scale)))
-        resized = image.resize(size, Image.Resampling.BICUBIC)
-        canvas = Image.new("RGB", (image_size, image_size), PAD_COLOUR)
-        canvas.paste(resized, ((image_size - size[0]) // 2, (image_size - size[1]) // 2))
-        return canvas
-    if width != height:
-        square = Image.new("RGB", (side, side), PAD_COLOUR)
-        square.paste(image, ((side - width) // 2, (side - height) // 2))
-        image = square
-    if side == image_size:
-        return image.copy()
-    return image.resize((image_size, image_size), Image.Resampling.BICUBIC)

@@ -52,7 +52,8 @@ __all__ = [
 ]
 
 DETAILS = ("auto", "low", "high")
-"""OpenAI's ``image_url.detail``: ``low`` the smallest grid of the image's aspect ratio, ``high`` and
+"""OpenAI's ``image_url.detail``: ``low`` the processor's grid at its ``min_pixels`` (the smallest of
+the image's aspect ratio; on a static-grid export the exported grid closest to it), ``high`` and
 ``auto`` (the default) the export's image-token budget."""
 
 
@@ -62,6 +63,7 @@ class ChatImage:
 
     image: Image.Image
     detail: str = "auto"
+
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")

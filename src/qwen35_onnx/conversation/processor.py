@@ -32,7 +32,7 @@ from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from ..image_grids import Grid, choose_grid, fit_budget, grid_tokens, processor_grid, smallest_grid
+from ..image_grids import Grid, choose_grid, fit_budget, grid_tokens, processor_grid
 from .detokenizer import TextStreamer
 from .messages import DETAILS
 
@@ -109,15 +109,17 @@ class ImageSizing:
         top = min(self.max_pixels, self.limit(max_image_tokens) * self.factor**2)
         return min(top, self.min_pixels) if detail == "low" else top
 
-    def grid(self, height: int, width: int, max_image_tokens: int | None = None, detail: str = "auto") -> tuple[Grid, Grid]:
+    def grid(
+        self, height: int, width: int, max_image_tokens: int | None = None, detail: str = "auto"
+    ) -> tuple[Grid, Grid]:
         """``(grid, processor_grid)`` for a ``width x height`` image: the patch grid it runs at and
         the grid the checkpoint's processor gives it with ``max_pixels`` at the limit (for
         ``detail`` 'low': at ``min_pixels``). They are equal unless the export lacks that grid (or
-        it is over the budget, which the processor's upscaling of tiny images can give).
+        it is over the budget, which the processor's rounding up of tiny or very thin images can give).
 
         Raises:
             ValueError: ``detail`` not one of :data:`DETAILS`; a bad ``max_image_tokens`` (see
-                :meth:`limit`); an aspect ratio of 200 or more (the processor's limit); no static
+                :meth:`limit`); an aspect ratio above 200 (the processor's limit); no static
                 grid within ``max_image_tokens``.
         """
         tokens = self.limit(max_image_tokens)
@@ -131,8 +133,6 @@ class ImageSizing:
             raise ValueError(
                 f"max_image_tokens {tokens} is below this export's smallest vision grid ({smallest} tokens)"
             )
-        if detail == "low":
-            return smallest_grid(height, width, grids), exact
         return choose_grid(height, width, grids, exact), exact
 
 
@@ -228,14 +228,14 @@ class Preprocessor:
         The grid is :meth:`ImageSizing.grid`'s. When it is the processor's own grid, the processor
         itself resizes and patchifies the image (``size = {shortest_edge: min_pixels,
         longest_edge: the limit's pixels}``): the same pixel values as transformers. Otherwise (a
-        static-grid export without that grid, or a tiny image upscaled over the budget) the image is
+        static-grid export without that grid, or a tiny or very thin image rounded up over the budget) the image is
         resized (bicubic, the processor's resampling) to exactly the grid and patchified without
         another resize.
 
         Args:
             image: RGB ``PIL.Image`` of any size (e.g. from :func:`.images.load_image`).
             max_image_tokens: image-token limit of this image (default: the export's budget).
-            detail: 'auto' / 'high' (the limit) or 'low' (the smallest grid of its aspect ratio).
+            detail: 'auto' / 'high' (the limit) or 'low' (the processor's grid at ``min_pixels``).
 
         Returns:
             ``(pixel_values, grid_thw)``: float32 ``[h*w, C*T*P*P]`` (e.g. ``[936, 1536]`` for a
@@ -341,16 +341,16 @@ class Preprocessor:
         except Exception as exc:  # jinja2 errors, raise_exception() in templates
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
         if n_images != len(image_tokens):
-            raise ValueError(f"the messages hold {n_images} images but {len(image_tokens)} image-token counts were given")
+            raise ValueError(
+                f"the messages hold {n_images} images but {len(image_tokens)} image-token counts were given"
+            )
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != n_images:
             raise ValueError(
                 f"the chat-templated prompt holds {len(pieces) - 1} image placeholders {self.image_token!r}; "
                 f"expected {n_images} (does the text contain {self.image_token!r}?)"
             )
-        text_expanded = pieces[0] + "".join(
-            self.image_token * n + piece for n, piece in zip(image_tokens, pieces[1:])
-        )
+        text_expanded = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(image_tokens, pieces[1:]))
         with self.lock:
             encoded = self.tokenizer(text_expanded, add_special_tokens=False)["input_ids"]
         ids = np.asarray(encoded, dtype=np.int64)

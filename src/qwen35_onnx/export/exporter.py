@@ -33,14 +33,14 @@ from ..contract import (
     Quantization,
     ShapeContract,
     check_image_budget,
-    check_vision_grids,
     check_max_images,
+    check_vision_grids,
     read_manifest,
     write_manifest,
 )
 from ..image_grids import default_grids
 from ..paths import check_checkpoint_folder
-from .options import ALL_COMPONENTS, STATIC_GRIDS, ExportError, ExportOptions, component_options
+from .options import ALL_COMPONENTS, ANY_GRID, STATIC_GRIDS, ExportError, ExportOptions, component_options
 from .weight_source import CheckpointWeights, WeightsError, peak_rss_bytes
 from .weights import WeightsFileWriter
 
@@ -192,6 +192,8 @@ def build_contract(
         check_image_budget(options.image_tokens, *processor)
         if grids == STATIC_GRIDS:
             grids = default_grids(options.image_tokens, *processor)
+        elif grids == ANY_GRID:
+            grids = ()
         check_vision_grids(grids, options.image_tokens, *processor)
         check_max_images(options.max_images, options.image_tokens, options.capacity)
     except ValueError as exc:
@@ -424,7 +426,9 @@ def export_graph(
     with torch.no_grad(), quiet_torch_export():
         program = torch.onnx.export(
             module,
-            dummy_inputs(job.kind, contract, trace_seq_len(job, contract, dummy_seq_len), vision_trace_grid(job, contract)),
+            dummy_inputs(
+                job.kind, contract, trace_seq_len(job, contract, dummy_seq_len), vision_trace_grid(job, contract)
+            ),
             dynamo=True,
             opset_version=BF16_OPSET if contract.dtype == Dtype.BF16 else OPSET,
             input_names=inputs,

@@ -30,7 +30,7 @@ from ..contract import (
     is_quant_block_size,
     plain,
 )
-from ..image_grids import parse_grids
+from ..image_grids import default_grids, parse_grids
 from ..options import declared, option
 
 ALL_COMPONENTS = "all"
@@ -57,20 +57,21 @@ def parse_buckets(text: str) -> tuple[int, ...]:
 
 DEFAULT_IMAGE_TOKENS = 256
 """Default image-token budget per image (about 512 x 512 pixels)."""
+ANY_GRID = "any"
+"""``--vision-grids`` value for one vision graph that takes any grid up to the budget (no static grids)."""
 STATIC_GRIDS = "static"
 """``--vision-grids`` value for the default static grid set (:func:`~qwen35_onnx.image_grids.default_grids`)."""
 
 
 def parse_vision_grids(text: str) -> tuple[tuple[int, int], ...] | str:
-    """``"any"`` -> ``()``; ``"static"`` -> :data:`STATIC_GRIDS`; ``"16x16,26x36"`` -> ``((16, 16), (26, 36))``.
+    """``"any"`` -> :data:`ANY_GRID`; ``"static"`` -> :data:`STATIC_GRIDS`; ``"16x16,26x36"`` ->
+    ``((16, 16), (26, 36))``.
 
     Raises:
         ValueError: anything else, naming the text.
     """
-    if text.strip().lower() == "any":
-        return ()
-    if text.strip().lower() == STATIC_GRIDS:
-        return STATIC_GRIDS
+    if text.strip().lower() in (ANY_GRID, STATIC_GRIDS):
+        return text.strip().lower()
     try:
         return parse_grids(text)
     except ValueError as exc:
@@ -96,7 +97,7 @@ class ExportOptions:
         help="Image-token budget of one image (each token is 32x32 pixels with Qwen3.5's 16-pixel patches and 2x2 "
              "merge, so 256 tokens is about 512x512 pixels): caps the image processor's max_pixels.")
     vision_grids: tuple[tuple[int, int], ...] | str = option(
-        (), "--vision-grids", contract=True, parse=parse_vision_grids,
+        ANY_GRID, "--vision-grids", contract=True, parse=parse_vision_grids,
         help="any (one vision graph, any patch grid up to the budget: every image gets exactly the image "
              "processor's grid; ONNX Runtime only), static (the default static grids: common aspect ratios at the "
              "budget and at min_pixels, each its own static graph, for static compilers such as OpenVINO), or a "
@@ -187,7 +188,7 @@ class ExportOptions:
                 "only, and OpenVINO, which runs bf16, reads portable graphs only"
             )
         grids = self.vision_grids
-        if grids != STATIC_GRIDS and not isinstance(grids, (tuple, list)):
+        if grids not in (ANY_GRID, STATIC_GRIDS) and not isinstance(grids, (tuple, list)):
             raise ExportError(f"--vision-grids {grids!r} must be 'any', 'static' or a list of (h, w) patch grids")
         if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 1:
             raise ExportError(f"--max-images must be an integer >= 1, got {self.max_images!r}")
@@ -239,7 +240,19 @@ class ExportOptions:
         """The options that made ``contract`` (the contract-shaping ones), plus ``others``."""
         values = {name: getattr(contract, name) for name in cls.contract_fields()}
         values["prefill_buckets"] = contract.prefill_buckets or None  # none in dynamic mode
+        values["vision_grids"] = contract.vision_grids or ANY_GRID
         return cls(**values, **others)
+
+
+def _resolved_grids(grids, contract: ShapeContract):
+    """``--vision-grids`` as an export with ``contract``'s budget and processor range records it
+    (``static``: the default grid set), :data:`ANY_GRID` for no static grid."""
+    if grids == STATIC_GRIDS:
+        c = contract
+        grids = default_grids(c.image_tokens, c.patch_size, c.spatial_merge_size, c.min_pixels, c.max_pixels)
+    if isinstance(grids, (tuple, list)):
+        return tuple(tuple(g) for g in grids) or ANY_GRID
+    return grids
 
 
 def component_options(existing: ShapeContract, options: ExportOptions, explicit: set[str] | None) -> ExportOptions:
@@ -257,6 +270,8 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
         given, kept = getattr(options, name), getattr(current, name)
         if given is not None and name == "prefill_buckets":
             given = tuple(given)
+        if name == "vision_grids":
+            given = _resolved_grids(given, existing)
         chosen = name in explicit if explicit is not None else given != getattr(defaults, name)
         if chosen and given != kept:
             conflicts.append(f"{ExportOptions.flag(name)} {plain(given)!r} (the export has {plain(kept)!r})")

@@ -196,8 +196,16 @@ def check_vision(contract: ShapeContract, vision: GraphSpec, grid: tuple[int, in
     patches = vision.dim("input", "pixel_values", 0)
     if grid is not None:
         tokens = grid[0] * grid[1] // contract.spatial_merge_size**2
-        _expect(f"{vision.name} input pixel_values shape", vision.inputs["pixel_values"], [grid[0] * grid[1], contract.patch_dim])
-        _expect(f"{vision.name} output image_embeds shape", vision.outputs["image_embeds"], [tokens, contract.image_embed_dim])
+        _expect(
+            f"{vision.name} input pixel_values shape",
+            vision.inputs["pixel_values"],
+            [grid[0] * grid[1], contract.patch_dim],
+        )
+        _expect(
+            f"{vision.name} output image_embeds shape",
+            vision.outputs["image_embeds"],
+            [tokens, contract.image_embed_dim],
+        )
     else:
         if isinstance(patches, int):
             raise ContractError(
@@ -206,7 +214,9 @@ def check_vision(contract: ShapeContract, vision: GraphSpec, grid: tuple[int, in
             )
         _expect(f"{vision.name} input pixel_values columns", vision.dim("input", "pixel_values", 1), contract.patch_dim)
         _expect(
-            f"{vision.name} output image_embeds columns", vision.dim("output", "image_embeds", 1), contract.image_embed_dim
+            f"{vision.name} output image_embeds columns",
+            vision.dim("output", "image_embeds", 1),
+            contract.image_embed_dim,
         )
     _check_host_types(vision, "vision")
 

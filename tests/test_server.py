@@ -592,6 +592,16 @@ BAD_REQUESTS = [
     ({"messages": image_message("/etc/hostname")}, 400, "messages[0].content[0].image_url.url", "outside"),
     ({"messages": image_message(tiny_png(), tiny_png(), tiny_png())}, 400, "messages", "3 images"),
     (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": tiny_png(), "detail": "x"}}]}
+            ]
+        },
+        400,
+        "messages[0].content[0].image_url.detail",
+        "must be one of auto, low, high",
+    ),
+    (
         {"messages": image_message("data:image/png;base64," + "A" * 140_000)},
         413,
         "messages[0].content[0].image_url.url",

@@ -38,7 +38,7 @@ def test_processor_grid_is_transformers_smart_resize():
         published(10, 2500)
 
 
-@pytest.mark.parametrize("budget", [64, 96, 256, 1024])
+@pytest.mark.parametrize("budget", [64, 96, 256, 1024, 4096])
 def test_default_grids_cover_the_common_aspect_ratios_within_the_budget(budget):
     grids = default_grids(budget, PATCH, MERGE, MIN_PIXELS, MAX_PIXELS)
     assert grids == tuple(sorted(set(grids)))
@@ -49,9 +49,13 @@ def test_default_grids_cover_the_common_aspect_ratios_within_the_budget(budget):
         for across, down in ASPECT_RATIOS:
             best = min(abs(math.log((w / h) / (across / down))) for h, w in grids)
             assert best < 0.2, (across, down, grids)
-    if budget == 256:  # photos of a default ratio larger than the budget get exactly transformers' grid
-        for width, height in [(640, 480), (1024, 768), (1920, 1080), (1080, 1920), (512, 512), (2048, 1024)]:
-            assert published(height, width, 256 * FACTOR**2) in grids
+    if budget < 256:  # near the minimum the floor rounding leaves grids below min_pixels, dropped
+        return
+    # photos of a default ratio larger than the budget get exactly transformers' grid
+    photos = [(640, 480), (1024, 768), (1920, 1080), (1080, 1920), (512, 512), (2048, 1024), (4000, 4000)]
+    for width, height in photos + [(4000, 3000), (3840, 2160), (8192, 4096)]:
+        if width * height > budget * FACTOR**2:
+            assert published(height, width, budget * FACTOR**2) in grids, (width, height)
 
 
 def test_choose_grid_takes_the_processors_grid_when_exported_else_the_closest():
@@ -116,6 +120,8 @@ def contract_for(config, **options):
         (dict(vision_grids=((8, 8),)), r"vision grid 8x8 is 16384 pixels, below the image processor's min_pixels"),
         (dict(vision_grids=((32, 34),)), r"vision grid 32x34 is 272 image tokens .* above the budget of 256"),
         (dict(vision_grids=((16, 16), (16, 16))), r"vision grid 16x16 is listed twice"),
+        (dict(vision_grids=((2, 512),)), r"vision grid 2x512: an aspect ratio above the image processor's limit"),
+        (dict(vision_grids=((0, 16),)), r"vision grid 0x16 must be two positive integers"),
     ],
 )
 def test_bad_budgets_and_grids_fail_before_any_graph(config, options, message):
@@ -147,6 +153,19 @@ def test_the_processor_range_is_read_in_both_spellings(tmp_path):
     assert processor_pixel_range(tmp_path) == (3136, 1003520)
     path.write_text(json.dumps({"min_pixels": 4096, "max_pixels": 802816}))
     assert processor_pixel_range(tmp_path) == (4096, 802816)
+    # both spellings: min_pixels / max_pixels win, as in Qwen2VLImageProcessorPil.__init__
+    path.write_text(json.dumps({"size": {"shortest_edge": 3136, "longest_edge": 1003520}, "max_pixels": 200000}))
+    assert processor_pixel_range(tmp_path) == (3136, 200000)
+    path.write_text('{"size": {"shortest_edge": 3136, "longest_edge": Infinity}}')
+    with pytest.raises(ExportError, match="pixel range"):
+        processor_pixel_range(tmp_path)
+    path.write_text(json.dumps({"min_pixels": 4096, "max_pixels": 802816, "patch_size": 14, "merge_size": 2}))
+
+    class Vision:
+        patch_size, spatial_merge_size = 16, 2
+
+    with pytest.raises(ExportError, match=r"patch_size / merge_size \(14, 2\) differ .* \(16, 2\)"):
+        processor_pixel_range(tmp_path, Vision)
     for bad in ({}, {"min_pixels": 10, "max_pixels": 5}, {"size": {"shortest_edge": "a", "longest_edge": 9}}):
         path.write_text(json.dumps(bad))
         with pytest.raises(ExportError, match="pixel range"):

@@ -177,14 +177,18 @@ def test_detail_and_the_per_call_limit(any_grid_exports, shapes):
     assert tokens() == tokens("high") == tokens("auto") == BUDGET
     assert tokens("low") <= 64 < BUDGET
     assert tokens(max_image_tokens=70) <= 70
-    with pytest.raises(ChatInputError, match="max_image_tokens 200 is above this export's budget of 96"):
+    with pytest.raises(ChatInputError, match="max_image_tokens 200 is above this export's budget of 96") as err:
         tokens(max_image_tokens=200)
+    assert err.value.param == "max_image_tokens"
     with pytest.raises(ChatInputError, match="max_image_tokens 10 is below the image processor's minimum of 64"):
         tokens(max_image_tokens=10)
     with pytest.raises(ChatInputError, match="detail 'huge' must be one of"):
         tokens("huge")
-    with pytest.raises(ChatInputError, match="aspect ratio"):
+    with pytest.raises(
+        ChatInputError, match=r"2400x10 pixels, an aspect ratio of 240:1, above .* limit of 200:1"
+    ) as err:
         pipe.prepare(picture.resize((2400, 10)), "x")
+    assert err.value.param == "messages[0].content[0]"
 
 
 def test_verify_refuses_an_image_the_export_cannot_run_at_the_processors_grid(any_grid_exports, checkpoint):

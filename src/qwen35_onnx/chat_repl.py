@@ -56,7 +56,9 @@ def run_chat(
             if not path:
                 err.write(f"error: /image needs a file path\n{HELP}\n")
             else:
-                problem = _image_problem(Path(path).expanduser(), history, pending_images, pipe.contract.max_images)
+                problem = _image_problem(
+                    Path(path).expanduser(), history, pending_images, pipe.contract.max_images, pipe.preprocessor.sizing
+                )
                 if problem:
                     err.write(f"error: {problem}\n")
                 else:
@@ -102,11 +104,14 @@ def run_chat(
     return answered
 
 
-def _image_problem(path: Path, history: list[dict], pending: list[str], max_images: int) -> str | None:
-    """Why the image at ``path`` cannot join the next turn (unreadable, or one image more than the
-    export's ``max_images`` per prompt, whose prompt holds the whole conversation), or None."""
+def _image_problem(path: Path, history: list[dict], pending: list[str], max_images: int, sizing) -> str | None:
+    """Why the image at ``path`` cannot join the next turn (unreadable, a shape the image processor
+    refuses (``sizing``: the export's :class:`~.conversation.processor.ImageSizing`), or one image
+    more than the export's ``max_images`` per prompt, whose prompt holds the whole conversation), or
+    None."""
     try:
-        load_image(path)
+        picture = load_image(path)
+        sizing.grid(picture.height, picture.width)  # the processor's limits (aspect ratio)
     except (OSError, ValueError) as exc:
         return str(exc)
     earlier = sum(

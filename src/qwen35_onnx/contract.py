@@ -188,8 +188,11 @@ def check_vision_grids(
         ok = isinstance(grid, (tuple, list)) and len(grid) == 2
         ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in grid)
         if not ok:
-            raise ValueError(f"vision grid {grid!r} must be two positive integers (patches down, across)")
+            text = "x".join(map(str, grid)) if isinstance(grid, (tuple, list)) else repr(grid)
+            raise ValueError(f"vision grid {text} must be two positive integers (patches down, across)")
         h, w = grid
+        if max(h, w) > 200 * min(h, w):
+            raise ValueError(f"vision grid {h}x{w}: an aspect ratio above the image processor's limit of 200:1")
         if h % merge_size or w % merge_size:
             raise ValueError(
                 f"vision grid {h}x{w}: both sides must be multiples of the spatial merge size {merge_size}"

@@ -36,6 +36,9 @@ __all__ = [
     "processor_grid",
 ]
 
+MAX_ASPECT_RATIO = 200
+"""The image processor's largest aspect ratio (``smart_resize`` refuses anything above it)."""
+
 Grid = tuple[int, int]
 """A patch grid ``(h, w)``: patches down, patches across (before the spatial merge)."""
 
@@ -43,10 +46,6 @@ ASPECT_RATIOS: tuple[tuple[int, int], ...] = ((1, 1), (4, 3), (3, 4), (16, 9), (
 """Aspect ratios ``(width, height)`` of the default static grids: square, photos (landscape and
 portrait), screens and phones (16:9, 9:16), wide and tall strips (2:1, 1:2)."""
 
-_REFERENCE_SIDE = 1280
-"""Long side (pixels) of the synthetic picture of each aspect ratio whose processor grid at the
-budget becomes a default grid. ``smart_resize``'s floor rounding is the same at every resolution
-above the budget, so photos of that exact ratio larger than the budget get that grid."""
 
 _SMALL_SIDE = 64
 """Long side (pixels) of the small synthetic picture whose processor grid (at ``min_pixels``,
@@ -64,6 +63,12 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
     if height < 1 or width < 1:
         raise ValueError(f"an image needs positive sides, got {width}x{height} pixels")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"the image is {width}x{height} pixels, an aspect ratio of {ratio:.4g}:1, above the image processor's "
+            f"limit of {MAX_ASPECT_RATIO}:1"
+        )
     return resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
@@ -144,7 +149,9 @@ def default_grids(
         raise ValueError(f"the image-token budget {image_tokens} gives {top} pixels, below min_pixels {min_pixels}")
     grids = set()
     for across, down in ASPECT_RATIOS:
-        for side, limit in ((_REFERENCE_SIDE, top), (_SMALL_SIDE, min_pixels)):
+        # a picture above the budget: smart_resize's floor rounding is then the same at every size, so
+        # photos of that exact ratio larger than the budget get that grid
+        for side, limit in ((4 * math.isqrt(top), top), (_SMALL_SIDE, min_pixels)):
             scale = side / max(across, down)
             height, width = max(1, round(down * scale)), max(1, round(across * scale))
             grids.add(processor_grid(height, width, patch_size, merge_size, min_pixels, limit))

@@ -392,12 +392,15 @@ class Pipeline:
         pieces, grids = [], []
         try:
             self.preprocessor.sizing.limit(max_image_tokens)
-            for picture in images:
-                values, grid = self.preprocessor.pixel_values(picture.image, max_image_tokens, picture.detail)
-                pieces.append(values)
-                grids.append(grid)
         except ValueError as exc:
-            raise ChatInputError(str(exc), "messages") from None
+            raise ChatInputError(str(exc), "max_image_tokens") from None
+        for picture in images:
+            try:
+                values, grid = self.preprocessor.pixel_values(picture.image, max_image_tokens, picture.detail)
+            except ValueError as exc:
+                raise ChatInputError(f"{picture.param}: {exc}", picture.param) from None
+            pieces.append(values)
+            grids.append(grid)
         tokens = [t * h * w // c.spatial_merge_size**2 for t, h, w in grids]
         tools = [tool.template_form() for tool in reply.offered_tools] if reply is not None else None
         ids, text = self.preprocessor.encode_chat(template_messages, tokens, chat_template_kwargs, tools)

@@ -102,7 +102,7 @@ def reference_prompt(model_id: str | Path, messages: list[dict], max_pixels: int
     return ids, pixel_values, grids
 
 
-def check_comparable(prepared: PreparedPrompt, reference_grids, merge_size: int) -> None:
+def check_comparable(prepared: PreparedPrompt, reference_grids, contract) -> None:
     """Both sides run every image at the same grid.
 
     Raises:
@@ -113,11 +113,14 @@ def check_comparable(prepared: PreparedPrompt, reference_grids, merge_size: int)
     theirs = [] if reference_grids is None else [tuple(int(v) for v in g) for g in reference_grids]
     for i, (ours, grid) in enumerate(zip(prepared.image_grids, theirs)):
         if tuple(ours) != grid:
-            tokens = grid[1] * grid[2] // merge_size**2
+            tokens = grid[1] * grid[2] // contract.spatial_merge_size**2
+            needs = [f"--image-tokens {tokens} or more"] if tokens > contract.image_tokens else []
+            if contract.static_vision:
+                needs.append(f"the {grid[1]}x{grid[2]} grid among its --vision-grids")
             raise ValueError(
                 f"image {i + 1}: the checkpoint's processor gives it a {grid[1]}x{grid[2]} grid ({tokens} image "
                 f"tokens) but this export runs it at {ours[1]}x{ours[2]}, so transformers cannot be compared on it; "
-                f"an export with --image-tokens {tokens} or more (and that grid, if its grids are static) can"
+                f"an export with {' and '.join(needs)} can"
             )
 
 
@@ -188,7 +191,7 @@ def chat_parity(
     prepared = pipeline.prepare_chat(messages, chat_template_kwargs)
     contract = pipeline.contract
     ids, pixel_values, grids = reference_prompt(model_id, messages, contract.image_max_pixels, chat_template_kwargs)
-    check_comparable(prepared, grids, contract.spatial_merge_size)
+    check_comparable(prepared, grids, contract)
     if result is None:
         result = pipeline.generate_prepared(prepared, max_new_tokens=max_new_tokens, sampling=SamplingConfig())
     model = model if model is not None else load_reference(model_id)

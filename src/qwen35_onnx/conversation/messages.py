@@ -59,10 +59,12 @@ the image's aspect ratio; on a static-grid export the exported grid closest to i
 
 @dataclass(frozen=True)
 class ChatImage:
-    """One image of a conversation: the RGB picture and its ``detail`` (one of :data:`DETAILS`)."""
+    """One image of a conversation: the RGB picture, its ``detail`` (one of :data:`DETAILS`) and the
+    request field it came from (``param``, e.g. ``messages[0].content[1]``)."""
 
     image: Image.Image
     detail: str = "auto"
+    param: str = "messages"
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -169,7 +171,7 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
             elif kind in ("image_url", "image"):
                 if role != "user":
                     raise ChatInputError(f"{here}: images are allowed in user messages only, not in {role!r}", here)
-                images.append(ChatImage(_part_image(part, here, policy), _detail(part, here)))
+                images.append(ChatImage(_part_image(part, here, policy), _detail(part, here), here))
                 parts.append({"type": "image"})
             else:
                 if not isinstance(part, dict):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -133,14 +134,16 @@ def chunk_size_for(lengths: Sequence[int], preferred: int) -> int:
     return chunk
 
 
-def processor_pixel_range(model_dir: str | Path) -> tuple[int, int]:
+def processor_pixel_range(model_dir: str | Path, vision_config=None) -> tuple[int, int]:
     """The checkpoint image processor's ``(min_pixels, max_pixels)`` from ``preprocessor_config.json``:
     ``size.shortest_edge`` / ``size.longest_edge`` (transformers 5 spelling) or ``min_pixels`` /
-    ``max_pixels`` (earlier spelling).
+    ``max_pixels`` (earlier spelling), the latter winning where both are given (as
+    ``Qwen2VLImageProcessorPil.__init__`` does). With ``vision_config``, the processor's
+    ``patch_size`` / ``merge_size`` must be the vision tower's.
 
     Raises:
-        ExportError: no readable ``preprocessor_config.json``, or neither spelling gives two positive
-            integers with min <= max.
+        ExportError: no readable ``preprocessor_config.json``; neither spelling gives two positive,
+            finite numbers with min <= max; patching that differs from the vision tower's.
     """
     path = Path(model_dir) / "preprocessor_config.json"
     try:
@@ -149,14 +152,25 @@ def processor_pixel_range(model_dir: str | Path) -> tuple[int, int]:
         raise ExportError(f"the checkpoint's image processor settings {str(path)!r} cannot be read: {exc}") from None
     size = data.get("size") if isinstance(data, dict) and isinstance(data.get("size"), dict) else {}
     data = data if isinstance(data, dict) else {}
-    low = size.get("shortest_edge", data.get("min_pixels"))
-    high = size.get("longest_edge", data.get("max_pixels"))
-    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1 for v in (low, high))
+    low = data.get("min_pixels", size.get("shortest_edge"))
+    high = data.get("max_pixels", size.get("longest_edge"))
+    ok = all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 1 <= v <= 2**62
+        for v in (low, high)
+    )
     if not ok or low > high:
         raise ExportError(
             f"{str(path)!r} must give the image processor's pixel range as size.shortest_edge / size.longest_edge "
             f"(or min_pixels / max_pixels), positive with min <= max; got {low!r} / {high!r}"
         )
+    if vision_config is not None:
+        theirs = (data.get("patch_size", 14), data.get("merge_size", 2))  # transformers' defaults
+        ours = (vision_config.patch_size, vision_config.spatial_merge_size)
+        if theirs != ours:
+            raise ExportError(
+                f"{str(path)!r}: the image processor's patch_size / merge_size {theirs} differ from the vision "
+                f"tower's patch_size / spatial_merge_size {ours} (config.json)"
+            )
     return int(low), int(high)
 
 
@@ -569,7 +583,8 @@ def export(
         options = component_options(existing, options, explicit)
         options.validate()
     config, generation_config = load_config(model_dir)
-    contract = build_contract(config, generation_config, options, processor_pixel_range(model_dir))
+    pixel_range = processor_pixel_range(model_dir, config.vision_config)
+    contract = build_contract(config, generation_config, options, pixel_range)
     contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
     if options.component != ALL_COMPONENTS and existing.same_shapes(contract):
         raise ExportError(

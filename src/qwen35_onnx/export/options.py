@@ -30,7 +30,7 @@ from ..contract import (
     is_quant_block_size,
     plain,
 )
-from ..image_grids import default_grids, parse_grids
+from ..image_grids import default_grids, format_grids, parse_grids
 from ..options import declared, option
 
 ALL_COMPONENTS = "all"
@@ -274,7 +274,8 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
             given = _resolved_grids(given, existing)
         chosen = name in explicit if explicit is not None else given != getattr(defaults, name)
         if chosen and given != kept:
-            conflicts.append(f"{ExportOptions.flag(name)} {plain(given)!r} (the export has {plain(kept)!r})")
+            shown = [format_grids(v) if isinstance(v, tuple) and name == "vision_grids" else v for v in (given, kept)]
+            conflicts.append(f"{ExportOptions.flag(name)} {plain(shown[0])!r} (the export has {plain(shown[1])!r})")
     if conflicts:
         raise ExportError(
             "--component updates one graph of an existing export and keeps its contract, but "

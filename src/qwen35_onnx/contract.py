@@ -94,6 +94,9 @@ def is_quant_block_size(block_size) -> bool:
     return ok_type and 16 <= block_size <= 256 and not block_size & (block_size - 1)
 
 
+MAX_ASPECT_RATIO = 200
+"""The image processor's largest aspect ratio (transformers' ``smart_resize`` refuses anything above)."""
+
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
 MIN_CAPACITY = 2
@@ -191,8 +194,10 @@ def check_vision_grids(
             text = "x".join(map(str, grid)) if isinstance(grid, (tuple, list)) else repr(grid)
             raise ValueError(f"vision grid {text} must be two positive integers (patches down, across)")
         h, w = grid
-        if max(h, w) > 200 * min(h, w):
-            raise ValueError(f"vision grid {h}x{w}: an aspect ratio above the image processor's limit of 200:1")
+        if max(h, w) > MAX_ASPECT_RATIO * min(h, w):
+            raise ValueError(
+                f"vision grid {h}x{w}: an aspect ratio above the image processor's limit of {MAX_ASPECT_RATIO}:1"
+            )
         if h % merge_size or w % merge_size:
             raise ValueError(
                 f"vision grid {h}x{w}: both sides must be multiples of the spatial merge size {merge_size}"

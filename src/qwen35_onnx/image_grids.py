@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from .contract import MAX_ASPECT_RATIO
+
 __all__ = [
     "ASPECT_RATIOS",
     "Grid",
@@ -35,9 +37,6 @@ __all__ = [
     "parse_grids",
     "processor_grid",
 ]
-
-MAX_ASPECT_RATIO = 200
-"""The image processor's largest aspect ratio (``smart_resize`` refuses anything above it)."""
 
 Grid = tuple[int, int]
 """A patch grid ``(h, w)``: patches down, patches across (before the spatial merge)."""

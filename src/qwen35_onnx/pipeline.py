@@ -50,6 +50,7 @@ from .conversation.processor import ImageSizing, Preprocessor
 from .conversation.reasoning import THINK_END, ChatDelta, ReasoningParser, prompt_opens_reasoning
 from .conversation.tool_calls import ToolCall, ToolCallParser
 from .conversation.tools import ReplyFormat, parse_reply_format
+from .image_grids import grid_tokens
 from .runtime.backend import Backend, RuntimeOptions
 from .runtime.generation import Generation, Timings
 from .runtime.masks import CapacityExhausted
@@ -401,7 +402,7 @@ class Pipeline:
                 raise ChatInputError(f"{picture.param}: {exc}", picture.param) from None
             pieces.append(values)
             grids.append(grid)
-        tokens = [t * h * w // c.spatial_merge_size**2 for t, h, w in grids]
+        tokens = [grid_tokens((h, w), c.spatial_merge_size) for _, h, w in grids]
         tools = [tool.template_form() for tool in reply.offered_tools] if reply is not None else None
         ids, text = self.preprocessor.encode_chat(template_messages, tokens, chat_template_kwargs, tools)
         prepared = self.prepare_ids(ids, np.concatenate(pieces) if pieces else None, grids)

@@ -104,9 +104,12 @@ class ImageSizing:
         Raises:
             ValueError: ``detail`` not one of :data:`DETAILS`, or see :meth:`limit`.
         """
+        return self._max_pixels(self.limit(max_image_tokens), detail)
+
+    def _max_pixels(self, tokens: int, detail: str) -> int:
         if detail not in DETAILS:
             raise ValueError(f"image detail {detail!r} must be one of {', '.join(DETAILS)}")
-        top = min(self.max_pixels, self.limit(max_image_tokens) * self.factor**2)
+        top = min(self.max_pixels, tokens * self.factor**2)
         return min(top, self.min_pixels) if detail == "low" else top
 
     def grid(
@@ -123,7 +126,7 @@ class ImageSizing:
                 grid within ``max_image_tokens``.
         """
         tokens = self.limit(max_image_tokens)
-        top = self.max_pixels_for(max_image_tokens, detail)
+        top = self._max_pixels(tokens, detail)
         exact = processor_grid(height, width, self.patch_size, self.merge_size, self.min_pixels, top)
         if not self.grids:
             return fit_budget(exact, tokens, self.merge_size), exact

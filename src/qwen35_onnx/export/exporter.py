@@ -279,9 +279,9 @@ def graph_jobs(contract: ShapeContract, components: Sequence[GraphKind] = tuple(
             ]
         elif kind == GraphKind.VISION:
             jobs += [
-                GraphJob(contract.vision_graph_key(g), kind, f"vision/grid_{g[0]}x{g[1]}.onnx", grid=g)
+                GraphJob(contract.vision_graph_key(g), kind, f"{VISION_DIR}/grid_{g[0]}x{g[1]}.onnx", grid=g)
                 for g in contract.vision_grids
-            ] or [GraphJob(contract.vision_graph_key(None), kind, "vision/model.onnx")]
+            ] or [GraphJob(contract.vision_graph_key(None), kind, f"{VISION_DIR}/model.onnx")]
         else:
             jobs.append(GraphJob(str(kind), kind, f"{TEXT_DIR}/{kind}.onnx"))
     return jobs

@@ -27,14 +27,15 @@ MANIFEST_NAME = "manifest.json"
 
 
 class GraphKind(StrEnum):
-    """The three kinds of graph of an export."""
+    """The kinds of graph of an export: vision, prefill (from an empty state, one per bucket),
+    chunk (prefill continuing from a state, one per chunk size) and decode."""
 
-    VISION, PREFILL, DECODE = "vision", "prefill", "decode"
+    VISION, PREFILL, CHUNK, DECODE = "vision", "prefill", "chunk", "decode"
 
     @classmethod
     def of(cls, key: str) -> GraphKind:
         """The kind of the graph listed under ``key`` in a manifest (``vision_16x16``: vision,
-        ``prefill_512``: prefill).
+        ``prefill_512``: prefill, ``chunk_64``: chunk).
 
         Raises:
             ContractError: a key of no known kind.
@@ -256,6 +257,26 @@ def check_buckets(buckets, capacity: int) -> None:
         previous = b
 
 
+def check_chunks(chunks, capacity: int, kv_mode: KvMode) -> None:
+    """Check prefill chunk sizes (tokens): strictly increasing integers in ``[2, capacity]``, fixed KV
+    only (a chunk writes its KV slots inside a capacity-wide cache).
+
+    Raises:
+        ValueError: naming the offending size and the limit.
+    """
+    if chunks and kv_mode != KvMode.FIXED:
+        raise ValueError(f"prefill chunks {list(chunks)} need a fixed KV cache (kv_mode is {plain(kv_mode)!r})")
+    previous = 1
+    for c in chunks:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 2:
+            raise ValueError(f"prefill chunk size {c!r} must be an integer >= 2 (one token is a decode step)")
+        if c > capacity:
+            raise ValueError(f"prefill chunk size {c} is above the capacity {capacity}")
+        if c <= previous:
+            raise ValueError(f"prefill chunk sizes must be strictly increasing, got {c} after {previous}")
+        previous = c
+
+
 def select_bucket(prompt_len: int, buckets, capacity: int, chunk_size: int) -> int:
     """Smallest bucket >= ``prompt_len`` (tokens); without buckets, ``prompt_len`` rounded up to
     a multiple of ``chunk_size`` (at most ``capacity``).
@@ -335,6 +356,7 @@ class ShapeContract:
     quant_accuracy_level: int = DEFAULT_QUANT_ACCURACY_LEVEL
     quantize_embedding: bool = False
     vision_grids: tuple[tuple[int, int], ...] = ()
+    prefill_chunks: tuple[int, ...] = ()
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
@@ -405,13 +427,21 @@ class ShapeContract:
         """Key in :attr:`graphs` of the prefill graph for ``bucket`` (None: the dynamic-length graph)."""
         return "prefill" if bucket is None else f"prefill_{bucket}"
 
+    def chunk_graph_key(self, size: int) -> str:
+        """Key in :attr:`graphs` of the chunk graph of ``size`` tokens."""
+        return f"chunk_{size}"
+
     def select_bucket(self, prompt_len: int) -> int:
-        """Prefill length (tokens) for a prompt of ``prompt_len`` tokens: the smallest bucket
-        that holds it in fixed mode; the next multiple of :attr:`chunk_size` in dynamic mode.
+        """Prefill length (tokens) for a prompt of ``prompt_len`` tokens: the prompt's own length
+        with prefill chunks (:attr:`prefill_chunks`: any length up to the capacity); else the
+        smallest bucket that holds it in fixed mode; the next multiple of :attr:`chunk_size` in
+        dynamic mode.
 
         Raises:
             ValueError: ``prompt_len`` < 1, or above the largest bucket / the capacity.
         """
+        if self.prefill_chunks:
+            return select_bucket(prompt_len, (), self.capacity, 1)
         return select_bucket(prompt_len, self.prefill_buckets, self.capacity, self.chunk_size)
 
     @property
@@ -511,6 +541,7 @@ class ShapeContract:
         d["layer_types"] = list(self.layer_types)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["prefill_buckets"] = list(self.prefill_buckets)
+        d["prefill_chunks"] = list(self.prefill_chunks)
         d["vision_grids"] = [list(g) for g in self.vision_grids]
         d["derived"] = {
             "vision": "static grids" if self.static_vision else "any grid",
@@ -549,8 +580,10 @@ class ShapeContract:
             )
         names = {f.name for f in dataclasses.fields(cls)}
         # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0;
-        # quantize_embedding: False before 0.6.0; vision_grids: none (any grid)
+        # quantize_embedding: False before 0.6.0; vision_grids: none (any grid); prefill_chunks: none
+        # before 0.8.0
         optional = (
+            "prefill_chunks",
             "graphs",
             "format_version",
             "max_images",
@@ -575,6 +608,10 @@ class ShapeContract:
             if not isinstance(grids, list) or not all(isinstance(g, list) and len(g) == 2 for g in grids):
                 raise TypeError(f"vision_grids must be a list of [h, w] pairs, got {grids!r}")
             kwargs["vision_grids"] = tuple(tuple(g) for g in grids)
+            chunks = kwargs.get("prefill_chunks", [])
+            if not isinstance(chunks, list):
+                raise TypeError(f"prefill_chunks must be a list, got {chunks!r}")
+            kwargs["prefill_chunks"] = tuple(chunks)
             for name, mode in _MODES.items():
                 if kwargs[name] in tuple(mode):
                     kwargs[name] = mode(kwargs[name])
@@ -634,6 +671,7 @@ class ShapeContract:
             raise ContractError("quantize_embedding needs a quantized export (quantize is 'none')")
         try:
             check_buckets(self.prefill_buckets, self.capacity)
+            check_chunks(self.prefill_chunks, self.capacity, self.kv_mode)
             check_max_images(self.max_images, self.n_image_tokens, self.capacity)
         except ValueError as exc:
             raise ContractError(str(exc)) from exc

@@ -277,6 +277,11 @@ def graph_jobs(contract: ShapeContract, components: Sequence[GraphKind] = tuple(
                 GraphJob(contract.prefill_graph_key(b), kind, f"{TEXT_DIR}/prefill_{b}.onnx", b)
                 for b in contract.prefill_buckets
             ]
+        elif kind == GraphKind.CHUNK:
+            jobs += [
+                GraphJob(contract.chunk_graph_key(c), kind, f"{TEXT_DIR}/chunk_{c}.onnx", c)
+                for c in contract.prefill_chunks
+            ]
         elif kind == GraphKind.VISION:
             jobs += [
                 GraphJob(contract.vision_graph_key(g), kind, f"{VISION_DIR}/grid_{g[0]}x{g[1]}.onnx", grid=g)
@@ -332,31 +337,49 @@ def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int, grid: t
             torch.arange(seq_len).view(1, 1, -1).expand(4, b, seq_len).contiguous(),
             torch.randn(contract.n_image_rows, contract.image_embed_dim),
         )
+    if kind == GraphKind.CHUNK:  # seq_len new tokens (the chunk size) after a past of one token
+        ids = torch.randint(0, contract.vocab_size, (b, seq_len))
+        mask = torch.zeros(b, contract.capacity, dtype=torch.long)
+        mask[:, : seq_len + 1] = 1
+        return (
+            ids,
+            torch.ones(b, seq_len, dtype=torch.long),
+            mask,
+            torch.arange(1, seq_len + 1).view(1, 1, -1).expand(4, b, seq_len).contiguous(),
+            torch.randn(seq_len, contract.image_embed_dim),
+            *past_states(contract, contract.capacity),
+        )
     # decode: a past of seq_len tokens plus the new one
     kv_len = contract.capacity if contract.kv_mode == KvMode.FIXED else seq_len
     mask_len = contract.capacity if contract.kv_mode == KvMode.FIXED else seq_len + 1
     mask = torch.zeros(b, mask_len, dtype=torch.long)
     mask[:, : seq_len + 1] = 1
+    return (
+        torch.randint(0, contract.vocab_size, (b, 1)),
+        mask,
+        torch.full((4, b, 1), seq_len, dtype=torch.long),
+        *past_states(contract, kv_len),
+    )
+
+
+def past_states(contract: ShapeContract, kv_len: int) -> tuple:
+    """Zero past states as the decode and chunk graphs take them: three stacked tensors (the KV
+    ``kv_len`` tokens wide), or with :attr:`ShapeContract.kv_in_place` three tuples of entries."""
+    import torch
+
     dtype = {name: torch_dtype(contract.state_dtype(name)) for name in STATE_NAMES}
     if contract.kv_in_place:  # every state one entry at a time
-        states = tuple(
+        return tuple(
             tuple(
                 torch.zeros(contract.state_shape(name)[1:], dtype=dtype[name])
                 for _ in range(contract.state_shape(name)[0])
             )
             for name in STATE_NAMES
         )
-    else:
-        states = (
-            torch.zeros(contract.conv_state_shape, dtype=dtype["conv_states"]),
-            torch.zeros(contract.recurrent_state_shape, dtype=dtype["recurrent_states"]),
-            torch.zeros(contract.kv_shape(kv_len), dtype=dtype["kv_cache"]),
-        )
     return (
-        torch.randint(0, contract.vocab_size, (b, 1)),
-        mask,
-        torch.full((4, b, 1), seq_len, dtype=torch.long),
-        *states,
+        torch.zeros(contract.conv_state_shape, dtype=dtype["conv_states"]),
+        torch.zeros(contract.recurrent_state_shape, dtype=dtype["recurrent_states"]),
+        torch.zeros(contract.kv_shape(kv_len), dtype=dtype["kv_cache"]),
     )
 
 
@@ -385,7 +408,7 @@ def dynamic_shapes(job: GraphJob, contract: ShapeContract):
 
 
 def graph_module(kind: GraphKind, model, contract: ShapeContract):
-    from .graphs import DecodeGraph, PrefillGraph, VisionGraph
+    from .graphs import ChunkGraph, DecodeGraph, PrefillGraph, VisionGraph
 
     if kind == GraphKind.VISION:
         visual = model.model.visual
@@ -396,21 +419,24 @@ def graph_module(kind: GraphKind, model, contract: ShapeContract):
                 "taps for ('bilinear', align_corners=True), Qwen3.5's"
             )
         return VisionGraph(visual, contract)
-    return (PrefillGraph if kind == GraphKind.PREFILL else DecodeGraph)(model, contract)
+    return {GraphKind.PREFILL: PrefillGraph, GraphKind.CHUNK: ChunkGraph, GraphKind.DECODE: DecodeGraph}[kind](
+        model, contract
+    )
 
 
 def io_names(kind: GraphKind, contract: ShapeContract) -> tuple[list[str], list[str]]:
     """Input and output names of a graph of ``kind`` (the decode state names depend on
     :attr:`ShapeContract.kv_in_place`, see :meth:`ShapeContract.decode_state_names`)."""
-    from .graphs import DECODE_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
+    from .graphs import CHUNK_INPUTS, DECODE_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
 
     if kind == GraphKind.VISION:
         return VISION_INPUTS, VISION_OUTPUTS
     if kind == GraphKind.PREFILL:
         return PREFILL_INPUTS, TEXT_OUTPUTS
+    inputs = CHUNK_INPUTS if kind == GraphKind.CHUNK else DECODE_INPUTS
     past = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "past")]
     present = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "present")]
-    return DECODE_INPUTS[: -len(STATE_NAMES)] + past, TEXT_OUTPUTS[: -len(STATE_NAMES)] + present
+    return inputs[: -len(STATE_NAMES)] + past, TEXT_OUTPUTS[: -len(STATE_NAMES)] + present
 
 
 def export_graph(

@@ -44,6 +44,16 @@ DECODE_INPUTS = [
     "past_recurrent_states",
     "past_kv_cache",
 ]
+CHUNK_INPUTS = [
+    "input_ids",
+    "chunk_mask",
+    "attention_mask",
+    "position_ids",
+    "image_embeds",
+    "past_conv_states",
+    "past_recurrent_states",
+    "past_kv_cache",
+]
 STATE_OUTPUTS = ["present_conv_states", "present_recurrent_states", "present_kv_cache"]
 TEXT_OUTPUTS = ["logits", *STATE_OUTPUTS]
 
@@ -239,15 +249,17 @@ class _TextGraph(nn.Module):
         dim = x.shape[-1]
         return fused.rms_norm(x, torch.full((dim,), dim**-0.5, dtype=x.dtype, device=x.device), 1e-6 / dim)
 
-    def conv_prefill(self, attn: nn.Module, qkv: torch.Tensor, n_valid: torch.Tensor):
-        """Causal conv + SiLU over the prompt ``[B, D, S]`` -> (output, state of the last real tokens)."""
+    def conv_prefill(self, attn: nn.Module, qkv: torch.Tensor, n_valid: torch.Tensor, past=None):
+        """Causal conv + SiLU over the prompt (or a chunk of it after the conv state ``past``
+        ``[B, D, K-1]``) ``[B, D, S]`` -> (output, state of the last real tokens)."""
         weight = attn.conv1d.weight  # [D, 1, K]
         if not self.fused:
-            return layers.causal_conv_prefill(qkv, weight.squeeze(1), n_valid)
+            return layers.causal_conv_prefill(qkv, weight.squeeze(1), n_valid, past)
         kernel = weight.shape[-1]
-        zeros = qkv.new_zeros(qkv.shape[0], qkv.shape[1], kernel - 1)
-        mixed, _ = fused.causal_conv(qkv, weight, zeros)  # its state would hold the padding
-        return mixed, layers.conv_state_of_prompt(F.pad(qkv, (kernel - 1, 0)), n_valid, kernel)
+        if past is None:
+            past = qkv.new_zeros(qkv.shape[0], qkv.shape[1], kernel - 1)
+        mixed, _ = fused.causal_conv(qkv, weight, past)  # its state would hold the padding
+        return mixed, layers.conv_state_of_prompt(torch.cat([past, qkv], dim=-1), n_valid, kernel)
 
     def conv_step(self, attn: nn.Module, qkv: torch.Tensor, past: torch.Tensor):
         """One decode step of the causal conv: ``[B, D, 1]`` and state ``[B, D, K-1]``."""
@@ -499,6 +511,105 @@ class DecodeGraph(_TextGraph):
             return self.attention_output(attn, out, gate)
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
+        logits = self.logits(hidden)
+        if contract.kv_in_place:
+            return logits, *conv_states, *rec_states, *kv
+        return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)
+
+
+class ChunkGraph(_TextGraph):
+    """Chunked prefill: ``C`` new tokens continuing from the states of the tokens before them ->
+    the last real token's logits and the updated states.
+
+    Inputs: ``input_ids [B, C]``; ``chunk_mask [B, C]``, a prefix of ones over the chunk's real
+    tokens (the rest is padding); ``attention_mask [B, L]``, as in decode the KV slots in use once
+    this chunk's real tokens are written (a prefix of ones); ``position_ids [4, B, C]``;
+    ``image_embeds [C, hidden]``, the image embeddings of the chunk's image tokens in order; and
+    the past conv / recurrent / KV states as decode takes them (per entry with
+    :attr:`ShapeContract.kv_in_place`). The graph derives ``n_new = sum(chunk_mask)`` and
+    ``past = sum(attention_mask) - n_new``, writes the chunk's keys and values to slots
+    ``past .. past + C - 1`` (padding included: those slots are free, and a real token never
+    attends to a later slot) and lets chunk token ``i`` attend to slots ``<= past + i``. The
+    runtime keeps ``past + C <= L``. Padded tokens neither decay nor write the recurrent state
+    and leave the conv state alone (as in :class:`PrefillGraph`). With ``--ops ort`` each
+    full-attention layer is one GroupQueryAttention node over the capacity-wide entry, which the
+    runtime binds as both past and present (KV written in place).
+
+    Outputs: ``logits [B, 1, V]`` (the last real token; ``[B, C, V]`` with prefill_logits='all')
+    and the present states named as decode's.
+
+    Source: chunked prefill as in vLLM / Sarathi (Agrawal et al. 2023, "SARATHI: Efficient LLM
+    Inference by Piggybacking Decodes with Chunked Prefills"); the state carried between chunks is
+    transformers' ``Qwen3_5DynamicCache`` (conv and recurrent states, KV).
+    """
+
+    def forward(self, input_ids, chunk_mask, attention_mask, position_ids, image_embeds, past_conv, past_rec, past_kv):
+        contract = self.contract
+        valid = chunk_mask.bool()
+        valid_f = valid.unsqueeze(-1).to(torch.float32)
+        n_new = chunk_mask.sum(dim=-1)  # [B]
+        past_len = attention_mask.sum(dim=-1) - n_new  # [B]
+        steps, width = input_ids.shape[1], attention_mask.shape[1]
+        hidden = self.text.embed_tokens(input_ids)
+        hidden = layers.inject_image_embeds(hidden, input_ids, image_embeds, contract.image_token_id)
+        rope = self.rotary(hidden, position_ids)
+        slots = past_len.view(-1, 1) + torch.arange(steps, device=input_ids.device).view(1, -1)  # [B, C]
+        allowed = torch.arange(width, device=input_ids.device).view(1, 1, -1) <= slots.unsqueeze(-1)  # [B, C, L]
+        if not contract.kv_in_place:
+            past_conv, past_rec, past_kv = past_conv.unbind(0), past_rec.unbind(0), past_kv.unbind(0)
+        else:
+            seqlens_k = (past_len + steps - 1).to(torch.int32)
+            total = (past_len + steps).to(torch.int32).reshape(())
+        conv_states, rec_states, kv = [], [], []
+        linear_slot = {layer: n for n, layer in enumerate(self.linear_ids)}
+        full_slot = {layer: n for n, layer in enumerate(self.full_ids)}
+
+        def linear_mixer(i, layer, h):
+            attn = layer.linear_attn
+            n = linear_slot[i]
+            h = h * valid_f.to(h.dtype)
+            qkv, z, g, beta = self.gdn_projections(i, attn, h)
+            mixed, conv_state = self.conv_prefill(attn, qkv, n_new, past_conv[n])
+            q, k, v = self.split_qkv(attn, mixed)
+            g = g * valid_f
+            beta = beta * valid_f.to(beta.dtype)
+            core, state = self.recurrence(q, k, v, g, beta, past_rec[n], prompt=True)
+            conv_states.append(conv_state)
+            rec_states.append(state)
+            return self.gdn_output(attn, core, z)
+
+        def full_mixer(i, layer, h):
+            attn = layer.self_attn
+            n = full_slot[i]
+            q, k, v, gate = self.attention_qkv(i, attn, h, rope)
+            past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
+            if contract.kv_in_place:
+                batch = q.shape[0]
+                q, k, v = (t.transpose(1, 2).reshape(batch, steps, -1) for t in (q, k, v))
+                out, k_all, v_all = fused.group_query_attention(
+                    q,
+                    k,
+                    v,
+                    past_k,
+                    past_v,
+                    seqlens_k,
+                    total,
+                    q.shape[-1] // attn.head_dim,
+                    k.shape[-1] // attn.head_dim,
+                    attn.scaling,
+                )
+                kv.extend([k_all, v_all])
+                return self.attention_output(attn, out, gate)
+            index = slots.view(slots.shape[0], 1, steps, 1).expand(k.shape)
+            k_all, v_all = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
+            kv.extend([k_all, v_all])
+            out = layers.masked_attention(q, k_all, v_all, allowed.unsqueeze(1), attn.scaling)
+            return self.attention_output(attn, out, gate)
+
+        hidden = self.run_layers(hidden, linear_mixer, full_mixer)
+        if contract.prefill_logits == PrefillLogits.LAST:
+            last = (n_new - 1).view(-1, 1, 1).expand(hidden.shape[0], 1, hidden.shape[2])
+            hidden = torch.gather(hidden, 1, last)
         logits = self.logits(hidden)
         if contract.kv_in_place:
             return logits, *conv_states, *rec_states, *kv

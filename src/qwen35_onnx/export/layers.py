@@ -42,9 +42,10 @@ def repeat_heads(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
 # Causal depthwise conv with state (Gated DeltaNet input mixing)
 # ----------------------------------------------------------------------------------------
 def causal_conv_prefill(
-    x: torch.Tensor, weight: torch.Tensor, n_valid: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, n_valid: torch.Tensor, past: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + SiLU over a whole prompt, and the conv state it leaves.
+    """Depthwise causal conv1d + SiLU over a whole prompt or one chunk of it, and the conv state it
+    leaves.
 
     Mirrors ``causal_conv1d_fn`` and the prefill branch of the transformers cache.
 
@@ -52,15 +53,17 @@ def causal_conv_prefill(
         x: ``[B, D, S]`` packed q/k/v projections (padded tokens already zeroed).
         weight: ``[D, K]`` depthwise kernel.
         n_valid: ``[B]`` int64, number of real tokens (a contiguous prefix).
+        past: ``[B, D, K-1]`` the conv state of the tokens before ``x`` (a chunk continuing a
+            prompt); None: a prompt's start (zeros).
 
     Returns:
         ``(y [B, D, S], conv_state [B, D, K-1])``; the state holds the inputs of the last
-        ``K-1`` real tokens (zeros where the prompt is shorter), so right padding does not
+        ``K-1`` real tokens (from ``past`` where fewer are new), so right padding does not
         leak into it.
     """
     kernel = weight.shape[-1]
     seq_len = x.shape[-1]
-    padded = F.pad(x, (kernel - 1, 0))  # [B, D, S + K - 1]
+    padded = F.pad(x, (kernel - 1, 0)) if past is None else torch.cat([past.to(x.dtype), x], dim=-1)  # [B, D, K-1+S]
     y = F.conv1d(padded, weight.unsqueeze(1), groups=x.shape[1])[..., :seq_len]
     return F.silu(y), conv_state_of_prompt(padded, n_valid, kernel)
 

@@ -25,6 +25,7 @@ from ..contract import (
     ShapeContract,
     check_buckets,
     check_capacity,
+    check_chunks,
     check_dummy_seq_len,
     default_buckets,
     is_quant_block_size,
@@ -53,6 +54,20 @@ def parse_buckets(text: str) -> tuple[int, ...]:
         raise ValueError(
             f"--prefill-buckets {text!r} must be comma-separated integers, e.g. 32,512,1024,2048"
         ) from None
+
+
+def parse_chunks(text: str) -> tuple[int, ...]:
+    """``"64,512"`` -> ``(64, 512)``; ``""`` or ``"none"`` -> ``()``.
+
+    Raises:
+        ValueError: not comma-separated integers, naming the text.
+    """
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--prefill-chunks {text!r} must be comma-separated integers, e.g. 64,512, or none") from None
 
 
 DEFAULT_IMAGE_TOKENS = 256
@@ -110,6 +125,11 @@ class ExportOptions:
         None, "--prefill-buckets", contract=True, parse=parse_buckets,
         help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode); by default those below "
              "capacity, plus capacity.")
+    prefill_chunks: tuple[int, ...] = option(
+        (), "--prefill-chunks", contract=True, parse=parse_chunks,
+        help="Comma-separated chunk sizes in tokens, e.g. 64,512 (fixed mode): graphs that prefill a chunk continuing "
+             "from the states before it, so a prompt costs its own length in whole chunks and a conversation continues "
+             "from a kept state instead of prefilling its history again; none (the default): prefill buckets only.")
     prefill_logits: PrefillLogits = option(PrefillLogits.LAST, "--prefill-logits", contract=True,
                                            help="last (the last real token) or all (every position, for verification).")
     ops: Ops = option(Ops.ORT, "--ops", contract=True,
@@ -204,6 +224,11 @@ class ExportOptions:
             except ValueError as exc:
                 raise ExportError(f"--prefill-buckets: {exc}") from exc
 
+        try:
+            check_chunks(tuple(self.prefill_chunks), self.capacity, self.kv_mode)
+        except ValueError as exc:
+            raise ExportError(f"--prefill-chunks: {exc}") from exc
+
     @property
     def buckets(self) -> tuple[int, ...]:
         """Prefill buckets in tokens: as given, or the standard tiers below capacity plus
@@ -232,7 +257,11 @@ class ExportOptions:
         """The contract-shaping options as the contract records them: defaults resolved
         (:attr:`buckets`, :attr:`embedding_quantized`)."""
         values = {name: getattr(self, name) for name in self.contract_fields()}
-        values.update(prefill_buckets=self.buckets, quantize_embedding=self.embedding_quantized)
+        values.update(
+            prefill_buckets=self.buckets,
+            prefill_chunks=tuple(self.prefill_chunks),
+            quantize_embedding=self.embedding_quantized,
+        )
         return values
 
     @classmethod
@@ -268,7 +297,7 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
     conflicts = []
     for name in ExportOptions.contract_fields():
         given, kept = getattr(options, name), getattr(current, name)
-        if given is not None and name == "prefill_buckets":
+        if given is not None and name in ("prefill_buckets", "prefill_chunks"):
             given = tuple(given)
         if name == "vision_grids":
             given = _resolved_grids(given, existing)

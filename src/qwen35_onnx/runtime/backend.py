@@ -9,6 +9,10 @@ sampling and the contract checks (:mod:`.checks`). A backend only
 - runs the vision graph (host in, host out);
 - runs a prefill graph: host feeds in, the last logits on the host and the three states in the
   runtime's own device-resident form out (host arrays with ``host_state_roundtrip``);
+- runs a chunk graph (chunked prefill): host feeds and the past states in, the logits and the new
+  states out (:meth:`Backend.run_chunk`);
+- moves states to and from host arrays (:meth:`Backend.states_to_host`,
+  :meth:`Backend.states_from_host`: what a :class:`~.snapshots.StateSnapshot` keeps);
 - builds a :class:`Decoder` from those states, whose ``step`` runs one decode step;
 - says what memory its graphs share (:meth:`Backend.shared_weight_bytes`) and drops prefill
   graphs on request (:meth:`Backend.unload_prefill`).
@@ -21,6 +25,7 @@ Two backends, each in its own package: ONNX Runtime (:mod:`.onnxruntime`) and Op
 from __future__ import annotations
 
 import abc
+import functools
 import numbers
 import os
 from dataclasses import dataclass
@@ -37,6 +42,7 @@ from .checks import (
     check_decode,
     check_export_files,
     check_external_data,
+    check_chunk,
     check_metadata,
     check_prefill,
     check_vision,
@@ -157,6 +163,12 @@ class Decoder(Protocol):
         (int64); returns the logits ``[1, 1, V]`` fp32 as a host array the caller owns."""
         ...
 
+    def states(self) -> dict[str, Any]:
+        """The states after the last step (or the ones the decoder started from), keyed
+        ``present_conv_states``, ``present_recurrent_states``, ``present_kv_cache``, in the backend's
+        form; the decoder's own buffers (copy them before the next step)."""
+        ...
+
 
 class GraphSet(abc.ABC):
     """The graphs of one export as one backend loaded them. Decode and the any-grid vision graph
@@ -175,6 +187,7 @@ class GraphSet(abc.ABC):
     def __init__(self, root: Path, contract: ShapeContract):
         self.root, self.contract = Path(root), contract
         self._prefill: dict[int | None, GraphSpec] = {}
+        self._chunk: dict[int, GraphSpec] = {}
         self._vision: dict[tuple[int, int] | None, GraphSpec] = {}
         check_export_files(self.root, contract)
         if not contract.static_vision:
@@ -231,6 +244,26 @@ class GraphSet(abc.ABC):
             key = self.contract.prefill_graph_key(bucket)
             self._prefill[bucket] = self._load(key, lambda contract, graph: check_prefill(contract, graph, bucket))
         return self._prefill[bucket]
+
+    def chunk(self, size: int) -> GraphSpec:
+        """The chunk graph of ``size`` tokens (loaded and cross-checked on its first use).
+
+        Raises:
+            ContractError: the export has no chunk graph of that size, or it disagrees with the manifest.
+        """
+        if size not in self._chunk:
+            if size not in self.contract.prefill_chunks:
+                raise ContractError(
+                    f"the export has no prefill chunk of {size} tokens (chunks {list(self.contract.prefill_chunks)})"
+                )
+            key = self.contract.chunk_graph_key(size)
+            self._chunk[size] = self._load(key, lambda contract, graph: check_chunk(contract, graph, size))
+        return self._chunk[size]
+
+    @property
+    def loaded_chunks(self) -> list[int]:
+        """The chunk sizes whose graphs are loaded."""
+        return list(self._chunk)
 
     @property
     def loaded_buckets(self) -> list[int | None]:
@@ -315,6 +348,43 @@ class Backend(abc.ABC):
         each call."""
 
     @abc.abstractmethod
+    def run_chunk(
+        self, size: int, feeds: dict[str, np.ndarray], states: dict[str, Any]
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """The chunk graph of ``size`` tokens (:class:`~qwen35_onnx.export.graphs.ChunkGraph`) on host
+        ``feeds`` (``input_ids``, ``chunk_mask``, ``attention_mask``, ``position_ids``,
+        ``image_embeds``) after ``states`` (keyed as :meth:`run_prefill` returns them, which this
+        call takes over: the KV cache may be written in place); returns the logits ``[1, R, V]``
+        (host) and the new states in the same form.
+
+        Raises:
+            ContractError: the export has no chunk graph of ``size``.
+        """
+
+    @abc.abstractmethod
+    def states_to_host(self, states: dict[str, Any], kv_length: int | None = None) -> dict[str, np.ndarray]:
+        """Host copies (the caller owns them) of ``states`` keyed as :meth:`run_prefill` returns them;
+        with ``kv_length`` only the KV cache's first ``kv_length`` slots."""
+
+    @functools.cached_property
+    def export_id(self) -> str:
+        """:func:`~.snapshots.export_fingerprint` of this export (what a state snapshot is tied to)."""
+        from .snapshots import export_fingerprint
+
+        return export_fingerprint(self.graphs.root, self.contract)
+
+    @abc.abstractmethod
+    def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """States in the backend's form (fresh buffers) holding the host ``arrays`` keyed
+        ``present_conv_states``, ``present_recurrent_states``, ``present_kv_cache`` (the contract's
+        stacked shapes and dtypes)."""
+
+    def zero_states(self) -> dict[str, Any]:
+        """The states of an empty prompt: zeros in the contract's stacked shapes and dtypes (fixed
+        KV), in the backend's form."""
+        return self.states_from_host(zero_state_arrays(self.contract))
+
+    @abc.abstractmethod
     def decoder(self, states: dict[str, Any]) -> Decoder:
         """A decoder that starts from the prefill ``states`` (which it takes over)."""
 
@@ -322,3 +392,22 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def state_shape(value: Any) -> list[int]:
         """Shape of one state as :meth:`run_prefill` returned it."""
+
+
+STATE_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+"""numpy dtypes of the state dtypes numpy can hold (a bf16 export keeps its states on the runtime)."""
+
+
+def zero_state_arrays(contract: ShapeContract) -> dict[str, np.ndarray]:
+    """Host zeros of the three states (``present_*`` keys, stacked, KV capacity wide).
+
+    Raises:
+        ContractError: a state dtype numpy cannot hold (bf16).
+    """
+    arrays = {}
+    for state in ("conv_states", "recurrent_states", "kv_cache"):
+        dtype = contract.state_dtype(state)
+        if dtype not in STATE_NUMPY_DTYPES:
+            raise ContractError(f"{state} of a {dtype} export cannot be held in host memory (numpy has no {dtype})")
+        arrays[f"present_{state}"] = np.zeros(contract.state_shape(state), dtype=STATE_NUMPY_DTYPES[dtype])
+    return arrays

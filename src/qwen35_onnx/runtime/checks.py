@@ -29,6 +29,8 @@ HOST_FP32 = (
     ("vision", "output", "image_embeds"),
     ("prefill", "input", "image_embeds"),
     ("prefill", "output", "logits"),
+    ("chunk", "input", "image_embeds"),
+    ("chunk", "output", "logits"),
     ("decode", "output", "logits"),
 )
 
@@ -74,6 +76,7 @@ def check_export_files(root: Path, contract: ShapeContract) -> None:
     """
     expected = {"decode", *contract.vision_graph_keys()}
     expected |= {contract.prefill_graph_key(b) for b in contract.prefill_buckets or [None]}
+    expected |= {contract.chunk_graph_key(c) for c in contract.prefill_chunks}
     missing = sorted(expected - set(contract.graphs))
     if missing:
         raise ContractError(f"manifest.json lists no graph for {missing} (has {sorted(contract.graphs)})")
@@ -221,18 +224,37 @@ def check_vision(contract: ShapeContract, vision: GraphSpec, grid: tuple[int, in
     _check_host_types(vision, "vision")
 
 
-def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
-    """Input and output names exactly as the contract says; state shapes and element types; and
-    in fixed mode: mask width == past KV width == present KV width == capacity (for every entry
-    when the graph takes the states one entry at a time)."""
+DECODE_HOST_INPUTS = ["input_ids", "attention_mask", "position_ids"]
+CHUNK_HOST_INPUTS = ["input_ids", "chunk_mask", "attention_mask", "position_ids", "image_embeds"]
+
+
+def check_chunk(contract: ShapeContract, chunk: GraphSpec, size: int) -> None:
+    """As :func:`check_decode` with the chunk graph's host inputs (:data:`CHUNK_HOST_INPUTS`):
+    ``input_ids`` and ``chunk_mask`` ``[1, size]``, ``image_embeds [size, image_embed_dim]``
+    fp32, and one logits row with ``prefill_logits='last'``."""
+    check_decode(contract, chunk, CHUNK_HOST_INPUTS, "chunk")
+    for name in ("input_ids", "chunk_mask"):
+        _expect(f"{chunk.name} {name} shape", chunk.inputs.get(name), [contract.batch, size])
+    _expect(f"{chunk.name} image_embeds shape", chunk.inputs.get("image_embeds"), [size, contract.image_embed_dim])
+    if contract.prefill_logits == PrefillLogits.LAST:
+        _expect(f"{chunk.name} logits rows", chunk.dim("output", "logits", 1), 1)
+
+
+def check_decode(
+    contract: ShapeContract, decode: GraphSpec, host_inputs: list[str] = DECODE_HOST_INPUTS, what: str = "decode"
+) -> None:
+    """Input and output names exactly as the contract says (``host_inputs`` and the states); state
+    shapes and element types; and in fixed mode: mask width == past KV width == present KV width ==
+    capacity (for every entry when the graph takes the states one entry at a time). ``what``
+    names the graph kind in errors (decode, or chunk for :func:`check_chunk`)."""
     for kind, prefix, fixed in (
-        ("input", "past", ["input_ids", "attention_mask", "position_ids"]),
+        ("input", "past", list(host_inputs)),
         ("output", "present", ["logits"]),
     ):
         _check_names(
             decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)]
         )
-    _check_host_types(decode, "decode")
+    _check_host_types(decode, what)
     if contract.kv_in_place:
         for kind, prefix in (("input", "past"), ("output", "present")):
             table = decode.inputs if kind == "input" else decode.outputs
@@ -240,9 +262,9 @@ def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
                 entry = list(contract.state_shape(state)[1:])
                 for name in contract.decode_state_names(state, prefix):
                     if state == "kv_cache":
-                        _check_capacity(contract, {f"decode {name} token axis": table[name][2]})
+                        _check_capacity(contract, {f"{what} {name} token axis": table[name][2]})
                     _check_tensor(decode, kind, name, entry, contract.state_dtype(state))
-        _check_capacity(contract, {"decode attention_mask width": decode.dim("input", "attention_mask", 1)})
+        _check_capacity(contract, {f"{what} attention_mask width": decode.dim("input", "attention_mask", 1)})
         return
     _check_states(contract, decode, "input", "past")
     _check_states(contract, decode, "output", "present")
@@ -250,9 +272,9 @@ def check_decode(contract: ShapeContract, decode: GraphSpec) -> None:
         _check_capacity(
             contract,
             {
-                "decode attention_mask width": decode.dim("input", "attention_mask", 1),
-                "decode past_kv_cache token axis": decode.dim("input", "past_kv_cache", 3),
-                "decode present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
+                f"{what} attention_mask width": decode.dim("input", "attention_mask", 1),
+                f"{what} past_kv_cache token axis": decode.dim("input", "past_kv_cache", 3),
+                f"{what} present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
             },
         )
 

@@ -18,6 +18,7 @@ mask and the position ids become after each token.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +27,11 @@ import numpy as np
 
 from ..contract import ContractError, KvMode, ShapeContract
 from .backend import Backend, Decoder
+from .chunks import plan_chunks
 from .masks import CapacityExhausted, advance_mask, prepare_decode_mask
 from .positions import decode_position_ids
 from .prompt import PreparedPrompt
+from .snapshots import StateSnapshot, image_digests
 
 __all__ = ["Generation", "Timings"]
 
@@ -83,20 +86,52 @@ class Generation:
         ContractError: the prefill graph is missing or disagrees with the manifest.
     """
 
-    def __init__(self, backend: Backend, prompt: PreparedPrompt, states: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        prompt: PreparedPrompt,
+        states: dict[str, Any] | None = None,
+        start: StateSnapshot | None = None,
+        snapshot_at: tuple[int, ...] = (),
+    ):
         self.backend, self.prompt = backend, prompt
         contract = self.contract
-        self.bucket = prompt.bucket if contract.prefill_buckets else None
-        if states is None:
+        self.chunked = bool(contract.prefill_chunks) and states is None
+        if start is not None and not self.chunked:
+            raise ContractError(
+                "continuing from a state snapshot needs an export with prefill chunks (--prefill-chunks)"
+            )
+        self.start, self.snapshot_at = start, tuple(int(p) for p in snapshot_at)
+        self.snapshots: list[StateSnapshot] = []
+        self.bucket = prompt.bucket if contract.prefill_buckets and not self.chunked else None
+        if states is None and not self.chunked:
             backend.load_prefill(self.bucket)
         self._inputs = prompt.padded(contract.pad_token_id)
         width = contract.capacity if contract.kv_mode == KvMode.FIXED else prompt.bucket
         self.mask = prepare_decode_mask(self._inputs[1], width, width)
+        if start is not None:
+            start.check_export(backend.export_id, contract.capacity)
+            if not start.is_prefix_of(prompt.input_ids[0], self.image_digests):
+                raise ValueError(
+                    f"the state snapshot of {start.length} tokens is not a prefix of this prompt of "
+                    f"{prompt.prompt_len} tokens (other tokens or images)"
+                )
+        self.token_ids: list[int] = [int(t) for t in prompt.input_ids[0]]
         self.states: dict[str, Any] | None = None
         self.decoder: Decoder | None = None
         self.timings = Timings()
         if states is not None:
             self._take(states)
+
+    @functools.cached_property
+    def image_digests(self) -> tuple[str, ...]:
+        """:func:`~.snapshots.image_digests` of the prompt's images."""
+        return image_digests(self.prompt.pixel_values, self.prompt.image_grids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens taken from the state snapshot this generation started from (0 without one)."""
+        return self.start.length if self.start is not None else 0
 
     @property
     def contract(self) -> ShapeContract:
@@ -108,26 +143,32 @@ class Generation:
         before the first step)."""
         return int(self.mask.sum())
 
-    def run_vision(self) -> np.ndarray:
+    def run_vision(self, from_token: int = 0) -> np.ndarray:
         """The vision graph of each image's grid once per image of the prompt; returns the embeddings
         stacked in prompt order and zero-padded to the prefill's ``[n_image_rows, image_embed_dim]`` fp32 (all zeros
-        for a text-only prompt).
+        for a text-only prompt). Images whose tokens all lie before ``from_token`` (already in the state a
+        chunked prefill starts from) are not run: their rows stay zero.
 
         Raises:
             ValueError: the number of image embeddings differs from the image tokens of the prompt.
         """
         c, prompt = self.contract, self.prompt
-        n_tokens = int((prompt.input_ids == c.image_token_id).sum())
-        rows = np.zeros((c.n_image_rows, c.image_embed_dim), dtype=np.float32)
+        image_pos = np.flatnonzero(prompt.input_ids[0] == c.image_token_id)
+        n_tokens = int(image_pos.size)
+        rows = np.zeros((max(c.n_image_rows, n_tokens), c.image_embed_dim), dtype=np.float32)
         if prompt.pixel_values is None:
             if n_tokens:
                 raise ValueError(f"the prompt has {n_tokens} image tokens but no image was given")
             return rows
         filled = start = 0
+        merge = c.spatial_merge_size**2
         for _, h, w in prompt.image_grids:
-            embeds = self.backend.run_vision((h, w), prompt.pixel_values[start : start + h * w])
-            rows[filled : filled + embeds.shape[0]] = embeds
-            filled += embeds.shape[0]
+            count = h * w // merge
+            if filled + count > n_tokens or image_pos[filled + count - 1] >= from_token:
+                embeds = self.backend.run_vision((h, w), prompt.pixel_values[start : start + h * w])
+                rows[filled : filled + embeds.shape[0]] = embeds
+                count = embeds.shape[0]
+            filled += count
             start += h * w
         if filled != n_tokens:
             raise ValueError(
@@ -147,6 +188,8 @@ class Generation:
         """
         if self.states is not None or self.decoder is not None:
             raise RuntimeError("this generation has prefilled already; start a new Generation")
+        if self.chunked:
+            return self._prefill_chunks(image_embeds)
         start = time.perf_counter()
         if image_embeds is None:
             image_embeds = self.run_vision()
@@ -160,6 +203,81 @@ class Generation:
         self._take(states)
         row = 0 if logits.shape[1] == 1 else self.prompt.prompt_len - 1
         return _finite(logits[0, row], "prefill")
+
+    def _prefill_chunks(self, image_embeds: np.ndarray | None) -> np.ndarray:
+        """Chunked prefill (:mod:`.chunks`): from the snapshot :attr:`start` or an empty state, the
+        prompt's remaining tokens through the chunk graphs (a snapshot taken at each position of
+        :attr:`snapshot_at`) and trailing text tokens through decode steps."""
+        c, prompt, backend = self.contract, self.prompt, self.backend
+        ids = prompt.input_ids[0]
+        begin = time.perf_counter()
+        done = self.cached_tokens
+        states = backend.states_from_host(self.start.state_arrays(c)) if self.start else backend.zero_states()
+        rows = self.run_vision(done) if image_embeds is None else image_embeds
+        vision_done = time.perf_counter()
+        image_pos = np.flatnonzero(ids == c.image_token_id)
+        pieces = plan_chunks(ids, done, c.prefill_chunks, c.capacity, c.image_token_id, self.snapshot_at)
+        logits = None
+        for piece in pieces:
+            if piece.size == 1:
+                break
+            a, real, size = piece.start, piece.real, piece.size
+            chunk_ids = np.full((1, size), c.pad_token_id or 0, dtype=np.int64)
+            chunk_ids[0, :real] = ids[a : a + real]
+            chunk_mask = np.zeros((1, size), dtype=np.int64)
+            chunk_mask[0, :real] = 1
+            mask = np.zeros((1, c.capacity), dtype=np.int64)
+            mask[0, : a + real] = 1
+            positions = np.zeros((4, 1, size), dtype=np.int64)
+            positions[:, :, :real] = prompt.position_ids[:, :, a : a + real]
+            embeds = np.zeros((size, c.image_embed_dim), dtype=np.float32)
+            k0, k1 = np.searchsorted(image_pos, [a, a + real])
+            embeds[: k1 - k0] = rows[k0:k1]
+            feeds = {
+                "input_ids": chunk_ids,
+                "chunk_mask": chunk_mask,
+                "attention_mask": mask,
+                "position_ids": positions,
+                "image_embeds": embeds,
+            }
+            out, states = backend.run_chunk(size, feeds, states)
+            logits = out[0, 0 if out.shape[1] == 1 else real - 1]
+            done = piece.end
+            if done in self.snapshot_at:
+                self.snapshots.append(self._snapshot(states, done))
+        self.states = states
+        self.mask = np.zeros((1, c.capacity), dtype=np.int64)
+        self.mask[0, :done] = 1
+        for piece in pieces[len(pieces) - sum(p.size == 1 for p in pieces) :]:  # trailing decode steps
+            logits = self._step(int(ids[piece.start]))
+        end = time.perf_counter()
+        self.timings = Timings(
+            vision_ms=1000 * (vision_done - begin) if prompt.pixel_values is not None else None,
+            prefill_ms=1000 * (end - vision_done),
+        )
+        return _finite(logits, "prefill")
+
+    def _snapshot(self, states: dict[str, Any], length: int) -> StateSnapshot:
+        arrays = self.backend.states_to_host(states, kv_length=length)
+        return StateSnapshot.take(
+            self.backend.export_id, self.contract, arrays, self.token_ids[:length], self.image_digests,
+            self.contract.image_token_id,
+        )
+
+    def snapshot(self) -> StateSnapshot:
+        """The state now (after the prefill and every step so far): its :attr:`length` tokens, the
+        prompt's and the fed generated ones, as a host :class:`~.snapshots.StateSnapshot`.
+
+        Raises:
+            RuntimeError: no prefill yet.
+        """
+        if self.decoder is not None:
+            states = self.decoder.states()
+        elif self.states is not None:
+            states = self.states
+        else:
+            raise RuntimeError("prefill before taking a snapshot")
+        return self._snapshot(states, self.length)
 
     def _take(self, states: dict[str, Any]) -> None:
         """Keep prefill ``states``, after checking that their KV width is the capacity (fixed mode)."""
@@ -180,6 +298,11 @@ class Generation:
             CapacityExhausted: the KV cache has no free slot (nothing is run).
             ContractError: the logits are not finite.
         """
+        logits = self._step(token)
+        self.token_ids.append(int(token))
+        return logits
+
+    def _step(self, token: int) -> np.ndarray:
         if self.decoder is None:
             if self.states is None:
                 raise RuntimeError("prefill before the first decode step")

@@ -12,7 +12,7 @@ import onnxruntime as ort
 
 from ...contract import ContractError, ShapeContract
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions
-from .decoders import NP_DTYPES, BoundDecoder, HostDecoder
+from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, run_chunk_bound, run_chunk_host
 from .sessions import OrtGraphSet, providers_for
 
 
@@ -73,6 +73,31 @@ class OrtBackend(Backend):
         session.run_with_iobinding(binding)
         outputs = dict(zip(names, binding.get_outputs()))
         return outputs.pop("logits").numpy(), outputs
+
+    def run_chunk(self, size: int, feeds: dict[str, np.ndarray], states: dict) -> tuple[np.ndarray, dict]:
+        session = self.graphs.chunk(size).session
+        if self.host_state_roundtrip:
+            return run_chunk_host(session, self.contract, feeds, states)
+        return run_chunk_bound(session, self.contract, self.device, feeds, states)
+
+    def states_to_host(self, states: dict, kv_length: int | None = None) -> dict[str, np.ndarray]:
+        arrays = {}
+        for name, value in states.items():
+            array = value.numpy() if isinstance(value, ort.OrtValue) else value
+            if kv_length is not None and name == "present_kv_cache":
+                array = array[:, :, :, :kv_length]
+            arrays[name] = np.array(array, copy=True)
+        return arrays
+
+    def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict:
+        if self.host_state_roundtrip:
+            return {name: np.array(value, copy=True) for name, value in arrays.items()}
+        states = {}
+        for name, value in arrays.items():
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, self.device, 0)
+            buffer.update_inplace(np.ascontiguousarray(value))
+            states[name] = buffer
+        return states
 
     def decoder(self, states: dict) -> Decoder:
         if self.host_state_roundtrip:

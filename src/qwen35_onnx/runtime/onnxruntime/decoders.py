@@ -109,17 +109,15 @@ class BoundDecoder:
         return binding
 
     def _bind_entries(self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue) -> None:
-        """Bind ``{prefix}_{state}.{j}`` to entry ``j`` of ``stacked`` (a contiguous
-        ``state_shape(state)`` buffer) by address."""
-        shape = self.contract.state_shape(state)
-        dtype = NP_DTYPES[self.contract.state_dtype(state)]
-        if list(stacked.shape()) != list(shape):
-            raise ValueError(f"{state} buffer has shape {stacked.shape()}, expected {list(shape)}")
-        nbytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
-        base = stacked.data_ptr()
-        bind = binding.bind_input if prefix == "past" else binding.bind_output
-        for j, name in enumerate(self.contract.decode_state_names(state, prefix)):
-            bind(name, self.device, 0, dtype, list(shape[1:]), base + j * nbytes)
+        bind_entries(binding, self.contract, self.device, state, prefix, stacked)
+
+    def states(self) -> dict[str, ort.OrtValue]:
+        """The states after the last step (the prefill's before the first), this decoder's buffers."""
+        latest = self.buffers[(self.steps - 1) % 2 if self.steps else 1]
+        states = {name: value for name, value in latest.items() if name != "logits"}
+        if "present_kv_cache" not in states:
+            states["present_kv_cache"] = self.kv
+        return states
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step; returns logits ``[1, 1, V]`` fp32 (a host copy)."""
@@ -140,6 +138,80 @@ class BoundDecoder:
         return np.array(self.buffers[parity]["logits"].numpy(), copy=True)
 
 
+def bind_entries(
+    binding: ort.IOBinding, contract: ShapeContract, device: str, state: str, prefix: str, stacked: ort.OrtValue
+) -> None:
+    """Bind ``{prefix}_{state}.{j}`` (inputs for ``prefix='past'``, outputs for ``'present'``) to
+    entry ``j`` of ``stacked`` (a contiguous ``state_shape(state)`` buffer on ``device``) by address.
+
+    Raises:
+        ValueError: ``stacked`` has another shape than the contract's.
+    """
+    shape = contract.state_shape(state)
+    dtype = NP_DTYPES[contract.state_dtype(state)]
+    if list(stacked.shape()) != list(shape):
+        raise ValueError(f"{state} buffer has shape {stacked.shape()}, expected {list(shape)}")
+    nbytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
+    base = stacked.data_ptr()
+    bind = binding.bind_input if prefix == "past" else binding.bind_output
+    for j, name in enumerate(contract.decode_state_names(state, prefix)):
+        bind(name, device, 0, dtype, list(shape[1:]), base + j * nbytes)
+
+
+def run_chunk_bound(
+    session: ort.InferenceSession,
+    contract: ShapeContract,
+    device: str,
+    feeds: dict[str, np.ndarray],
+    states: dict[str, ort.OrtValue],
+) -> tuple[np.ndarray, dict[str, ort.OrtValue]]:
+    """One run of a chunk graph with IOBinding: the host ``feeds``, the past ``states``
+    (``present_*`` OrtValues on ``device``) bound as inputs; the conv and recurrent outputs in new
+    buffers; the KV cache written in place in ``states['present_kv_cache']`` with
+    :attr:`ShapeContract.kv_in_place` (a new buffer otherwise). Returns the logits (host) and the
+    new states."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    binding.bind_output("logits", device)
+    if not contract.kv_in_place:
+        for state in STATE_NAMES:
+            binding.bind_ortvalue_input(f"past_{state}", states[f"present_{state}"])
+            binding.bind_output(f"present_{state}", device)
+        session.run_with_iobinding(binding)
+        outputs = dict(zip(["logits", *(f"present_{s}" for s in STATE_NAMES)], binding.get_outputs()))
+        return outputs.pop("logits").numpy(), outputs
+    new = {}
+    for state in STATE_NAMES[:2]:
+        shape, dtype = contract.state_shape(state), NP_DTYPES[contract.state_dtype(state)]
+        new[f"present_{state}"] = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)
+        bind_entries(binding, contract, device, state, "past", states[f"present_{state}"])
+        bind_entries(binding, contract, device, state, "present", new[f"present_{state}"])
+    kv = new["present_kv_cache"] = states["present_kv_cache"]
+    bind_entries(binding, contract, device, "kv_cache", "past", kv)
+    bind_entries(binding, contract, device, "kv_cache", "present", kv)  # in place
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy(), new
+
+
+def run_chunk_host(
+    session: ort.InferenceSession, contract: ShapeContract, feeds: dict[str, np.ndarray], states: dict
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """One run of a chunk graph with every state through numpy (``--host-state-roundtrip``)."""
+    feeds = dict(feeds)
+    per_entry = contract.kv_in_place
+    for state in STATE_NAMES:
+        names = contract.decode_state_names(state, "past")
+        value = _to_numpy(states[f"present_{state}"])
+        feeds.update(zip(names, value) if per_entry else {names[0]: value})
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    new = {}
+    for state in STATE_NAMES:
+        names = contract.decode_state_names(state, "present")
+        new[f"present_{state}"] = np.stack([outputs[n] for n in names]) if per_entry else outputs[names[0]]
+    return outputs["logits"], new
+
+
 class HostDecoder:
     """Copy-to-host fallback: every state goes through numpy between steps (the stacked KV
     cache is split into and rebuilt from its entries when the graph takes them one by one)."""
@@ -149,6 +221,10 @@ class HostDecoder:
         self.contract = contract
         self.past = {name: _to_numpy(states[f"present_{name}"]) for name in STATE_NAMES}
         self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def states(self) -> dict[str, np.ndarray]:
+        """The states after the last step, as host arrays (this decoder's own)."""
+        return {f"present_{name}": value for name, value in self.past.items()}
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step; returns logits ``[1, 1, V]`` fp32."""

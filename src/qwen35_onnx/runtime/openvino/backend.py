@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from ...contract import METADATA_KEY, ContractError, KvMode, Ops, ShapeContract, plain
+from ...contract import METADATA_KEY, STATE_NAMES, ContractError, KvMode, Ops, ShapeContract, plain
 from ...onnxfile.scan import OnnxScanError, scan
 from ..backend import Backend, Decoder, GraphSet, Runtime, RuntimeOptions
 from ..checks import GraphSpec, check_export_files
@@ -255,6 +255,37 @@ class OpenVinoBackend(Backend):
         if self.host_state_roundtrip:
             states = {name: request.get_tensor(name).data.copy() for name in graph.outputs if name != "logits"}
         return logits, states
+
+    def run_chunk(self, size: int, feeds: dict[str, np.ndarray], states: dict) -> tuple[np.ndarray, dict]:
+        graph = self.graphs.chunk(size)
+        request = graph.request
+        for name, value in feeds.items():
+            np.copyto(request.get_tensor(name).data, value)
+        new = {}
+        for state in STATE_NAMES:
+            past = states[f"present_{state}"]
+            request.set_tensor(f"past_{state}", past if isinstance(past, ov.Tensor) else ov.Tensor(past))
+            new[f"present_{state}"] = fresh_tensor(graph.compiled.output(f"present_{state}"))
+            request.set_tensor(f"present_{state}", new[f"present_{state}"])
+        run_request(request)
+        logits = request.get_tensor("logits").data.copy()
+        if self.host_state_roundtrip:
+            new = {name: tensor.data.copy() for name, tensor in new.items()}
+        return logits, new
+
+    def states_to_host(self, states: dict, kv_length: int | None = None) -> dict[str, np.ndarray]:
+        arrays = {}
+        for name, value in states.items():
+            array = value.data if isinstance(value, ov.Tensor) else value
+            if kv_length is not None and name == "present_kv_cache":
+                array = array[:, :, :, :kv_length]
+            arrays[name] = np.array(array, copy=True)
+        return arrays
+
+    def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict:
+        if self.host_state_roundtrip:
+            return {name: np.array(value, copy=True) for name, value in arrays.items()}
+        return {name: ov.Tensor(np.ascontiguousarray(value)) for name, value in arrays.items()}  # a copy
 
     def decoder(self, states: dict) -> Decoder:
         if self.host_state_roundtrip:

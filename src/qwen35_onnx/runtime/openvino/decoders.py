@@ -69,6 +69,10 @@ class OpenVinoDecoder:
             self.logits.append(logits.data)  # a numpy view of the tensor
         self.steps = 0
 
+    def states(self) -> dict[str, ov.Tensor]:
+        """The states after the last step (the prefill's before the first), this decoder's tensors."""
+        return dict(self.buffers[(self.steps - 1) % 2 if self.steps else 1])
+
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step; returns logits ``[1, 1, V]`` fp32 (a host copy)."""
         parity = self.steps % 2
@@ -88,6 +92,10 @@ class OpenVinoHostDecoder:
     def __init__(self, compiled: ov.CompiledModel, contract: ShapeContract, states: dict[str, np.ndarray]):
         self.request = compiled.create_infer_request()
         self.past = {name: np.asarray(states[f"present_{name}"]) for name in STATE_NAMES}
+
+    def states(self) -> dict[str, np.ndarray]:
+        """The states after the last step, as host arrays (this decoder's own)."""
+        return {f"present_{name}": value for name, value in self.past.items()}
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step; returns logits ``[1, 1, V]`` fp32."""

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .contract import ShapeContract, read_manifest
+from .contract import ContractError, ShapeContract, read_manifest
 from .conversation.grammar import GrammarCompiler, TokenConstraint
 from .conversation.images import load_image, to_rgb
 from .conversation.messages import ChatInputError, ImagePolicy, normalize_messages
@@ -57,8 +57,13 @@ from .runtime.masks import CapacityExhausted
 from .runtime.prompt import PreparedPrompt, prepare_ids
 from .runtime.sampling import Sampler, SamplingConfig, StopStrings, sampling_defaults
 from .runtime.select import open_backend
+from .runtime.snapshots import SnapshotCache
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STATE_CACHE_BYTES = 1 << 30
+"""Default byte limit of a :meth:`Pipeline.state_cache` (1 GiB: at 0.8B about 40 snapshots of a
+1,000-token conversation)."""
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -70,13 +75,15 @@ class GenerationResult:
     """Outcome of one generation: ``token_ids`` are the new tokens (an end-of-sequence id
     that stopped generation included), ``text`` their decoded text (special tokens skipped),
     ``finish_reason`` 'stop' or 'length' (None while unfinished), ``prompt_tokens`` the
-    prompt length in tokens."""
+    prompt length in tokens, ``cached_tokens`` those of them taken from a kept state instead of
+    prefilled (see ``state_cache``)."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
     prompt_tokens: int
     timings: Timings = field(default_factory=Timings)
+    cached_tokens: int = 0
 
 
 class GenerationStream:
@@ -407,6 +414,10 @@ class Pipeline:
         ids, text = self.preprocessor.encode_chat(template_messages, tokens, chat_template_kwargs, tools)
         prepared = self.prepare_ids(ids, np.concatenate(pieces) if pieces else None, grids)
         prepared.opens_reasoning = prompt_opens_reasoning(text)
+        if c.prefill_chunks:  # where the next turn's state may continue from
+            prepared.snapshot_points = self.preprocessor.history_boundaries(
+                template_messages, tokens, ids, chat_template_kwargs, tools
+            )
         return prepared
 
     def prepare_ids(
@@ -422,15 +433,44 @@ class Pipeline:
         """
         return prepare_ids(self.contract, input_ids, pixel_values, image_grids)
 
-    def generation(self, prepared: PreparedPrompt) -> Generation:
+    def generation(self, prepared: PreparedPrompt, state_cache: SnapshotCache | None = None) -> Generation:
         """A :class:`~qwen35_onnx.runtime.generation.Generation` of ``prepared`` on this pipeline's
         backend, for stage-level use (prefill, then one decode step per token you feed); the
-        generation methods below sample and stream on top of it.
+        generation methods below sample and stream on top of it. With ``state_cache`` (an export
+        with prefill chunks) it continues from the cache's longest kept prefix of the prompt and
+        snapshots the state where a later prompt is likely to repeat this one
+        (``prepared.snapshot_points``: after the system prompt and the history).
 
         Raises:
             ValueError / ContractError: see :class:`~qwen35_onnx.runtime.generation.Generation`.
         """
-        return Generation(self.backend, prepared)
+        if state_cache is None or not self.contract.prefill_chunks:
+            return Generation(self.backend, prepared)
+        ids = prepared.input_ids[0]
+        points = prepared.snapshot_points
+        generation = Generation(self.backend, prepared, snapshot_at=points)
+        start = state_cache.longest_prefix(self.backend.export_id, ids, generation.image_digests)
+        if start is not None:
+            generation = Generation(self.backend, prepared, start=start, snapshot_at=points)
+        return generation
+
+    def state_cache(self, max_bytes: int = DEFAULT_STATE_CACHE_BYTES) -> SnapshotCache:
+        """A :class:`~qwen35_onnx.runtime.snapshots.SnapshotCache` of ``max_bytes`` for this export: pass
+        it as ``state_cache`` to every turn of a conversation (or every request of a server) and each
+        turn prefills only what no kept state holds.
+
+        Raises:
+            ContractError: the export has no prefill chunks (nothing can continue from a state).
+            ValueError: ``max_bytes`` below one snapshot of this export, naming both.
+        """
+        if not self.contract.prefill_chunks:
+            raise ContractError(
+                f"the export at {str(self.root)!r} has no prefill chunks, so no turn can continue from a kept state; "
+                "re-export with --prefill-chunks (e.g. 64,512)"
+            )
+        cache = SnapshotCache(max_bytes)
+        cache.check_room(self.contract)
+        return cache
 
     # ---- generation ----------------------------------------------------------------------
     def stream(
@@ -468,20 +508,23 @@ class Pipeline:
         parallel_tool_calls: bool | None = None,
         response_format: dict | None = None,
         max_image_tokens: int | None = None,
+        state_cache: SnapshotCache | None = None,
     ) -> ChatStream:
         """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`), answered by
         streaming :class:`ChatDelta` s; ``max_new_tokens`` None: until end of sequence or capacity.
         ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` as in OpenAI's
         API (see :meth:`reply_format`): calls come back parsed (``ChatDelta.tool_calls``,
         ``ChatResult.tool_calls``); a required or named call and a response schema are enforced by
-        constrained decoding. All input checks run here, before any graph.
+        constrained decoding. ``state_cache`` (:meth:`state_cache`): continue from the longest kept
+        state of the prompt's tokens and keep this turn's states there. All input checks run here,
+        before any graph.
 
         Raises:
             ChatInputError / ValueError: see :meth:`reply_format`, :meth:`prepare_chat` and :meth:`stream`.
         """
         reply = self.reply_format(tools, tool_choice, parallel_tool_calls, response_format)
         prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy, reply, max_image_tokens)
-        return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop, reply)
+        return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop, reply, state_cache)
 
     def stream_chat_prepared(
         self,
@@ -490,6 +533,7 @@ class Pipeline:
         sampling: SamplingConfig | None = None,
         stop=(),
         reply: ReplyFormat | None = None,
+        state_cache: SnapshotCache | None = None,
     ) -> ChatStream:
         """:meth:`stream_chat` for input from :meth:`prepare_chat` (``reply``: the same
         :meth:`reply_format` the prompt was prepared with).
@@ -505,7 +549,7 @@ class Pipeline:
             think_end = self.think_end_id if reasoning else None
             budget = max(int(limit) // 2, 1) if isinstance(limit, numbers.Integral) else None
             constraint = self.grammars.constraint(reply, think_end, budget)
-        stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop, constraint)
+        stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop, constraint, state_cache)
         calls = None
         if reply.parses_calls:
             calls = ToolCallParser(reply.offered_tools, None if reply.parallel_tool_calls else 1)
@@ -538,10 +582,15 @@ class Pipeline:
         sampling: SamplingConfig | None = None,
         stop=(),
         constraint: TokenConstraint | None = None,
+        state_cache: SnapshotCache | None = None,
     ) -> GenerationStream:
         """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`; ``max_new_tokens``
         None: until end of sequence or capacity; ``constraint``: the grammar every token must keep
-        to (see :class:`~qwen35_onnx.conversation.grammar.TokenConstraint`; one per generation)."""
+        to (see :class:`~qwen35_onnx.conversation.grammar.TokenConstraint`; one per generation);
+        ``state_cache``: see :meth:`generation` (the state at the history's end and at the end of
+        the generation are kept there)."""
+        if state_cache is not None and not isinstance(state_cache, SnapshotCache):
+            raise TypeError(f"state_cache must be a SnapshotCache or None, got {type(state_cache).__name__}")
         room = self.token_room(prepared)
         if max_new_tokens is None:
             max_new_tokens = room
@@ -563,7 +612,7 @@ class Pipeline:
             )
         stream = GenerationStream()
         stream.result = GenerationResult("", [], None, prepared.prompt_len)
-        stream._pieces = self._generate(prepared, max_new_tokens, sampler, stops, stream, constraint)
+        stream._pieces = self._generate(prepared, max_new_tokens, sampler, stops, stream, constraint, state_cache)
         return stream
 
     def _generate(
@@ -574,6 +623,7 @@ class Pipeline:
         stops: StopStrings,
         stream: GenerationStream,
         constraint: TokenConstraint | None = None,
+        state_cache: SnapshotCache | None = None,
     ) -> Iterator[str]:
         eos = self.stop_token_ids
         tokens: list[int] = []
@@ -594,9 +644,9 @@ class Pipeline:
             return token
 
         try:
-            generation = self.generation(prepared)
-            stream.result.timings = generation.timings
+            generation = self.generation(prepared, state_cache)
             token = pick(generation.prefill())
+            stream.result.timings, stream.result.cached_tokens = generation.timings, generation.cached_tokens
             while True:
                 tokens.append(token)
                 piece = stops.feed(streamer.put(token))
@@ -622,9 +672,13 @@ class Pipeline:
                 rest = stops.feed(streamer.end()) + stops.flush()
                 if rest:
                     emitted.append(rest)
+            if state_cache is not None and generation.chunked:
+                for snapshot in [*generation.snapshots, generation.snapshot()]:
+                    state_cache.put(snapshot)
         finally:
             timings = generation.timings if generation is not None else Timings()
-            stream.result = GenerationResult("".join(emitted), tokens, finish, prepared.prompt_len, timings)
+            cached = generation.cached_tokens if generation is not None else 0
+            stream.result = GenerationResult("".join(emitted), tokens, finish, prepared.prompt_len, timings, cached)
         if rest:  # the held-back tail, yielded once the result is final
             yield rest
 

@@ -336,13 +336,7 @@ class Preprocessor:
                 f"chat_template_kwargs may not set {reserved} (parameters of apply_chat_template, "
                 "not template variables)"
             )
-        try:
-            with self.lock:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
-                )
-        except Exception as exc:  # jinja2 errors, raise_exception() in templates
-            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+        text = self._render(messages, tools, True, kwargs)
         if n_images != len(image_tokens):
             raise ValueError(
                 f"the messages hold {n_images} images but {len(image_tokens)} image-token counts were given"
@@ -353,14 +347,67 @@ class Preprocessor:
                 f"the chat-templated prompt holds {len(pieces) - 1} image placeholders {self.image_token!r}; "
                 f"expected {n_images} (does the text contain {self.image_token!r}?)"
             )
-        text_expanded = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(image_tokens, pieces[1:]))
-        with self.lock:
-            encoded = self.tokenizer(text_expanded, add_special_tokens=False)["input_ids"]
-        ids = np.asarray(encoded, dtype=np.int64)
+        ids = self._tokenize_expanded(pieces, image_tokens)
         got, expected = int((ids == self.image_token_id).sum()), sum(image_tokens)
         if got != expected:
             raise ValueError(f"tokenized prompt holds {got} image tokens, expected {expected}")
         return ids[None, :], text
+
+    def _render(self, messages: list[dict], tools, generation_prompt: bool, kwargs: dict) -> str:
+        try:
+            with self.lock:
+                return self.tokenizer.apply_chat_template(
+                    messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+                )
+        except Exception as exc:  # jinja2 errors, raise_exception() in templates
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+
+    def _tokenize_expanded(self, pieces: list[str], image_tokens: list[int]) -> np.ndarray:
+        """Token ids of ``pieces`` joined by each image's run of image tokens."""
+        text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(image_tokens, pieces[1:]))
+        with self.lock:
+            return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+    def history_boundaries(
+        self,
+        messages: list[dict],
+        image_tokens: list[int],
+        input_ids: np.ndarray,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> tuple[int, ...]:
+        """Where in ``input_ids`` ``[1, S]`` (:meth:`encode_chat` of the same arguments) a later
+        prompt is likely to repeat this one, in tokens: after the leading system messages (shared by
+        every conversation with the same system prompt) and after the whole conversation, before the
+        generation prompt. Each is the messages rendered without ``add_generation_prompt``, tokenized
+        and compared id by id with ``input_ids`` (the length they agree on; none where the template
+        renders them otherwise or refuses them alone). A later turn's rendering of this turn's reply
+        may differ (Qwen3.5's template drops earlier replies' reasoning): these points come before it.
+        """
+        n_system = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+        points = set()
+        for count in {n_system, len(messages)} - {0}:
+            head = messages[:count]
+            n_images = sum(
+                1
+                for m in head
+                if isinstance(m.get("content"), list)
+                for part in m["content"]
+                if part.get("type") == "image"
+            )
+            try:
+                text = self._render(head, tools, False, dict(chat_template_kwargs or {}))
+            except ValueError:
+                continue
+            pieces = text.split(self.image_token)
+            if len(pieces) - 1 != n_images:
+                continue
+            history = self._tokenize_expanded(pieces, [int(n) for n in image_tokens[:n_images]])
+            ids = np.asarray(input_ids).reshape(-1)
+            n = min(history.shape[0], ids.shape[0])
+            differ = np.flatnonzero(history[:n] != ids[:n])
+            points.add(int(differ[0]) if differ.size else n)
+        return tuple(sorted(p for p in points if 0 < p < np.asarray(input_ids).size))
 
     def reserved_template_kwargs(self) -> set[str]:
         """``apply_chat_template``'s own parameters (``chat_template``, ``tools``, ``tokenize``, ...),

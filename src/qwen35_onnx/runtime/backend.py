@@ -39,10 +39,10 @@ from ..contract import ContractError, ShapeContract, plain
 from ..options import option
 from .checks import (
     GraphSpec,
+    check_chunk,
     check_decode,
     check_export_files,
     check_external_data,
-    check_chunk,
     check_metadata,
     check_prefill,
     check_vision,

@@ -59,7 +59,8 @@ def plan_chunks(
         sizes: the export's chunk sizes (tokens).
         capacity: KV slots; a chunk from position ``p`` of ``C`` tokens needs ``p + C <= capacity``.
         image_token_id: image tokens cannot go through a decode step (it has no image input).
-        boundaries: positions in ``(start, n)`` where a chunk must end.
+        boundaries: positions in ``(start, n)`` where a chunk must end (skipped where no chunk can end
+            there below the capacity).
 
     Returns:
         Pieces in prompt order covering ``[start, n)``; decode steps only at the very end.
@@ -77,7 +78,12 @@ def plan_chunks(
     pieces: list[Piece] = []
     begin = start
     for end in cuts:
-        pieces += _plan_segment(ids, begin, end, sorted(sizes), capacity, image_token_id, decode_tail=end == n)
+        try:
+            pieces += _plan_segment(ids, begin, end, sorted(sizes), capacity, image_token_id, decode_tail=end == n)
+        except PromptTooLongError:
+            if end == n:
+                raise
+            continue  # no chunk ends exactly here below the capacity: no boundary (no snapshot) here
         begin = end
     return pieces
 
@@ -111,8 +117,8 @@ def _plan_segment(
     if best[length] == inf:
         raise PromptTooLongError(
             f"the prompt's tokens from position {begin} to {end} fit no prefill chunk ({sizes}) below the capacity "
-            f"{capacity} and hold an image token, which decode steps cannot take; export with a larger --max-seq-len "
-            "or a smaller chunk size"
+            f"{capacity}, and decode steps cannot take them (an image token among them); export with a larger "
+            "--max-seq-len or a smaller chunk size"
         )
     pieces, r = [], length
     while r:

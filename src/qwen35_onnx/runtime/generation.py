@@ -260,7 +260,11 @@ class Generation:
     def _snapshot(self, states: dict[str, Any], length: int) -> StateSnapshot:
         arrays = self.backend.states_to_host(states, kv_length=length)
         return StateSnapshot.take(
-            self.backend.export_id, self.contract, arrays, self.token_ids[:length], self.image_digests,
+            self.backend.export_id,
+            self.contract,
+            arrays,
+            self.token_ids[:length],
+            self.image_digests,
             self.contract.image_token_id,
         )
 

@@ -19,8 +19,10 @@ class PreparedPrompt:
     pixel values ``[sum of h*w, patch_dim]`` fp32 (the images' patches one after the other; None
     for a text-only prompt), each image's patch grid ``(t, h, w)`` in prompt order
     (``image_grids``), position ids ``[4, 1, S]`` int64, ``rope_deltas``, the prefill ``bucket``
-    (tokens) it will run in, and whether the rendered prompt ends inside an open ``<think>`` block
-    (``opens_reasoning``: the reply starts as reasoning)."""
+    (tokens) it will run in, whether the rendered prompt ends inside an open ``<think>`` block
+    (``opens_reasoning``: the reply starts as reasoning), and for a chat the positions where a later
+    prompt is likely to repeat this one (``snapshot_points``: after the system prompt, before the
+    generation prompt; where a state snapshot is worth keeping)."""
 
     input_ids: np.ndarray
     pixel_values: np.ndarray | None
@@ -29,6 +31,7 @@ class PreparedPrompt:
     bucket: int
     image_grids: tuple[tuple[int, int, int], ...] = ()
     opens_reasoning: bool = False
+    snapshot_points: tuple[int, ...] = ()
 
     @property
     def n_images(self) -> int:

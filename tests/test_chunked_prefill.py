@@ -1,0 +1,258 @@
+"""Chunked prefill continuing from a state, state snapshots and conversations that continue from
+them (issue: prefill that costs what the prompt costs): tokens equal to transformers (a
+from-scratch prefill) for prompts around the chunk size and up to the capacity, on ONNX Runtime
+(both --ops) and OpenVINO; chats whose turns continue from kept states; a re-rendered history;
+the state cache's byte limit; bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from qwen35_onnx.contract import ContractError
+from qwen35_onnx.export.options import ExportError, ExportOptions
+from qwen35_onnx.pipeline import Pipeline
+from qwen35_onnx.runtime.chunks import plan_chunks
+from qwen35_onnx.runtime.sampling import SamplingConfig
+from qwen35_onnx.runtime.snapshots import SnapshotCache, StateSnapshot
+from qwen35_onnx.verify import chat_parity, reference_generate_prepared
+
+from .conftest import PHOTO_GRID, random_prompt, shared_export
+
+CHUNK = 32
+CHUNKS = (8, CHUNK)
+CHUNK_CAPACITY = 256
+NEW_TOKENS = 32
+GREEDY = SamplingConfig()
+NO_THINKING = {"enable_thinking": False}
+
+
+@pytest.fixture(scope="session")
+def chunk_export(checkpoint, tmp_path_factory):
+    """``chunk_export(ops)``: capacity 256, chunks 8 and 32, two images per prompt; ``--ops ort`` with
+    the any-grid vision graph, ``--ops portable`` with the photo's static grid (OpenVINO runs it)."""
+
+    def get(ops: str):
+        grids = {"vision_grids": (PHOTO_GRID,)} if ops == "portable" else {}
+        return shared_export(
+            tmp_path_factory,
+            checkpoint,
+            f"chunks-{ops}",
+            ops=ops,
+            capacity=CHUNK_CAPACITY,
+            prefill_buckets=(CHUNK_CAPACITY,),
+            prefill_chunks=CHUNKS,
+            max_images=2,
+            **grids,
+        )
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime_ops", ["onnxruntime-ort", "onnxruntime-portable", "openvino-portable"])
+def test_prompt_lengths_around_the_chunk_match_transformers(chunk_export, reference_model, runtime_ops):
+    """1, C-1, C, C+1, 3C+5 tokens and a prompt that fills the capacity but for the new tokens: greedy
+    tokens equal to transformers' (which prefills from scratch)."""
+    runtime, ops = runtime_ops.split("-")
+    pipe = Pipeline.from_exported(chunk_export(ops), runtime=runtime)
+    lengths = [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5, CHUNK_CAPACITY - NEW_TOKENS]
+    if runtime == "openvino":
+        lengths = [1, CHUNK + 1, 3 * CHUNK + 5]
+    for length in lengths:
+        prepared = pipe.prepare_ids(random_prompt(pipe, length, seed=length))
+        ours = pipe.generate_prepared(prepared, NEW_TOKENS, GREEDY).token_ids
+        theirs = reference_generate_prepared(reference_model, prepared, NEW_TOKENS, pipe.contract.eos_token_ids)
+        assert ours == theirs, f"{length} tokens"
+    assert sorted(pipe.backend.graphs.loaded_chunks) == sorted(CHUNKS)
+    assert pipe.backend.graphs.loaded_buckets == []  # chunked exports prefill in chunks only
+
+
+def _landscape() -> Image.Image:
+    rng = np.random.default_rng(3)
+    return Image.fromarray(rng.integers(0, 255, (320, 480, 3), dtype=np.uint8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime_ops", ["onnxruntime-ort", "onnxruntime-portable", "openvino-portable"])
+def test_four_turn_chat_with_images_continues_from_snapshots(
+    chunk_export, checkpoint, reference_model, photo, runtime_ops
+):
+    """Images in turns 1 and 3; each turn through a state cache gives the tokens of the same turn
+    prefilled from scratch, takes its first tokens from a kept state from turn 2 on, and the last
+    turn equals transformers on the raw images."""
+    runtime, ops = runtime_ops.split("-")
+    pipe = Pipeline.from_exported(chunk_export(ops), runtime=runtime)
+    cache = pipe.state_cache(64 << 20)
+    second = photo if ops == "portable" else _landscape()  # the static-grid export has the photo's grid only
+    turns = [
+        [{"type": "image", "image": photo}, {"type": "text", "text": "What is this?"}],
+        "Tell me more.",
+        [{"type": "image", "image": second}, {"type": "text", "text": "And this one?"}],
+        "Compare them.",
+    ]
+    messages = [{"role": "system", "content": "You describe images."}]
+    for i, content in enumerate(turns):
+        messages.append({"role": "user", "content": content})
+        fresh = pipe.chat(messages, 6, GREEDY, chat_template_kwargs=NO_THINKING)
+        kept = pipe.chat(messages, 6, GREEDY, chat_template_kwargs=NO_THINKING, state_cache=cache)
+        assert kept.generation.token_ids == fresh.generation.token_ids, f"turn {i + 1}"
+        assert fresh.generation.cached_tokens == 0
+        if i:
+            assert kept.generation.cached_tokens > 0, f"turn {i + 1} prefilled its whole history again"
+            assert kept.generation.cached_tokens < kept.prompt_tokens
+        assert cache.nbytes <= cache.max_bytes
+        messages.append({"role": "assistant", "content": kept.content})
+    messages.pop()
+    parity = chat_parity(
+        pipe, checkpoint, messages, 6, model=reference_model, chat_template_kwargs=NO_THINKING, result=kept.generation
+    )
+    assert parity.ours == parity.reference
+    assert cache.stats()["hits"] == 3
+
+
+@pytest.mark.slow
+def test_rerendered_history_is_not_continued_past_the_difference(chunk_export):
+    """The template drops an earlier reply's reasoning (thinking on), and a client may send back a
+    reply other than the one generated: the state is continued only up to where the new prompt's ids
+    first differ from a kept state's, and the tokens equal a from-scratch prefill."""
+    pipe = Pipeline.from_exported(chunk_export("ort"))
+    cache = pipe.state_cache(64 << 20)
+    messages = [{"role": "user", "content": "Hello there, how are you?"}]
+    first = pipe.chat(messages, 8, GREEDY, state_cache=cache)  # thinking on: the reply is reasoning
+    prompt = pipe.prepare_chat(messages)
+    history = max(prompt.snapshot_points)
+    held = np.concatenate([prompt.input_ids[0], first.generation.token_ids[:-1]])  # the last state kept
+    assert 0 < history < first.prompt_tokens
+    for reply in (first.generation.text, "Something else entirely."):
+        turn = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
+        prepared = pipe.prepare_chat(turn)
+        fresh = pipe.chat(turn, 8, GREEDY)
+        kept = pipe.chat(turn, 8, GREEDY, state_cache=cache)
+        assert kept.generation.token_ids == fresh.generation.token_ids
+        cached = kept.generation.cached_tokens
+        assert cached >= history, "the history before the first reply was not reused"
+        assert np.array_equal(prepared.input_ids[0, :cached], held[:cached])
+
+
+@pytest.mark.slow
+def test_state_cache_keeps_to_its_byte_limit_and_shares_a_system_prompt(chunk_export):
+    """Two conversations with the same system prompt share its kept state; a cache smaller than a
+    few snapshots drops the least recently used and never holds more than its limit."""
+    pipe = Pipeline.from_exported(chunk_export("ort"))
+    system = {"role": "system", "content": "You are a helpful assistant who answers briefly. " * 3}
+    cache = pipe.state_cache(64 << 20)
+    first = [system, {"role": "user", "content": "What is one plus one?"}]
+    pipe.chat(first, 4, GREEDY, chat_template_kwargs=NO_THINKING, state_cache=cache)
+    second = [system, {"role": "user", "content": "Name a colour."}]
+    fresh = pipe.chat(second, 4, GREEDY, chat_template_kwargs=NO_THINKING)
+    kept = pipe.chat(second, 4, GREEDY, chat_template_kwargs=NO_THINKING, state_cache=cache)
+    a, b = (pipe.prepare_chat(m, NO_THINKING).input_ids[0] for m in (first, second))
+    common = int(np.argmax(a[: len(b)] != b[: len(a)]))
+    assert 0 < kept.generation.cached_tokens <= common  # the system prompt's state, nothing of the other question
+    assert kept.generation.token_ids == fresh.generation.token_ids
+    chats = [[{"role": "user", "content": question}] for question in ("a", "b", "c", "d")]
+    everything = SnapshotCache(64 << 20)
+    for chat in chats:
+        pipe.chat(chat, 3, GREEDY, chat_template_kwargs=NO_THINKING, state_cache=everything)
+    small = SnapshotCache(everything.nbytes // 2)
+    for chat in chats:
+        pipe.chat(chat, 3, GREEDY, chat_template_kwargs=NO_THINKING, state_cache=small)
+        assert small.nbytes <= small.max_bytes
+    assert 0 < len(small) < len(everything)
+
+
+def test_bad_chunk_sizes_name_the_value_and_the_limit():
+    for chunks, message in (((0,), ">= 2"), ((300,), "above the capacity 256"), ((64, 32), "strictly increasing")):
+        with pytest.raises(ExportError, match=message):
+            ExportOptions(capacity=256, prefill_chunks=chunks).validate()
+    with pytest.raises(ExportError, match="fixed KV"):
+        ExportOptions(capacity=256, kv_mode="dynamic", prefill_chunks=(32,), prefill_buckets=None).validate()
+
+
+@pytest.mark.slow
+def test_snapshot_of_another_export_or_capacity_and_a_tiny_cache_are_refused(chunk_export, chat_export):
+    pipe = Pipeline.from_exported(chunk_export("ort"))
+    prepared = pipe.prepare_ids(random_prompt(pipe, 20, seed=1))
+    generation = pipe.generation(prepared)
+    generation.prefill()
+    snapshot = generation.snapshot()
+    assert snapshot.length == 20
+    longer = pipe.prepare_ids(np.concatenate([prepared.input_ids, random_prompt(pipe, 5, seed=2)], axis=1))
+    from qwen35_onnx.runtime.generation import Generation
+
+    Generation(pipe.backend, longer, start=snapshot)  # the same export: accepted
+    other = dataclasses.replace(snapshot, export="0123456789abcdef")
+    with pytest.raises(ContractError, match="another export.*0123456789abcdef"):
+        Generation(pipe.backend, longer, start=other)
+    with pytest.raises(ContractError, match="capacity 128 tokens; this export's capacity is 256"):
+        Generation(pipe.backend, longer, start=dataclasses.replace(snapshot, capacity=128))
+    with pytest.raises(ValueError, match="not a prefix"):
+        Generation(pipe.backend, pipe.prepare_ids(random_prompt(pipe, 30, seed=3)), start=snapshot)
+    with pytest.raises(ValueError, match="state cache limit 1000 bytes is below one state snapshot"):
+        pipe.state_cache(1000)
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        SnapshotCache(0)
+    with pytest.raises(ContractError, match="no prefill chunks"):
+        Pipeline.from_exported(chat_export).state_cache()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(2, 300),
+    start_frac=st.floats(0, 0.99),
+    sizes=st.sets(st.integers(2, 80), min_size=1, max_size=3),
+    room=st.integers(0, 90),
+    image_at=st.one_of(st.none(), st.integers(0, 299)),
+    cut_frac=st.one_of(st.none(), st.floats(0, 1)),
+)
+def test_chunk_plans_cover_the_prompt_within_the_capacity(n, start_frac, sizes, room, image_at, cut_frac):
+    ids = np.full(n, 7)
+    if image_at is not None and image_at < n:
+        ids[image_at] = 99
+    start = int(start_frac * n) if n > 1 else 0
+    start = min(start, n - 1)
+    capacity = n + room
+    cuts = () if cut_frac is None else (start + int(cut_frac * (n - start)),)
+    try:
+        pieces = plan_chunks(ids, start, sorted(sizes), capacity, 99, cuts)
+    except ValueError as exc:  # PromptTooLongError: only when an image token sits in an unfittable tail
+        assert image_at is not None and "image token" in str(exc)
+        return
+    at = start
+    for i, piece in enumerate(pieces):
+        assert piece.start == at and piece.real >= 1
+        assert piece.size == 1 or piece.size in sizes
+        assert piece.start + max(piece.size, 1) <= capacity
+        if piece.size == 1:
+            assert ids[piece.start] != 99 and all(p.size == 1 for p in pieces[i:])
+        elif piece.real < piece.size:
+            assert piece.end in (n, *cuts)
+        at = piece.end
+    assert at == n
+    for cut in cuts:
+        if start < cut < n:
+            assert any(p.end == cut for p in pieces)
+
+
+def test_snapshot_cache_finds_the_longest_prefix_by_ids_and_images():
+    def snap(ids, images=()):
+        ids = np.asarray(ids, dtype=np.int64)
+        return StateSnapshot("e", 64, ids, tuple(images), np.zeros(4), np.zeros(4), np.zeros((1, 1, 1, len(ids), 1)))
+
+    cache = SnapshotCache(10_000)
+    cache.put(snap([1, 2]))
+    cache.put(snap([1, 2, 3, 4]))
+    cache.put(snap([5, 9, 9], ["img-a"]))
+    assert cache.longest_prefix("e", np.array([1, 2, 3, 4, 5]), ()).length == 4
+    assert cache.longest_prefix("e", np.array([1, 2, 3, 7]), ()).length == 2
+    assert cache.longest_prefix("e", np.array([1, 2, 3, 4]), ()).length == 2  # a whole prompt is never taken
+    assert cache.longest_prefix("other", np.array([1, 2, 3, 4, 5]), ()) is None
+    assert cache.longest_prefix("e", np.array([5, 9, 9, 1]), ["img-b"]) is None  # same ids, another image
+    assert cache.longest_prefix("e", np.array([5, 9, 9, 1]), ["img-a"]).length == 3
+    assert cache.stats()["hits"] == 4 and cache.stats()["misses"] == 2

@@ -256,3 +256,44 @@ def test_snapshot_cache_finds_the_longest_prefix_by_ids_and_images():
     assert cache.longest_prefix("e", np.array([5, 9, 9, 1]), ["img-b"]) is None  # same ids, another image
     assert cache.longest_prefix("e", np.array([5, 9, 9, 1]), ["img-a"]).length == 3
     assert cache.stats()["hits"] == 4 and cache.stats()["misses"] == 2
+
+
+@pytest.mark.slow
+def test_openai_client_resending_a_conversation_gets_cached_tokens(chunk_export, tmp_path):
+    """A live server with a small state cache: an OpenAI client that resends the whole conversation
+    every turn gets the replies of a from-scratch prefill, ``usage.prompt_tokens_details.cached_tokens``
+    > 0 from turn 2 on, and ``/health`` counts the hits and keeps the bytes within the limit."""
+    import httpx
+    import openai
+
+    from .test_server import ServerProcess
+
+    export = chunk_export("ort")
+    pipe = Pipeline.from_exported(export)
+    limit = 16 << 20
+    proc = ServerProcess(
+        ["--model", str(export), "--port", "0", "--threads", "1", "--state-cache-bytes", str(limit)],
+        tmp_path / "server.log",
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=120)
+        messages = [{"role": "system", "content": "You answer briefly."}]
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"Question number {turn}?"})
+            reply = client.chat.completions.create(
+                model="m",
+                messages=messages,
+                max_tokens=6,
+                temperature=0,
+                extra_body={"chat_template_kwargs": NO_THINKING},
+            )
+            fresh = pipe.chat(messages, 6, GREEDY, chat_template_kwargs=NO_THINKING)
+            assert reply.choices[0].message.content == fresh.content, f"turn {turn + 1}"
+            cached = reply.usage.prompt_tokens_details.cached_tokens
+            assert (cached > 0) == (turn > 0), f"turn {turn + 1}: {cached} cached tokens"
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        cache = httpx.get(f"{proc.url}/health", timeout=10).json()["state_cache"]
+        assert cache["hits"] == 3 and cache["bytes"] <= cache["max_bytes"] == limit
+    finally:
+        proc.stop()
+    assert "Traceback" not in (tmp_path / "server.log").read_text()

@@ -41,8 +41,11 @@ def run_chat(
     conversation's earlier images). A turn whose input is refused (prompt over the largest prefill
     bucket) prints one ``error: ...`` line to ``err`` and is dropped from the history with its
     attached images, so the conversation goes on (``/reset`` when the history outgrows the export).
+    On an export with prefill chunks each turn continues from the states the earlier turns kept
+    (:meth:`Pipeline.state_cache`) and prefills only its new tokens.
     """
     history: list[dict] = [{"role": "system", "content": system}] if system else []
+    states = pipe.state_cache() if pipe.contract.prefill_chunks else None
     pending_images: list[str] = []
     answered = 0
     if prompt:
@@ -75,7 +78,13 @@ def run_chat(
             turn = history + [{"role": "user", "content": content}]
             try:
                 stream = pipe.stream_chat(
-                    turn, max_new_tokens, sampling, (), chat_template_kwargs, max_image_tokens=max_image_tokens
+                    turn,
+                    max_new_tokens,
+                    sampling,
+                    (),
+                    chat_template_kwargs,
+                    max_image_tokens=max_image_tokens,
+                    state_cache=states,
                 )
             except (ChatInputError, ValueError, OSError) as exc:
                 hint = "; /reset starts a new conversation" if isinstance(exc, PromptTooLongError) and history else ""
@@ -93,9 +102,10 @@ def run_chat(
                 out.write("\n")
                 out.flush()
                 result = stream.result
+                cached = f" | {result.generation.cached_tokens} prompt tokens from the kept state" if states else ""
                 err.write(
                     f"[{result.finish_reason}] {result.completion_tokens} tokens | "
-                    f"{result.generation.timings.summary()}\n"
+                    f"{result.generation.timings.summary()}{cached}\n"
                 )
                 history = turn + [{"role": "assistant", "content": result.content}]
                 answered += 1

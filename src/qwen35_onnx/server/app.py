@@ -116,6 +116,8 @@ class ChatServer:
         self.image_policy = options.image_policy
         self.reserved_kwargs = pipeline.preprocessor.reserved_template_kwargs()
         self.scheduler = Scheduler(pipeline, options.max_queue, on_finished=self._record)
+        keep = bool(pipeline.contract.prefill_chunks) and options.state_cache_bytes > 0
+        self.state_cache = pipeline.state_cache(options.state_cache_bytes) if keep else None
         self.metrics = ServerMetrics(self.scheduler.state)
         self.created = int(time.time())
 
@@ -214,6 +216,7 @@ class ChatServer:
                     req.sampling,
                     req.stop,
                     req.reply,
+                    self.state_cache,
                     arrived=arrived,
                 )
             except ValueError as exc:
@@ -267,7 +270,7 @@ class ChatServer:
                     created,
                     model,
                     [],
-                    usage(result.prompt_tokens, result.completion_tokens),
+                    usage(result.prompt_tokens, result.completion_tokens, result.generation.cached_tokens),
                     include_usage=True,
                 )
             )
@@ -294,7 +297,7 @@ class ChatServer:
                 self.options.model_name,
                 message,
                 result.finish_reason,
-                usage(result.prompt_tokens, result.completion_tokens),
+                usage(result.prompt_tokens, result.completion_tokens, result.generation.cached_tokens),
             )
         )
 
@@ -308,7 +311,8 @@ class ChatServer:
         }
 
     def health(self) -> dict:
-        return {"status": "ok", "model": self.options.model_name, **self.scheduler.state()}
+        cache = self.state_cache.stats() if self.state_cache is not None else None
+        return {"status": "ok", "model": self.options.model_name, **self.scheduler.state(), "state_cache": cache}
 
 
 def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingConfig | None = None) -> FastAPI:

@@ -29,6 +29,8 @@ class ServerOptions:
         max_image_pixels: largest image (width x height), read from its header before decoding.
         allowed_image_dir: local image paths / file:// URLs are read from inside this folder
             only; None: no local files (data: URLs only).
+        state_cache_bytes: host bytes of kept states (an export with prefill chunks): a request whose
+            messages begin as an earlier one's continues from that state; 0: none kept.
     """
 
     model_name: str | None = option(
@@ -54,6 +56,13 @@ class ServerOptions:
         "Folder from which local image paths / file:// URLs may be read; by default none (data: URLs only).",
     )
 
+    state_cache_bytes: int = option(
+        1 << 30,
+        "--state-cache-bytes",
+        "Host bytes of kept conversation states (exports with --prefill-chunks): a request that resends an earlier "
+        "conversation prefills only its new messages; least recently used dropped first; 0: off.",
+    )
+
     def validate(self) -> None:
         """Raises ValueError naming the option and its allowed range."""
         if not isinstance(self.model_name, str) or not self.model_name.strip():
@@ -68,6 +77,10 @@ class ServerOptions:
             raise ValueError(f"--max-image-bytes must be >= 1, got {self.max_image_bytes}")
         if self.max_image_pixels < 1:
             raise ValueError(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
+        if isinstance(self.state_cache_bytes, bool) or not isinstance(self.state_cache_bytes, int):
+            raise ValueError(f"--state-cache-bytes must be an integer, got {self.state_cache_bytes!r}")
+        if self.state_cache_bytes < 0:
+            raise ValueError(f"--state-cache-bytes must be >= 0 (0: off), got {self.state_cache_bytes}")
         if self.allowed_image_dir is not None and not Path(self.allowed_image_dir).is_dir():
             raise ValueError(f"--allowed-image-dir {str(self.allowed_image_dir)!r} is not a folder")
 

@@ -230,12 +230,14 @@ def message_dict(content: str, reasoning_content: str | None, tool_calls: list) 
     return message
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """The ``usage`` object (tokens)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """The ``usage`` object (tokens; ``prompt_tokens_details.cached_tokens``: prompt tokens taken from a
+    kept state, as OpenAI reports its prompt caching)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

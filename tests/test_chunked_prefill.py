@@ -45,7 +45,6 @@ def chunk_export(checkpoint, tmp_path_factory):
             f"chunks-{ops}",
             ops=ops,
             capacity=CHUNK_CAPACITY,
-            prefill_buckets=(CHUNK_CAPACITY,),
             prefill_chunks=CHUNKS,
             max_images=2,
             **grids,
@@ -171,6 +170,9 @@ def test_bad_chunk_sizes_name_the_value_and_the_limit():
     for chunks, message in (((0,), ">= 2"), ((300,), "above the capacity 256"), ((64, 32), "strictly increasing")):
         with pytest.raises(ExportError, match=message):
             ExportOptions(capacity=256, prefill_chunks=chunks).validate()
+    with pytest.raises(ExportError, match="prefills in chunks only"):
+        ExportOptions(capacity=256, prefill_chunks=(32,), prefill_buckets=(256,)).validate()
+    assert ExportOptions(capacity=256, prefill_chunks=(32,)).contract_values()["prefill_buckets"] == ()
     with pytest.raises(ExportError, match="fixed KV"):
         ExportOptions(capacity=256, kv_mode="dynamic", prefill_chunks=(32,), prefill_buckets=None).validate()
 

@@ -50,6 +50,14 @@ class Recorder(Backend):
     def _run_vision(self, graph, feeds):
         raise AssertionError("no image in these prompts")
 
+    def run_chunk(self, size, feeds, states):
+        raise AssertionError("these exports have no prefill chunks")
+
+    def states_to_host(self, states, kv_length=None):
+        raise AssertionError("no snapshots in these tests")
+
+    states_from_host = states_to_host
+
     def run_prefill(self, bucket, feeds):
         self.prefills.append((bucket, {k: v.copy() for k, v in feeds.items()}))
         width = self.kv_width or (self.contract.capacity if self.contract.kv_mode == KvMode.FIXED else bucket)

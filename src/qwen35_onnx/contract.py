@@ -423,6 +423,14 @@ class ShapeContract:
                 f"{self.image_tokens} (--image-tokens)"
             )
 
+    @property
+    def prefill_keys(self) -> list[str]:
+        """Keys in :attr:`graphs` of the prefill graphs: one per bucket, the dynamic-length one in
+        dynamic mode, none with prefill chunks."""
+        if self.prefill_chunks:
+            return []
+        return [self.prefill_graph_key(b) for b in self.prefill_buckets or [None]]
+
     def prefill_graph_key(self, bucket: int | None) -> str:
         """Key in :attr:`graphs` of the prefill graph for ``bucket`` (None: the dynamic-length graph)."""
         return "prefill" if bucket is None else f"prefill_{bucket}"
@@ -675,8 +683,10 @@ class ShapeContract:
             check_max_images(self.max_images, self.n_image_tokens, self.capacity)
         except ValueError as exc:
             raise ContractError(str(exc)) from exc
-        if self.kv_mode == KvMode.FIXED and not self.prefill_buckets:
-            raise ContractError("fixed kv_mode needs at least one prefill bucket")
+        if self.kv_mode == KvMode.FIXED and not self.prefill_buckets and not self.prefill_chunks:
+            raise ContractError("fixed kv_mode needs at least one prefill bucket or prefill chunk")
+        if self.prefill_buckets and self.prefill_chunks:
+            raise ContractError("an export prefills in buckets or in chunks, not both")
         for bucket in (*self.prefill_buckets, self.capacity):
             if bucket % self.chunk_size:
                 raise ContractError(f"chunk_size {self.chunk_size} does not divide {bucket}")

@@ -186,12 +186,14 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
     start = time.perf_counter()
     pipe = Pipeline.from_exported(export_dir)
     contract = pipe.contract
-    for bucket in contract.prefill_buckets or [None]:
+    for bucket in [] if contract.prefill_chunks else contract.prefill_buckets or [None]:
         pipe.backend.load_prefill(bucket)
+    for size in contract.prefill_chunks:
+        pipe.backend.graphs.chunk(size)
     gc.collect()
     loaded = resident()
     log(
-        f"[memory] loaded vision, decode and {len(contract.prefill_buckets or [None])} prefill graph(s) "
+        f"[memory] loaded vision, decode and {len(contract.prefill_keys or contract.prefill_chunks)} prefill graph(s) "
         f"in {time.perf_counter() - start:.1f} s"
     )
     side = contract.spatial_merge_size * math.isqrt(contract.image_tokens)  # the largest grid: the most memory

@@ -65,6 +65,10 @@ class PeerResult:
     """An image prompt's time to first token, where the peer measured one (``{"ttft_ms",
     "prompt_tokens"}``, see :mod:`.vision`)."""
     note: str = ""
+    ttft_ms: dict[int, float] = field(default_factory=dict)
+    """Time to first token (ms) by prompt length (section "Prefill", :mod:`.prefill`)."""
+    conversation: object | None = None
+    """Turn 4 of a conversation (a :class:`~.prefill.ConversationCost`), where measured."""
 
 
 def median_ms(fn, warmup: int, runs: int) -> float:

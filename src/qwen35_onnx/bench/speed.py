@@ -22,7 +22,10 @@ on the same checkpoint:
 - constrained decoding (:mod:`.constrained`): the grammar's time per token against the decode
   step, on the first of this project's ONNX Runtime rows measured;
 - images (:mod:`.vision`): each of this project's rows' vision time per grid and the time to first
-  token of a question about a 640 x 480 photo, next to OpenVINO GenAI's on the same photo.
+  token of a question about a 640 x 480 photo, next to OpenVINO GenAI's on the same photo;
+- prefill (:mod:`.prefill`): time to first token by prompt length for the int4 rows with prefill
+  buckets (``ort int4``) and with prefill chunks (``ort int4 chunks``) and onnxruntime-genai int4,
+  and turn 4 of a long conversation continued from kept states.
 
 Outputs ``bench.md`` (table, ratios against each peer), ``bench.json`` and ``bench.png`` (:mod:`.report`).
 Times are milliseconds.
@@ -45,11 +48,16 @@ from ..runtime.sampling import SamplingConfig
 from .constrained import constrained_costs, constrained_lines
 from .memory import reset_peak, resident
 from .peers import bench_genai, bench_ovgenai, bench_transformers, build_genai, build_optimum, ensure_optimum_venv
+from .prefill import PREFILL_LENGTHS, conversation_cost, genai_ttft, prefill_lines, ttft_by_length
 from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read_bandwidth_gbps
 from .report import report, target_lines
 from .vision import QUESTION, ImageCost, image_costs, image_lines, photo
 
 LENGTHS = (32, 512, 1024, 2048)
+PREFILL_CHUNKS = (64, 512)
+"""Chunk sizes (tokens) of the ``ort int4 chunks`` export (see benchmarks/README.md, "Prefill")."""
+PREFILL_ROWS = ("ort int4", "ort int4 chunks", "genai int4")
+"""The rows whose time to first token by prompt length the "Prefill" section measures."""
 DECODE_ROOM = 256
 """Tokens of capacity past the longest prompt length (decode is timed at each length)."""
 #: The exports this project's rows run: folder name (spaces as dashes) -> ExportOptions fields.
@@ -58,6 +66,7 @@ EXPORTS = {
     "ort fp32": dict(ops="ort"),
     "ort int8": dict(ops="ort", quantize="int8"),
     "ort int4": dict(ops="ort", quantize="int4"),
+    "ort int4 chunks": dict(ops="ort", quantize="int4", prefill_chunks=PREFILL_CHUNKS),
     "portable int4": dict(ops="portable", quantize="int4", vision_grids="static"),
 }
 #: This project's rows: row name -> (export, runtime, precision).
@@ -66,6 +75,7 @@ PIPELINE_ROWS = {
     "ort fp32": ("ort fp32", "onnxruntime", "f32"),
     "ort int8": ("ort int8", "onnxruntime", "f32"),
     "ort int4": ("ort int4", "onnxruntime", "f32"),
+    "ort int4 chunks": ("ort int4 chunks", "onnxruntime", "f32"),
     "portable int4": ("portable int4", "onnxruntime", "f32"),
     "openvino fp32 f32": ("portable fp32", "openvino", "f32"),
     "openvino fp32 bf16": ("portable fp32", "openvino", "bf16"),
@@ -140,10 +150,25 @@ def bench_export(
             name, pipe, prompts, protocol, decode_weight_bytes(export_dir / pipe.contract.graphs["decode"])
         )
         result.image = image_costs(name, pipe, protocol.prefill_runs)
+        if name in PREFILL_ROWS:
+            result.ttft_ms = ttft_by_length(pipe, prefill_prompts(pipe.contract), protocol.prefill_runs)
+            if pipe.contract.prefill_chunks:
+                result.conversation = conversation_cost(name, pipe, protocol.prefill_runs)
         return result
     finally:
         del pipe
         release_freed_memory()
+
+
+def prefill_prompts(contract, seed: int = 1) -> dict[int, np.ndarray]:
+    """The "Prefill" section's prompts: random ordinary tokens of each :data:`PREFILL_LENGTHS` that
+    leaves a decode slot below ``contract``'s capacity."""
+    rng = np.random.default_rng(seed)
+    return {
+        n: rng.integers(0, min(contract.vocab_size, 1000), size=(1, n)).astype(np.int64)
+        for n in PREFILL_LENGTHS
+        if n < contract.capacity
+    }
 
 
 def _constrained(row: str, export_dir: Path, log) -> list[str]:
@@ -171,10 +196,20 @@ def _is_cached(folder: Path, options) -> bool:
         c = read_manifest(folder)
     except ContractError:
         return False
-    return (c.exporter_version, c.capacity, c.prefill_buckets, c.ops, c.quantize, c.image_tokens, c.static_vision) == (
+    return (
+        c.exporter_version,
+        c.capacity,
+        c.prefill_buckets,
+        c.prefill_chunks,
+        c.ops,
+        c.quantize,
+        c.image_tokens,
+        c.static_vision,
+    ) == (
         __version__,
         options.capacity,
         tuple(options.prefill_buckets),
+        tuple(options.prefill_chunks),
         options.ops,
         options.quantize,
         options.image_tokens,
@@ -314,6 +349,8 @@ def run_bench(
                 log(f"[bench] skipped {skipped[-1]}")
                 continue
             results.append(bench_genai(row, folder, prompts, protocol))
+            if row in PREFILL_ROWS:
+                results[-1].ttft_ms = genai_ttft(folder, prefill_prompts(contract), protocol.prefill_runs)
         else:  # OpenVINO's own pipeline
             log(f"[bench] {row} (optimum-intel + openvino-genai VLMPipeline)")
             try:
@@ -332,6 +369,9 @@ def run_bench(
             results[-1].peak_rss_bytes = resident().get("VmHWM")
     markdown = report(results, bandwidth, work_dir, state_bytes, protocol)
     extra = target_lines(results) + constrained + image_lines([_image_cost(r) for r in results if r.image])
+    extra += prefill_lines(
+        {r.name: r.ttft_ms for r in results if r.ttft_ms}, [r.conversation for r in results if r.conversation]
+    )
     extra += ["", "Not measured:", ""] + [f"- {s}" for s in skipped] if skipped else []
     if extra:
         markdown += "\n".join(extra) + "\n"

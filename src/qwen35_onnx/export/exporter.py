@@ -272,6 +272,8 @@ def graph_jobs(contract: ShapeContract, components: Sequence[GraphKind] = tuple(
     decode, which share one weights file (``text/weights.data``, see :mod:`.weights`)."""
     jobs = []
     for kind in components:
+        if kind == GraphKind.PREFILL and contract.prefill_chunks:
+            continue  # a chunked export prefills in chunks only
         if kind == GraphKind.PREFILL and contract.prefill_buckets:
             jobs += [
                 GraphJob(contract.prefill_graph_key(b), kind, f"{TEXT_DIR}/prefill_{b}.onnx", b)

@@ -1,6 +1,6 @@
-"""The three exported graphs as ``nn.Module`` wrappers around a transformers
-``Qwen3_5ForConditionalGeneration``: :class:`VisionGraph`, :class:`PrefillGraph` and
-:class:`DecodeGraph`. They reuse the checkpoint's own submodules (projections, norms, MLPs,
+"""The exported graphs as ``nn.Module`` wrappers around a transformers
+``Qwen3_5ForConditionalGeneration``: :class:`VisionGraph`, :class:`PrefillGraph`,
+:class:`ChunkGraph` and :class:`DecodeGraph`. They reuse the checkpoint's own submodules (projections, norms, MLPs,
 rotary embedding) and replace only the parts whose transformers form is not static-shape:
 the cache objects, the gated delta rule, the causal conv and the attention mask.
 
@@ -13,6 +13,8 @@ prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_em
            -> logits [B,1,V] (last real token; [B,S,V] with prefill_logits='all'),
               present_conv_states [n_linear,B,conv_dim,K-1],
            present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
+chunk      input_ids [B,C], chunk_mask [B,C], attention_mask [B,L], position_ids [4,B,C],
+           image_embeds [C,hidden] and the past states as decode -> as decode (see ChunkGraph)
 decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_conv_states,
            past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states;
            with --ops ort and fixed KV every state goes one entry at a time: past_conv_states.{n},

@@ -228,12 +228,18 @@ class ExportOptions:
             check_chunks(tuple(self.prefill_chunks), self.capacity, self.kv_mode)
         except ValueError as exc:
             raise ExportError(f"--prefill-chunks: {exc}") from exc
+        if self.prefill_chunks and self.prefill_buckets:
+            raise ExportError(
+                f"--prefill-buckets {','.join(map(str, self.prefill_buckets))} with --prefill-chunks "
+                f"{','.join(map(str, self.prefill_chunks))}: a chunked export prefills in chunks only (any length up "
+                "to the capacity); give one of them"
+            )
 
     @property
     def buckets(self) -> tuple[int, ...]:
         """Prefill buckets in tokens: as given, or the standard tiers below capacity plus
-        capacity (fixed mode); none in dynamic mode."""
-        if self.kv_mode != KvMode.FIXED:
+        capacity (fixed mode); none in dynamic mode or with prefill chunks."""
+        if self.kv_mode != KvMode.FIXED or self.prefill_chunks:
             return ()
         return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
 

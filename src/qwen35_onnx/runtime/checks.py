@@ -75,7 +75,7 @@ def check_export_files(root: Path, contract: ShapeContract) -> None:
         ContractError: naming the missing graph or file.
     """
     expected = {"decode", *contract.vision_graph_keys()}
-    expected |= {contract.prefill_graph_key(b) for b in contract.prefill_buckets or [None]}
+    expected |= set(contract.prefill_keys)
     expected |= {contract.chunk_graph_key(c) for c in contract.prefill_chunks}
     missing = sorted(expected - set(contract.graphs))
     if missing:

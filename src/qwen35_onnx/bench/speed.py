@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..contract import ContractError, read_manifest
+from ..contract import DEFAULT_CHUNKS, ContractError, read_manifest
 from ..export.options import ANY_GRID, ExportOptions
 from ..paths import check_folder
 from ..runtime.host_memory import release_freed_memory
@@ -54,8 +54,8 @@ from .report import report, target_lines
 from .vision import QUESTION, ImageCost, image_costs, image_lines, photo
 
 LENGTHS = (32, 512, 1024, 2048)
-PREFILL_CHUNKS = (64, 512)
-"""Chunk sizes (tokens) of the ``ort int4 chunks`` export (see benchmarks/README.md, "Prefill")."""
+PREFILL_CHUNKS = DEFAULT_CHUNKS
+"""Chunk sizes (tokens) of the ``ort int4 chunks`` export: the export's default."""
 PREFILL_ROWS = ("ort int4", "ort int4 chunks", "genai int4")
 """The rows whose time to first token by prompt length the "Prefill" section measures."""
 DECODE_ROOM = 256
@@ -208,8 +208,8 @@ def _is_cached(folder: Path, options) -> bool:
     ) == (
         __version__,
         options.capacity,
-        tuple(options.prefill_buckets),
-        tuple(options.prefill_chunks),
+        options.buckets,
+        options.chunks,
         options.ops,
         options.quantize,
         options.image_tokens,
@@ -297,7 +297,8 @@ def run_bench(
         if name not in needed:
             continue
         folder = work_dir / name.replace(" ", "-")
-        options = ExportOptions(capacity=capacity, prefill_buckets=buckets, overwrite=True, **opts)
+        prefill = {} if "prefill_chunks" in opts else {"prefill_buckets": buckets}  # buckets or chunks, not both
+        options = ExportOptions(capacity=capacity, overwrite=True, **prefill, **opts)
         if not _is_cached(folder, options):
             log(f"[bench] exporting {name} ...")
             export(checkpoint, folder, options)

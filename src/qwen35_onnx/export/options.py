@@ -28,6 +28,7 @@ from ..contract import (
     check_chunks,
     check_dummy_seq_len,
     default_buckets,
+    default_chunks,
     is_quant_block_size,
     plain,
 )
@@ -125,11 +126,12 @@ class ExportOptions:
         None, "--prefill-buckets", contract=True, parse=parse_buckets,
         help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode); by default those below "
              "capacity, plus capacity.")
-    prefill_chunks: tuple[int, ...] = option(
-        (), "--prefill-chunks", contract=True, parse=parse_chunks,
-        help="Comma-separated chunk sizes in tokens, e.g. 64,512 (fixed mode): graphs that prefill a chunk continuing "
-             "from the states before it, so a prompt costs its own length in whole chunks and a conversation continues "
-             "from a kept state instead of prefilling its history again; none (the default): prefill buckets only.")
+    prefill_chunks: tuple[int, ...] | None = option(
+        None, "--prefill-chunks", contract=True, parse=parse_chunks,
+        help="Comma-separated chunk sizes in tokens (fixed mode): graphs that prefill a chunk continuing from the "
+             "states before it, so a prompt costs its own length in whole chunks and a conversation continues from a "
+             "kept state instead of prefilling its history again; by default 8,32,128,512 (those up to the capacity) "
+             "unless --prefill-buckets is given; none: prefill buckets instead.")
     prefill_logits: PrefillLogits = option(PrefillLogits.LAST, "--prefill-logits", contract=True,
                                            help="last (the last real token) or all (every position, for verification).")
     ops: Ops = option(Ops.ORT, "--ops", contract=True,
@@ -224,8 +226,10 @@ class ExportOptions:
             except ValueError as exc:
                 raise ExportError(f"--prefill-buckets: {exc}") from exc
 
+        if self.prefill_chunks is not None and not isinstance(self.prefill_chunks, (tuple, list)):
+            raise ExportError(f"--prefill-chunks {self.prefill_chunks!r} must be a list of chunk sizes")
         try:
-            check_chunks(tuple(self.prefill_chunks), self.capacity, self.kv_mode)
+            check_chunks(self.chunks, self.capacity, self.kv_mode)
         except ValueError as exc:
             raise ExportError(f"--prefill-chunks: {exc}") from exc
         if self.prefill_chunks and self.prefill_buckets:
@@ -236,10 +240,20 @@ class ExportOptions:
             )
 
     @property
+    def chunks(self) -> tuple[int, ...]:
+        """Prefill chunk sizes in tokens: as given; by default (None) :data:`~qwen35_onnx.contract.DEFAULT_CHUNKS`
+        up to the capacity in fixed mode without ``prefill_buckets``, else none."""
+        if self.prefill_chunks is not None:
+            return tuple(self.prefill_chunks)
+        if self.kv_mode != KvMode.FIXED or self.prefill_buckets is not None:
+            return ()
+        return default_chunks(self.capacity)
+
+    @property
     def buckets(self) -> tuple[int, ...]:
         """Prefill buckets in tokens: as given, or the standard tiers below capacity plus
         capacity (fixed mode); none in dynamic mode or with prefill chunks."""
-        if self.kv_mode != KvMode.FIXED or self.prefill_chunks:
+        if self.kv_mode != KvMode.FIXED or self.chunks:
             return ()
         return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
 
@@ -265,7 +279,7 @@ class ExportOptions:
         values = {name: getattr(self, name) for name in self.contract_fields()}
         values.update(
             prefill_buckets=self.buckets,
-            prefill_chunks=tuple(self.prefill_chunks),
+            prefill_chunks=self.chunks,
             quantize_embedding=self.embedding_quantized,
         )
         return values

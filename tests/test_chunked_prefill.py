@@ -299,3 +299,36 @@ def test_openai_client_resending_a_conversation_gets_cached_tokens(chunk_export,
     finally:
         proc.stop()
     assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+def test_openvino_keeps_bf16_states_as_bf16_through_host_copies(checkpoint):
+    """A bf16 export's states on OpenVINO: zero states and host copies (a snapshot's) stay bf16 tensors
+    bit for bit (numpy has no bf16: the host arrays hold the raw bits)."""
+    import openvino as ov
+
+    from qwen35_onnx.contract import Dtype
+    from qwen35_onnx.runtime.openvino.backend import OpenVinoBackend
+
+    contract = _demo_contract(checkpoint)
+    assert contract.dtype == Dtype.BF16
+    backend = OpenVinoBackend.__new__(OpenVinoBackend)  # the state handling alone: no graphs
+    backend.contract, backend.host_state_roundtrip = contract, False
+    zeros = backend.zero_states()
+    assert {t.get_element_type() for t in zeros.values()} == {ov.Type.bf16, ov.Type.f32}
+    assert all(not t.data.any() for t in zeros.values())
+    kv = zeros["present_kv_cache"]
+    kv.data[...] = np.random.default_rng(0).standard_normal(kv.data.shape).astype(np.float16)
+    copies = backend.states_to_host(zeros, kv_length=3)
+    assert copies["present_kv_cache"].shape[3] == 3
+    back = backend.states_from_host(backend.states_to_host(zeros))
+    assert back["present_kv_cache"].get_element_type() == ov.Type.bf16
+    assert np.array_equal(back["present_kv_cache"].data.view(np.uint16), kv.data.view(np.uint16))
+
+
+def _demo_contract(checkpoint):
+    """The contract an export of the demo checkpoint would have (no graphs written)."""
+    from qwen35_onnx.export.exporter import build_contract, load_config
+
+    config, generation_config = load_config(checkpoint)
+    options = ExportOptions(capacity=64, image_tokens=64, dtype="bf16", ops="portable")
+    return build_contract(config, generation_config, options)

@@ -42,6 +42,8 @@ CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
 READABLE_FOREIGN_OPERATORS = frozenset({"com.microsoft.MatMulNBits"})
 
 #: ONNX type string of OpenVINO element types (the shared checks compare ONNX type strings).
+STATE_TYPES = {"fp32": ov.Type.f32, "fp16": ov.Type.f16, "bf16": ov.Type.bf16}
+"""OpenVINO element types of the contract's state dtypes."""
 ONNX_TYPE_OF = {
     "f32": "tensor(float)",
     "f16": "tensor(float16)",
@@ -283,9 +285,29 @@ class OpenVinoBackend(Backend):
         return arrays
 
     def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict:
+        """As the base class; a bf16 state's host array holds its raw bits as float16 (what
+        ``ov.Tensor.data`` shows of a bf16 tensor, and :meth:`states_to_host` returns)."""
         if self.host_state_roundtrip:
             return {name: np.array(value, copy=True) for name, value in arrays.items()}
-        return {name: ov.Tensor(np.ascontiguousarray(value)) for name, value in arrays.items()}  # a copy
+        states = {}
+        for name, value in arrays.items():
+            dtype = self.contract.state_dtype(name.removeprefix("present_"))
+            tensor = ov.Tensor(STATE_TYPES[dtype], list(value.shape))
+            tensor.data[...] = value
+            states[name] = tensor
+        return states
+
+    def zero_states(self) -> dict:
+        """Zero states made on the runtime (a bf16 export's too: numpy has no bf16)."""
+        c = self.contract
+        if self.host_state_roundtrip:
+            return super().zero_states()
+        states = {}
+        for state in STATE_NAMES:
+            tensor = ov.Tensor(STATE_TYPES[c.state_dtype(state)], list(c.state_shape(state)))
+            tensor.data[...] = 0
+            states[f"present_{state}"] = tensor
+        return states
 
     def decoder(self, states: dict) -> Decoder:
         if self.host_state_roundtrip:

@@ -7,6 +7,7 @@ the state cache's byte limit; bad input."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -294,11 +295,23 @@ def test_openai_client_resending_a_conversation_gets_cached_tokens(chunk_export,
             cached = reply.usage.prompt_tokens_details.cached_tokens
             assert (cached > 0) == (turn > 0), f"turn {turn + 1}: {cached} cached tokens"
             messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        other = [messages[0], {"role": "user", "content": "Another conversation, same system prompt."}]
+        reply = client.chat.completions.create(
+            model="m", messages=other, max_tokens=2, temperature=0, extra_body={"chat_template_kwargs": NO_THINKING}
+        )
+        assert reply.usage.prompt_tokens_details.cached_tokens > 0  # the system prompt's kept state
         cache = httpx.get(f"{proc.url}/health", timeout=10).json()["state_cache"]
-        assert cache["hits"] == 3 and cache["bytes"] <= cache["max_bytes"] == limit
+        assert cache["hits"] == 4 and cache["bytes"] <= cache["max_bytes"] == limit
     finally:
         proc.stop()
     assert "Traceback" not in (tmp_path / "server.log").read_text()
+    from qwen35_onnx.server.app import create_app
+    from qwen35_onnx.server.options import ServerOptions
+
+    with pytest.raises(ValueError, match="--state-cache-bytes: state cache limit 4096 bytes is below one state"):
+        create_app(pipe, ServerOptions(model_name="m", state_cache_bytes=4096))
+    with pytest.raises(ValueError, match="--state-cache-bytes must be >= 0"):
+        create_app(pipe, ServerOptions(model_name="m", state_cache_bytes=-1))
 
 
 def test_openvino_keeps_bf16_states_as_bf16_through_host_copies(checkpoint):
@@ -332,3 +345,19 @@ def _demo_contract(checkpoint):
     config, generation_config = load_config(checkpoint)
     options = ExportOptions(capacity=64, image_tokens=64, dtype="bf16", ops="portable")
     return build_contract(config, generation_config, options)
+
+
+def test_a_snapshot_keeps_each_image_started_among_its_tokens_even_when_runs_touch():
+    """Two images whose token runs touch (ids 9 9 9 9: two images of two tokens) are two images: a
+    snapshot after the second one's first token keeps both digests."""
+    contract = SimpleNamespace(capacity=64)  # take() reads the capacity alone
+    arrays = {
+        "present_conv_states": np.zeros(1),
+        "present_recurrent_states": np.zeros(1),
+        "present_kv_cache": np.zeros((1, 1, 1, 8, 1)),
+    }
+    ids = np.array([1, 9, 9, 9, 9, 2])
+    snapshot = StateSnapshot.take("e", contract, arrays, ids[:4], ("a", "b"), image_starts=[1, 3])
+    assert snapshot.images == ("a", "b") and snapshot.kv_cache.shape[3] == 4
+    assert not snapshot.is_prefix_of(ids, ("a", "c"))
+    assert StateSnapshot.take("e", contract, arrays, ids[:3], ("a", "b"), image_starts=[1, 3]).images == ("a",)

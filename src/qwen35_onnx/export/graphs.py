@@ -342,6 +342,17 @@ class _TextGraph(nn.Module):
         return q, k, v, gate
 
     @staticmethod
+    def attention_in_place(attn: nn.Module, q, k, v, past_k, past_v, seqlens_k, total):
+        """``--ops ort``: one GroupQueryAttention of q ``[B, Hq, T, D]`` and the new k, v ``[B, Hkv, T,
+        D]`` over the capacity-wide entries ``past_k`` / ``past_v`` ``[B, Hkv, L, D]``, the new tokens
+        at slots ``seqlens_k - T + 1 .. seqlens_k`` (written in place when the runtime binds present
+        to past); returns ``(out [B, T, Hq*D], k_all, v_all)``."""
+        batch, steps = q.shape[0], q.shape[2]
+        q, k, v = (t.transpose(1, 2).reshape(batch, steps, -1) for t in (q, k, v))
+        heads, kv_heads = q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim
+        return fused.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, heads, kv_heads, attn.scaling)
+
+    @staticmethod
     def attention_output(attn: nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         batch, seq_len = out.shape[:2]
         out = out.reshape(batch, seq_len, -1) * torch.sigmoid(gate)
@@ -487,20 +498,7 @@ class DecodeGraph(_TextGraph):
             q, k, v, gate = self.attention_qkv(i, attn, h, rope)
             past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
             if contract.kv_in_place:
-                batch = q.shape[0]
-                q, k, v = (t.transpose(1, 2).reshape(batch, 1, -1) for t in (q, k, v))
-                out, k_all, v_all = fused.group_query_attention(
-                    q,
-                    k,
-                    v,
-                    past_k,
-                    past_v,
-                    seqlens_k,
-                    total,
-                    q.shape[-1] // attn.head_dim,
-                    k.shape[-1] // attn.head_dim,
-                    attn.scaling,
-                )
+                out, k_all, v_all = self.attention_in_place(attn, q, k, v, past_k, past_v, seqlens_k, total)
                 kv.extend([k_all, v_all])
                 return self.attention_output(attn, out, gate)
             if contract.kv_mode == KvMode.FIXED:
@@ -586,20 +584,7 @@ class ChunkGraph(_TextGraph):
             q, k, v, gate = self.attention_qkv(i, attn, h, rope)
             past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
             if contract.kv_in_place:
-                batch = q.shape[0]
-                q, k, v = (t.transpose(1, 2).reshape(batch, steps, -1) for t in (q, k, v))
-                out, k_all, v_all = fused.group_query_attention(
-                    q,
-                    k,
-                    v,
-                    past_k,
-                    past_v,
-                    seqlens_k,
-                    total,
-                    q.shape[-1] // attn.head_dim,
-                    k.shape[-1] // attn.head_dim,
-                    attn.scaling,
-                )
+                out, k_all, v_all = self.attention_in_place(attn, q, k, v, past_k, past_v, seqlens_k, total)
                 kv.extend([k_all, v_all])
                 return self.attention_output(attn, out, gate)
             index = slots.view(slots.shape[0], 1, steps, 1).expand(k.shape)

@@ -121,11 +121,12 @@ class ExportOptions:
     dummy_seq_len: int | None = option(None, "--dummy-seq-len",
                                        "Trace length in tokens; by default 8, at most capacity - 1.")
     component: str = option(ALL_COMPONENTS, "--component",
-                            "all, vision, prefill or decode (one graph of an existing export, keeping its settings).")
+                            "all, vision, prefill, chunk or decode (one graph kind of an existing export, keeping its "
+                            "settings).")
     prefill_buckets: tuple[int, ...] | None = option(
         None, "--prefill-buckets", contract=True, parse=parse_buckets,
-        help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode); by default those below "
-             "capacity, plus capacity.")
+        help="Comma-separated static prefill lengths, e.g. 32,512,1024,2048 (fixed mode), instead of prefill chunks; "
+             "with --prefill-chunks none, those below capacity, plus capacity.")
     prefill_chunks: tuple[int, ...] | None = option(
         None, "--prefill-chunks", contract=True, parse=parse_chunks,
         help="Comma-separated chunk sizes in tokens (fixed mode): graphs that prefill a chunk continuing from the "

@@ -271,8 +271,9 @@ class GraphSet(abc.ABC):
         return list(self._prefill)
 
     def unload_prefill(self) -> None:
-        """Drop every loaded prefill graph; each loads again on its next use."""
+        """Drop every loaded prefill and chunk graph; each loads again on its next use."""
         self._prefill.clear()
+        self._chunk.clear()
 
 
 class Backend(abc.ABC):
@@ -295,15 +296,21 @@ class Backend(abc.ABC):
     host_state_roundtrip: bool
 
     def load_prefill(self, bucket: int | None) -> None:
-        """Load (compile) and cross-check the prefill graph of ``bucket`` now, before it runs.
+        """Load (compile) and cross-check the prefill graph of ``bucket`` now, before it runs; on an
+        export with prefill chunks, every chunk graph (``bucket`` is then the prompt's length).
 
         Raises:
             ContractError: the graph is missing or disagrees with the manifest.
         """
+        if self.contract.prefill_chunks:
+            for size in self.contract.prefill_chunks:
+                self.graphs.chunk(size)
+            return
         self.graphs.prefill(bucket)
 
     def unload_prefill(self) -> None:
-        """Drop the loaded prefill graphs (they load again on next use) and hand their memory back."""
+        """Drop the loaded prefill and chunk graphs (they load again on next use) and hand their memory
+        back."""
         from .host_memory import release_freed_memory
 
         self.graphs.unload_prefill()

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract import ContractError, KvMode, ShapeContract
+from ..contract import ContractError, KvMode, PromptTooLongError, ShapeContract
 from .backend import Backend, Decoder
 from .chunks import plan_chunks
 from .masks import CapacityExhausted, advance_mask, prepare_decode_mask
@@ -69,9 +69,14 @@ class Generation:
 
     Construction checks the prompt's attention mask (batch 1, 0/1 values, a contiguous prefix;
     before any graph reads it: static compilers do not bound-check the indices a graph derives
-    from it) and loads and cross-checks the prefill graph of the prompt's bucket. With ``states``
+    from it) and loads and cross-checks the prefill graph of the prompt's bucket (on an export with
+    prefill chunks the chunk graphs load on first use: see :meth:`prefill`). With ``states``
     (prefill outputs in ``backend``'s form, e.g. of another generation of the same prompt) the
-    prefill is taken as done and :meth:`step` continues from them.
+    prefill is taken as done and :meth:`step` continues from them. With ``start`` (a
+    :class:`~.snapshots.StateSnapshot` of this export whose tokens and images begin the prompt) the
+    chunked prefill continues from it and prefills only the rest; ``snapshot_at``: prompt positions
+    where the chunked prefill keeps a snapshot (:attr:`snapshots`); ``image_digests``: the prompt's
+    :func:`~.snapshots.image_digests`, when the caller has them already.
 
     Attributes:
         mask: the decode attention mask, int64 ``[1, capacity]`` in fixed mode (one column per
@@ -79,11 +84,15 @@ class Generation:
         states: the prefill states until the first :meth:`step` hands them to the decoder.
         decoder: the backend's decoder (None before the first step).
         timings: vision, prefill and decode times of this generation.
+        token_ids: the prompt's tokens and every token fed by :meth:`step` since.
+        snapshots: the snapshots the chunked prefill kept at ``snapshot_at``.
 
     Raises (constructor):
         ValueError: a mask that breaks the checks above (see :func:`~.masks.prepare_decode_mask`),
-            or ``states`` whose KV width is not the capacity.
-        ContractError: the prefill graph is missing or disagrees with the manifest.
+            ``states`` whose KV width is not the capacity, both ``states`` and ``start``, or a
+            ``start`` that is not a prefix of the prompt.
+        ContractError: the prefill graph is missing or disagrees with the manifest; a ``start``
+            of another export or capacity, or on an export without prefill chunks.
     """
 
     def __init__(
@@ -93,10 +102,15 @@ class Generation:
         states: dict[str, Any] | None = None,
         start: StateSnapshot | None = None,
         snapshot_at: tuple[int, ...] = (),
+        image_digests: tuple[str, ...] | None = None,
     ):
         self.backend, self.prompt = backend, prompt
+        if image_digests is not None:  # computed by the caller already
+            self.__dict__["image_digests"] = tuple(image_digests)
         contract = self.contract
         self.chunked = bool(contract.prefill_chunks) and states is None
+        if start is not None and states is not None:
+            raise ValueError("give a generation prefill states or a state snapshot to start from, not both")
         if start is not None and not self.chunked:
             raise ContractError(
                 "continuing from a state snapshot needs an export with prefill chunks (--prefill-chunks)"
@@ -178,7 +192,8 @@ class Generation:
 
     def prefill(self, image_embeds: np.ndarray | None = None) -> np.ndarray:
         """Run the vision graph (unless ``image_embeds`` ``[n_image_rows, image_embed_dim]`` are
-        given) and the prefill graph of the prompt's bucket; keeps the states and returns the last
+        given) and the prefill graph of the prompt's bucket, or the chunk graphs (see
+        :meth:`_prefill_chunks`); keeps the states and returns the last
         real token's logits ``[V]`` fp32.
 
         Raises:
@@ -211,12 +226,21 @@ class Generation:
         c, prompt, backend = self.contract, self.prompt, self.backend
         ids = prompt.input_ids[0]
         begin = time.perf_counter()
+        plan = (c.prefill_chunks, c.capacity, c.image_token_id, self.snapshot_at)
+        try:
+            pieces = plan_chunks(ids, self.cached_tokens, *plan)
+        except PromptTooLongError:
+            if self.start is None:
+                raise
+            # the tokens after the snapshot end in an image too close to the capacity for any chunk from
+            # there: prefill from the start instead
+            self.start = None
+            pieces = plan_chunks(ids, 0, *plan)
         done = self.cached_tokens
         states = backend.states_from_host(self.start.state_arrays(c)) if self.start else backend.zero_states()
         rows = self.run_vision(done) if image_embeds is None else image_embeds
         vision_done = time.perf_counter()
         image_pos = np.flatnonzero(ids == c.image_token_id)
-        pieces = plan_chunks(ids, done, c.prefill_chunks, c.capacity, c.image_token_id, self.snapshot_at)
         logits = None
         for piece in pieces:
             if piece.size == 1:
@@ -265,8 +289,20 @@ class Generation:
             arrays,
             self.token_ids[:length],
             self.image_digests,
-            self.contract.image_token_id,
+            self.image_starts,
         )
+
+    @functools.cached_property
+    def image_starts(self) -> list[int]:
+        """The position of each image's first token in the prompt."""
+        merge = self.contract.spatial_merge_size**2
+        image_pos = np.flatnonzero(self.prompt.input_ids[0] == self.contract.image_token_id)
+        starts, count = [], 0
+        for t, h, w in self.prompt.image_grids:
+            if count < image_pos.size:
+                starts.append(int(image_pos[count]))
+            count += t * h * w // merge
+        return starts
 
     def snapshot(self) -> StateSnapshot:
         """The state now (after the prefill and every step so far): its :attr:`length` tokens, the

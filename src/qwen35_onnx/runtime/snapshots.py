@@ -127,15 +127,15 @@ class StateSnapshot:
         arrays: dict[str, np.ndarray],
         token_ids: np.ndarray,
         images: Sequence[str],
-        image_token_id: int,
+        image_starts: Sequence[int],
     ) -> StateSnapshot:
         """A snapshot of host ``arrays`` (``present_*``, as :meth:`~.backend.Backend.states_to_host`
-        gives them) after ``token_ids`` ``[length]``; ``images`` the digests of the prompt's images,
-        of which those started among the tokens are kept."""
+        gives them) after ``token_ids`` ``[length]``; ``images`` the digests of the prompt's images
+        and ``image_starts`` the position of each one's first token: the images started among the
+        tokens are kept (two images' token runs may touch)."""
         ids = np.array(token_ids, dtype=np.int64).reshape(-1)
         length = ids.shape[0]
-        is_image = ids == image_token_id
-        started = int((is_image & ~np.concatenate([[False], is_image[:-1]])).sum())
+        started = sum(1 for start in image_starts if start < length)
         return cls(
             export=export,
             capacity=contract.capacity,
@@ -184,6 +184,7 @@ class SnapshotCache:
             int(np.prod(contract.conv_state_shape)) * itemsize[contract.state_dtype("conv_states")]
             + int(np.prod(contract.recurrent_state_shape)) * 4
             + int(np.prod(contract.kv_shape(1))) * itemsize[contract.state_dtype("kv_cache")]
+            + 8  # its token id
         )
         if self.max_bytes < smallest:
             raise ValueError(
@@ -197,7 +198,7 @@ class SnapshotCache:
         limit."""
         if snapshot.nbytes > self.max_bytes:
             return False
-        key = (snapshot.export, snapshot.token_ids.tobytes(), snapshot.images)
+        key = (snapshot.export, hashlib.sha256(snapshot.token_ids.tobytes()).digest(), snapshot.images)
         with self._lock:
             self._items.pop(key, None)
             self._items[key] = snapshot

@@ -117,7 +117,10 @@ class ChatServer:
         self.reserved_kwargs = pipeline.preprocessor.reserved_template_kwargs()
         self.scheduler = Scheduler(pipeline, options.max_queue, on_finished=self._record)
         keep = bool(pipeline.contract.prefill_chunks) and options.state_cache_bytes > 0
-        self.state_cache = pipeline.state_cache(options.state_cache_bytes) if keep else None
+        try:
+            self.state_cache = pipeline.state_cache(options.state_cache_bytes) if keep else None
+        except ValueError as exc:
+            raise ValueError(f"--state-cache-bytes: {exc}") from None
         self.metrics = ServerMetrics(self.scheduler.state)
         self.created = int(time.time())
 

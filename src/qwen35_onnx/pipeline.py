@@ -440,7 +440,9 @@ class Pipeline:
         generation methods below sample and stream on top of it. With ``state_cache`` (an export
         with prefill chunks) it continues from the cache's longest kept prefix of the prompt and
         snapshots the state where a later prompt is likely to repeat this one
-        (``prepared.snapshot_points``: after the system prompt and the history).
+        (``prepared.snapshot_points``: after the system prompt and the history; none when it continues
+        from an earlier reply's state, since the template then repeats replies and the state after this
+        reply serves the next turn).
 
         Raises:
             ValueError / ContractError: see :class:`~qwen35_onnx.runtime.generation.Generation`.
@@ -449,9 +451,11 @@ class Pipeline:
             return Generation(self.backend, prepared)
         images = image_digests(prepared.pixel_values, prepared.image_grids)
         start = state_cache.longest_prefix(self.backend.export_id, prepared.input_ids[0], images)
-        return Generation(
-            self.backend, prepared, start=start, snapshot_at=prepared.snapshot_points, image_digests=images
-        )
+        # Continuing from an earlier reply's state means the template repeats replies as generated: the
+        # state after this reply will serve the next turn, so no chunk has to end at the history's end
+        # for a snapshot there (each forced end can cost a run).
+        points = () if start is not None and start.reply else prepared.snapshot_points
+        return Generation(self.backend, prepared, start=start, snapshot_at=points, image_digests=images)
 
     def state_cache(self, max_bytes: int = DEFAULT_STATE_CACHE_BYTES) -> SnapshotCache:
         """A :class:`~qwen35_onnx.runtime.snapshots.SnapshotCache` of ``max_bytes`` for this export: pass

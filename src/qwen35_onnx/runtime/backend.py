@@ -384,7 +384,8 @@ class Backend(abc.ABC):
     def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         """States in the backend's form (fresh buffers) holding the host ``arrays`` keyed
         ``present_conv_states``, ``present_recurrent_states``, ``present_kv_cache`` (the contract's
-        stacked shapes and dtypes)."""
+        stacked shapes and dtypes; the KV cache may hold fewer slots than the capacity, as a
+        snapshot's does: the other slots are zero)."""
 
     def zero_states(self) -> dict[str, Any]:
         """The states of an empty prompt: zeros in the contract's stacked shapes and dtypes (fixed
@@ -403,6 +404,17 @@ class Backend(abc.ABC):
 
 STATE_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 """numpy dtypes of the state dtypes numpy can hold (a bf16 export keeps its states on the runtime)."""
+
+
+def fill_state(target: np.ndarray, value: np.ndarray) -> None:
+    """Write the host state ``value`` into ``target`` (its full shape): a KV cache narrower than the
+    target fills its first slots and the rest become zero."""
+    if target.shape == value.shape:
+        np.copyto(target, value)
+        return
+    width = value.shape[3]
+    target[:, :, :, :width] = value
+    target[:, :, :, width:] = 0
 
 
 def zero_state_arrays(contract: ShapeContract) -> dict[str, np.ndarray]:

@@ -237,7 +237,7 @@ class Generation:
             self.start = None
             pieces = plan_chunks(ids, 0, *plan)
         done = self.cached_tokens
-        states = backend.states_from_host(self.start.state_arrays(c)) if self.start else backend.zero_states()
+        states = backend.states_from_host(self.start.state_arrays()) if self.start else backend.zero_states()
         rows = self.run_vision(done) if image_embeds is None else image_embeds
         vision_done = time.perf_counter()
         image_pos = np.flatnonzero(ids == c.image_token_id)
@@ -290,6 +290,7 @@ class Generation:
             self.token_ids[:length],
             self.image_digests,
             self.image_starts,
+            reply=length > self.prompt.prompt_len,
         )
 
     @functools.cached_property

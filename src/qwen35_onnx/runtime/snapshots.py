@@ -65,6 +65,7 @@ class StateSnapshot:
         images: digests (:func:`image_digests`) of the images whose tokens lie among them.
         conv_states: ``[n_linear, 1, conv_dim, K-1]``; recurrent_states: ``[n_linear, 1, Hv, Dk,
             Dv]`` fp32; kv_cache: ``[2 * n_full, 1, Hkv, length, D]`` (the used slots only).
+        reply: taken after generated tokens (a reply), not inside a prompt.
     """
 
     export: str
@@ -74,6 +75,7 @@ class StateSnapshot:
     conv_states: np.ndarray
     recurrent_states: np.ndarray
     kv_cache: np.ndarray
+    reply: bool = False
 
     @property
     def length(self) -> int:
@@ -98,15 +100,13 @@ class StateSnapshot:
                 "continue only on the export that made them"
             )
 
-    def state_arrays(self, contract: ShapeContract) -> dict[str, np.ndarray]:
-        """The three states as :meth:`~.backend.Backend.states_from_host` takes them: the KV cache
-        zero-padded to the capacity."""
-        kv = np.zeros(contract.kv_shape(), dtype=self.kv_cache.dtype)
-        kv[:, :, :, : self.length] = self.kv_cache
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The three states as :meth:`~.backend.Backend.states_from_host` takes them (the KV cache's
+        used slots; the backend fills the rest with zeros)."""
         return {
             "present_conv_states": self.conv_states,
             "present_recurrent_states": self.recurrent_states,
-            "present_kv_cache": kv,
+            "present_kv_cache": self.kv_cache,
         }
 
     def is_prefix_of(self, token_ids: np.ndarray, images: Sequence[str]) -> bool:
@@ -128,6 +128,7 @@ class StateSnapshot:
         token_ids: np.ndarray,
         images: Sequence[str],
         image_starts: Sequence[int],
+        reply: bool = False,
     ) -> StateSnapshot:
         """A snapshot of host ``arrays`` (``present_*``, as :meth:`~.backend.Backend.states_to_host`
         gives them) after ``token_ids`` ``[length]``; ``images`` the digests of the prompt's images
@@ -144,6 +145,7 @@ class StateSnapshot:
             conv_states=arrays["present_conv_states"],
             recurrent_states=arrays["present_recurrent_states"],
             kv_cache=np.ascontiguousarray(arrays["present_kv_cache"][:, :, :, :length]),
+            reply=reply,
         )
 
 

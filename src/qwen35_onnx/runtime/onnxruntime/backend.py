@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract import ContractError, ShapeContract
-from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions
+from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
 from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, run_chunk_bound, run_chunk_host
 from .sessions import OrtGraphSet, providers_for
 
@@ -90,12 +90,20 @@ class OrtBackend(Backend):
         return arrays
 
     def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict:
-        if self.host_state_roundtrip:
-            return {name: np.array(value, copy=True) for name, value in arrays.items()}
         states = {}
         for name, value in arrays.items():
-            buffer = ort.OrtValue.ortvalue_from_shape_and_type(value.shape, value.dtype, self.device, 0)
-            buffer.update_inplace(np.ascontiguousarray(value))
+            shape = self.contract.state_shape(name.removeprefix("present_"))
+            if self.host_state_roundtrip:
+                states[name] = np.empty(shape, dtype=value.dtype)
+                fill_state(states[name], value)
+                continue
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, value.dtype, self.device, 0)
+            if self.device == "cpu":
+                fill_state(buffer.numpy(), value)  # a view of the buffer: written in place
+            else:
+                full = np.empty(shape, dtype=value.dtype)
+                fill_state(full, value)
+                buffer.update_inplace(full)
             states[name] = buffer
         return states
 

@@ -28,7 +28,7 @@ import openvino as ov
 
 from ...contract import METADATA_KEY, STATE_NAMES, ContractError, KvMode, Ops, ShapeContract, plain
 from ...onnxfile.scan import OnnxScanError, scan
-from ..backend import Backend, Decoder, GraphSet, Runtime, RuntimeOptions
+from ..backend import Backend, Decoder, GraphSet, Runtime, RuntimeOptions, fill_state
 from ..checks import GraphSpec, check_export_files
 from .decoders import OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request
 
@@ -287,13 +287,16 @@ class OpenVinoBackend(Backend):
     def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict:
         """As the base class; a bf16 state's host array holds its raw bits as float16 (what
         ``ov.Tensor.data`` shows of a bf16 tensor, and :meth:`states_to_host` returns)."""
-        if self.host_state_roundtrip:
-            return {name: np.array(value, copy=True) for name, value in arrays.items()}
         states = {}
         for name, value in arrays.items():
-            dtype = self.contract.state_dtype(name.removeprefix("present_"))
-            tensor = ov.Tensor(STATE_TYPES[dtype], list(value.shape))
-            tensor.data[...] = value
+            state = name.removeprefix("present_")
+            shape = list(self.contract.state_shape(state))
+            if self.host_state_roundtrip:
+                states[name] = np.empty(shape, dtype=value.dtype)
+                fill_state(states[name], value)
+                continue
+            tensor = ov.Tensor(STATE_TYPES[self.contract.state_dtype(state)], shape)
+            fill_state(tensor.data, value)
             states[name] = tensor
         return states
 

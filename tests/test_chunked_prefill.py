@@ -361,3 +361,14 @@ def test_a_snapshot_keeps_each_image_started_among_its_tokens_even_when_runs_tou
     assert snapshot.images == ("a", "b") and snapshot.kv_cache.shape[3] == 4
     assert not snapshot.is_prefix_of(ids, ("a", "c"))
     assert StateSnapshot.take("e", contract, arrays, ids[:3], ("a", "b"), image_starts=[1, 3]).images == ("a",)
+
+
+def test_component_of_a_kind_the_export_has_not_is_refused(chunk_export, checkpoint, tmp_path):
+    """Re-exporting the prefill (bucket) graph of a chunked export names the kinds it has."""
+    import shutil
+
+    from qwen35_onnx.export.exporter import export
+
+    folder = shutil.copytree(chunk_export("ort"), tmp_path / "copy")
+    with pytest.raises(ExportError, match="has no prefill graph.*chunk, decode, vision"):
+        export(checkpoint, folder, ExportOptions(component="prefill"))

@@ -625,6 +625,12 @@ def export(
             f"({sorted(contract.graphs.values())}): re-export all graphs (--component all --overwrite)"
         )
     jobs = graph_jobs(contract, options.components)
+    if not jobs:
+        kinds = sorted({GraphKind.of(key) for key in contract.graphs})
+        raise ExportError(
+            f"--component {options.component}: the export in {str(out)!r} has no {options.component} graph "
+            f"(it has {', '.join(kinds)} graphs)"
+        )
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

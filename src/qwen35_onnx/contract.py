@@ -246,15 +246,21 @@ def check_buckets(buckets, capacity: int) -> None:
     Raises:
         ValueError: naming the offending bucket and the limit.
     """
-    previous = 0
-    for b in buckets:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(f"prefill bucket {b!r} must be an integer >= 1")
-        if b > capacity:
-            raise ValueError(f"prefill bucket {b} is above the capacity {capacity}")
-        if b <= previous:
-            raise ValueError(f"prefill buckets must be strictly increasing, got {b} after {previous}")
-        previous = b
+    _check_lengths(buckets, capacity, "prefill bucket", 1)
+
+
+def _check_lengths(lengths, capacity: int, what: str, minimum: int, why: str = "") -> None:
+    """``lengths`` (tokens) are strictly increasing integers in ``[minimum, capacity]``; a ValueError
+    naming ``what``, the offending value and the limit otherwise."""
+    previous = minimum - 1
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or n < minimum:
+            raise ValueError(f"{what} {n!r} must be an integer >= {minimum}{why}")
+        if n > capacity:
+            raise ValueError(f"{what} {n} is above the capacity {capacity}")
+        if n <= previous:
+            raise ValueError(f"{what}s must be strictly increasing, got {n} after {previous}")
+        previous = n
 
 
 DEFAULT_CHUNKS = (8, 32, 128, 512)
@@ -278,15 +284,7 @@ def check_chunks(chunks, capacity: int, kv_mode: KvMode) -> None:
     """
     if chunks and kv_mode != KvMode.FIXED:
         raise ValueError(f"prefill chunks {list(chunks)} need a fixed KV cache (kv_mode is {plain(kv_mode)!r})")
-    previous = 1
-    for c in chunks:
-        if isinstance(c, bool) or not isinstance(c, int) or c < 2:
-            raise ValueError(f"prefill chunk size {c!r} must be an integer >= 2 (one token is a decode step)")
-        if c > capacity:
-            raise ValueError(f"prefill chunk size {c} is above the capacity {capacity}")
-        if c <= previous:
-            raise ValueError(f"prefill chunk sizes must be strictly increasing, got {c} after {previous}")
-        previous = c
+    _check_lengths(chunks, capacity, "prefill chunk size", 2, " (one token is a decode step)")
 
 
 def select_bucket(prompt_len: int, buckets, capacity: int, chunk_size: int) -> int:

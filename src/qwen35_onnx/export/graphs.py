@@ -155,6 +155,9 @@ class _TextGraph(nn.Module):
         self.contract = contract
         self.linear_ids = [i for i, t in enumerate(contract.layer_types) if t == "linear_attention"]
         self.full_ids = [i for i, t in enumerate(contract.layer_types) if t == "full_attention"]
+        # decoder layer -> its entry in the stacked conv / recurrent states, or its (k, v) pair in the KV cache
+        self.linear_slot = {layer: n for n, layer in enumerate(self.linear_ids)}
+        self.full_slot = {layer: n for n, layer in enumerate(self.full_ids)}
         self.empty = getattr(model, "empty_weights", False)
         self.recipes: dict[str, Recipe] = {}
         if contract.quantize != Quantization.NONE:
@@ -298,6 +301,22 @@ class _TextGraph(nn.Module):
             v.reshape(batch, seq_len, -1, attn.head_v_dim),
         )
 
+    def prompt_linear_attention(self, i: int, layer: nn.Module, h, valid_f, n_valid, past_conv, past_rec):
+        """Gated DeltaNet layer ``i`` over prompt tokens ``h [B, S, hidden]`` (right-padded: ``valid_f
+        [B, S, 1]`` 1.0 on real tokens, ``n_valid [B]`` of them) after the conv state ``past_conv``
+        (None: a prompt's start) and the recurrent state ``past_rec``; padded tokens neither decay
+        (g = 0) nor write (beta = 0) and leave the conv state alone. Returns (output, conv state,
+        recurrent state)."""
+        attn = layer.linear_attn
+        h = h * valid_f.to(h.dtype)
+        qkv, z, g, beta = self.gdn_projections(i, attn, h)
+        mixed, conv_state = self.conv_prefill(attn, qkv, n_valid, past_conv)
+        q, k, v = self.split_qkv(attn, mixed)
+        g = g * valid_f
+        beta = beta * valid_f.to(beta.dtype)
+        core, state = self.recurrence(q, k, v, g, beta, past_rec, prompt=True)
+        return self.gdn_output(attn, core, z), conv_state, state
+
     def gdn_output(self, attn: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm + out_proj: core ``[B, S, Hv, Dv]``, z ``[B, S, Hv*Dv]`` -> ``[B, S, hidden]``."""
         batch, seq_len = core.shape[:2]
@@ -409,19 +428,11 @@ class PrefillGraph(_TextGraph):
         conv_states, rec_states, kv = [], [], []
 
         def linear_mixer(i, layer, h):
-            attn = layer.linear_attn
-            h = h * valid_f.to(h.dtype)
-            qkv, z, g, beta = self.gdn_projections(i, attn, h)
-            mixed, conv_state = self.conv_prefill(attn, qkv, n_valid)
-            q, k, v = self.split_qkv(attn, mixed)
-            # padded tokens: no decay (g = 0) and no write (beta = 0)
-            g = g * valid_f
-            beta = beta * valid_f.to(beta.dtype)
             state0 = torch.zeros(contract.recurrent_state_shape[1:], dtype=torch.float32, device=h.device)
-            core, state = self.recurrence(q, k, v, g, beta, state0, prompt=True)
+            out, conv_state, state = self.prompt_linear_attention(i, layer, h, valid_f, n_valid, None, state0)
             conv_states.append(conv_state)
             rec_states.append(state)
-            return self.gdn_output(attn, core, z)
+            return out
 
         def full_mixer(i, layer, h):
             attn = layer.self_attn
@@ -475,15 +486,13 @@ class DecodeGraph(_TextGraph):
             # its entry; OpenVINO CPU measured 2.8 ms per KV entry at 0.8B, capacity 1280).
             past_conv, past_rec, past_kv = past_conv.unbind(0), past_rec.unbind(0), past_kv.unbind(0)
         conv_states, rec_states, kv = [], [], []
-        linear_slot = {layer: n for n, layer in enumerate(self.linear_ids)}
-        full_slot = {layer: n for n, layer in enumerate(self.full_ids)}
         if contract.kv_in_place:
             seqlens_k = cache_pos.to(torch.int32)
             total = torch.full((), contract.capacity, dtype=torch.int32, device=input_ids.device)
 
         def linear_mixer(i, layer, h):
             attn = layer.linear_attn
-            n = linear_slot[i]
+            n = self.linear_slot[i]
             qkv, z, g, beta = self.gdn_projections(i, attn, h)
             mixed, conv_state = self.conv_step(attn, qkv, past_conv[n])
             q, k, v = self.split_qkv(attn, mixed)
@@ -494,7 +503,7 @@ class DecodeGraph(_TextGraph):
 
         def full_mixer(i, layer, h):
             attn = layer.self_attn
-            n = full_slot[i]
+            n = self.full_slot[i]
             q, k, v, gate = self.attention_qkv(i, attn, h, rope)
             past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
             if contract.kv_in_place:
@@ -561,26 +570,18 @@ class ChunkGraph(_TextGraph):
             seqlens_k = (past_len + steps - 1).to(torch.int32)
             total = (past_len + steps).to(torch.int32).reshape(())
         conv_states, rec_states, kv = [], [], []
-        linear_slot = {layer: n for n, layer in enumerate(self.linear_ids)}
-        full_slot = {layer: n for n, layer in enumerate(self.full_ids)}
 
         def linear_mixer(i, layer, h):
-            attn = layer.linear_attn
-            n = linear_slot[i]
-            h = h * valid_f.to(h.dtype)
-            qkv, z, g, beta = self.gdn_projections(i, attn, h)
-            mixed, conv_state = self.conv_prefill(attn, qkv, n_new, past_conv[n])
-            q, k, v = self.split_qkv(attn, mixed)
-            g = g * valid_f
-            beta = beta * valid_f.to(beta.dtype)
-            core, state = self.recurrence(q, k, v, g, beta, past_rec[n], prompt=True)
+            n = self.linear_slot[i]
+            past = past_conv[n], past_rec[n]
+            out, conv_state, state = self.prompt_linear_attention(i, layer, h, valid_f, n_new, *past)
             conv_states.append(conv_state)
             rec_states.append(state)
-            return self.gdn_output(attn, core, z)
+            return out
 
         def full_mixer(i, layer, h):
             attn = layer.self_attn
-            n = full_slot[i]
+            n = self.full_slot[i]
             q, k, v, gate = self.attention_qkv(i, attn, h, rope)
             past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
             if contract.kv_in_place:

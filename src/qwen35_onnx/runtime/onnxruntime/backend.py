@@ -12,7 +12,7 @@ import onnxruntime as ort
 
 from ...contract import ContractError, ShapeContract
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
-from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, run_chunk_bound, run_chunk_host
+from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, run_chunk_bound, run_host
 from .sessions import OrtGraphSet, providers_for
 
 
@@ -77,7 +77,7 @@ class OrtBackend(Backend):
     def run_chunk(self, size: int, feeds: dict[str, np.ndarray], states: dict) -> tuple[np.ndarray, dict]:
         session = self.graphs.chunk(size).session
         if self.host_state_roundtrip:
-            return run_chunk_host(session, self.contract, feeds, states)
+            return run_host(session, self.contract, feeds, states)
         return run_chunk_bound(session, self.contract, self.device, feeds, states)
 
     def states_to_host(self, states: dict, kv_length: int | None = None) -> dict[str, np.ndarray]:

@@ -194,10 +194,12 @@ def run_chunk_bound(
     return binding.get_outputs()[0].numpy(), new
 
 
-def run_chunk_host(
+def run_host(
     session: ort.InferenceSession, contract: ShapeContract, feeds: dict[str, np.ndarray], states: dict
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """One run of a chunk graph with every state through numpy (``--host-state-roundtrip``)."""
+    """One run of a decode or chunk graph with every state through numpy (``--host-state-roundtrip``):
+    the host ``feeds`` and the past ``states`` (``present_*``, stacked; split into entries where the
+    graph takes them one by one) in; the logits and the new stacked states out."""
     feeds = dict(feeds)
     per_entry = contract.kv_in_place
     for state in STATE_NAMES:
@@ -220,7 +222,6 @@ class HostDecoder:
         self.session = decode.session
         self.contract = contract
         self.past = {name: _to_numpy(states[f"present_{name}"]) for name in STATE_NAMES}
-        self.output_names = [o.name for o in self.session.get_outputs()]
 
     def states(self) -> dict[str, np.ndarray]:
         """The states after the last step, as host arrays (this decoder's own)."""
@@ -229,15 +230,9 @@ class HostDecoder:
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step; returns logits ``[1, 1, V]`` fp32."""
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        per_entry = self.contract.kv_in_place
-        for name in STATE_NAMES:
-            names = self.contract.decode_state_names(name, "past")
-            feeds.update(zip(names, self.past[name]) if per_entry else {names[0]: self.past[name]})
-        outputs = dict(zip(self.output_names, self.session.run(None, feeds)))
-        for name in STATE_NAMES:
-            names = self.contract.decode_state_names(name, "present")
-            self.past[name] = np.stack([outputs[n] for n in names]) if per_entry else outputs[names[0]]
-        return outputs["logits"]
+        logits, states = run_host(self.session, self.contract, feeds, self.states())
+        self.past = {name: states[f"present_{name}"] for name in STATE_NAMES}
+        return logits
 
 
 def _to_numpy(value) -> np.ndarray:

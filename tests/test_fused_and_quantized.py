@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from qwen35_onnx.contract import GraphKind, read_manifest
+from qwen35_onnx.contract import DEFAULT_QUANT_BLOCK_SIZE, GraphKind, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
 from .conftest import MAX_NEW_TOKENS, PROMPT
@@ -46,7 +46,10 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
         if GraphKind.of(key) == GraphKind.VISION:
             continue
         assert ops.count("LinearAttention") == contract.n_linear, key
-        assert ops.count("CausalConvWithState") == contract.n_linear, key
+        # the causal conv and the gated norm stay standard ONNX: ONNX Runtime's CausalConvWithState
+        # and GatedRMSNorm measured slower than the standard operators (graphs.conv_prefill, gdn_output)
+        assert ops.count("Conv") + ops.count("ReduceSum") >= contract.n_linear, key
+        assert "CausalConvWithState" not in ops and "GatedRMSNorm" not in ops, key
         assert "Scan" not in ops, key
         assert symbolic_dims(model) == [], key
     decode = onnx.load(str(ort_export / contract.graphs["decode"]))
@@ -141,7 +144,7 @@ def test_ort_matches_transformers_and_portable(ort_export, fixed_export, referen
 def test_quantized_graphs(quantized_export, trained_fp32_export, photo):
     scheme, out = quantized_export
     contract = read_manifest(out)
-    assert contract.quantize == scheme and contract.quant_block_size == 32
+    assert contract.quantize == scheme and contract.quant_block_size == DEFAULT_QUANT_BLOCK_SIZE
     bits = {"int4": 4, "int8": 8}[scheme]
     for key, path in contract.graphs.items():
         model = onnx.load(str(out / path))

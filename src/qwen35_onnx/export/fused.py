@@ -8,12 +8,9 @@ one contrib node:
   Gated DeltaNet recurrence ``S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)``,
   ``o_t = scale q_t^T S_t`` (Yang et al., "Gated Delta Networks", ICLR 2025), for prefill
   (T > 1) and decode (T = 1).
-- ``qwen35::causal_conv`` -> ``CausalConvWithState`` (depthwise causal conv1d with carried
-  state and fused SiLU).
 - ``qwen35::rms_norm`` -> ``SimplifiedLayerNormalization``; ``qwen35::skip_rms_norm`` ->
-  ``SkipSimplifiedLayerNormalization`` (residual add + RMSNorm); ``qwen35::gated_rms_norm`` ->
-  ``GatedRMSNorm``; ``qwen35::linear_attention_gate`` -> ``LinearAttentionGate`` (the decay
-  and beta of Gated DeltaNet).
+  ``SkipSimplifiedLayerNormalization`` (residual add + RMSNorm); ``qwen35::linear_attention_gate``
+  -> ``LinearAttentionGate`` (the decay and beta of Gated DeltaNet).
 - ``qwen35::mrotary_embedding`` -> ``MRotaryEmbedding`` (interleaved mRoPE, partial rotary).
 - ``qwen35::group_query_attention`` -> ``GroupQueryAttention`` over the fixed-width KV
   cache: the decode graph's KV write and attention in one node, in place when the runtime
@@ -43,8 +40,6 @@ SCHEMAS = (
     ("LinearAttention", MS_DOMAIN, "query:T key:T value:T past_state:S? decay:T? beta:T?",
      "output:T present_state:S", "T=float,float16 S=float,float16",
      "q_num_heads:INT kv_num_heads:INT update_rule:STRING scale:FLOAT chunk_size:INT"),
-    ("CausalConvWithState", MS_DOMAIN, "input:T weight:T bias:T? past_state:T?", "output:T present_state:T",
-     "T=float,float16", "ndim:INT activation:STRING"),
     ("GroupQueryAttention", MS_DOMAIN,
      "query:T key:T? value:T? past_key:T? past_value:T? seqlens_k:M total_sequence_length:M",
      "output:T present_key:T present_value:T", "T=float,float16 M=int32", "num_heads:INT kv_num_heads:INT scale:FLOAT"),
@@ -55,7 +50,6 @@ SCHEMAS = (
     ("MRotaryEmbedding", MS_DOMAIN, "input:T position_ids:M cos_cache:T sin_cache:T", "output:T",
      "T=float,float16 M=int64",
      "mrope_section:INTS num_heads:INT rotary_embedding_dim:INT interleaved:INT mrope_layout:INT"),
-    ("GatedRMSNorm", MS_DOMAIN, "X:T scale:T gate:T", "Y:T", "T=float,float16", "activation:STRING epsilon:FLOAT"),
     ("LinearAttentionGate", MS_DOMAIN, "a:T dt_bias:TF decay_scale:TF b:T?", "decay:T beta:T",
      "T=float,float16 TF=float", ""),
 )
@@ -143,26 +137,6 @@ def _skip_rms_norm_onnx(x, skip, scale, eps: float):
     return out, total
 
 
-@torch.library.custom_op("qwen35::gated_rms_norm", mutates_args=())
-def gated_rms_norm(x: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gated RMSNorm of Gated DeltaNet outputs, per group of ``C = len(scale)`` channels:
-    ``rmsnorm(x) * scale * silu(gate)`` in fp32 (transformers' ``Qwen3_5RMSNormGated``).
-    ``x, gate [..., H*C]``, ``scale [C]`` -> ``[..., H*C]``."""
-    shape = x.shape
-    xf = x.float().view(*shape[:-1], -1, scale.shape[0])
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale.float()
-    return (normed.view(shape) * F.silu(gate.float())).to(x.dtype)
-
-
-@gated_rms_norm.register_fake
-def _(x, scale, gate, eps):
-    return torch.empty_like(x)
-
-
-def _gated_rms_norm_onnx(x, scale, gate, eps: float):
-    return _ms.GatedRMSNorm(x, scale, gate, activation="silu", epsilon=eps)
-
-
 @torch.library.custom_op("qwen35::linear_attention_gate", mutates_args=())
 def linear_attention_gate(
     a: torch.Tensor, dt_bias: torch.Tensor, decay_scale: torch.Tensor, b: torch.Tensor
@@ -238,31 +212,6 @@ def _linear_attention_onnx(query, key, value, past_state, decay, beta, num_heads
         scale=scale,
         _outputs=2,
     )
-
-
-# ---- causal conv with state ------------------------------------------------------------
-@torch.library.custom_op("qwen35::causal_conv", mutates_args=())
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, past_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d + SiLU continuing from ``past_state`` (reference).
-
-    Args:
-        x: ``[B, D, T]``; weight: ``[D, 1, K]``; past_state: ``[B, D, K-1]``.
-
-    Returns:
-        ``(output [B, D, T], present_state [B, D, K-1])`` (the last K-1 inputs).
-    """
-    window = torch.cat([past_state, x], dim=-1)
-    y = F.conv1d(window, weight, groups=x.shape[1])
-    return F.silu(y), window[..., window.shape[-1] - past_state.shape[-1] :].clone()
-
-
-@causal_conv.register_fake
-def _(x, weight, past_state):
-    return torch.empty_like(x), torch.empty_like(past_state)
-
-
-def _causal_conv_onnx(x, weight, past_state):
-    return _ms.CausalConvWithState(x, weight, None, past_state, ndim=1, activation="silu", _outputs=2)
 
 
 # ---- multimodal rotary position embedding ---------------------------------------------
@@ -392,11 +341,9 @@ def _group_query_attention_onnx(query, key, value, past_key, past_value, seqlens
 TRANSLATIONS = {
     torch.ops.qwen35.rms_norm.default: _rms_norm_onnx,
     torch.ops.qwen35.skip_rms_norm.default: _skip_rms_norm_onnx,
-    torch.ops.qwen35.gated_rms_norm.default: _gated_rms_norm_onnx,
     torch.ops.qwen35.mrotary_embedding.default: _mrotary_embedding_onnx,
     torch.ops.qwen35.linear_attention_gate.default: _linear_attention_gate_onnx,
     torch.ops.qwen35.group_query_attention.default: _group_query_attention_onnx,
     torch.ops.qwen35.linear_attention.default: _linear_attention_onnx,
-    torch.ops.qwen35.causal_conv.default: _causal_conv_onnx,
 }
 """``custom_translation_table`` for ``torch.onnx.export``."""

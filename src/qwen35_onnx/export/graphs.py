@@ -254,22 +254,19 @@ class _TextGraph(nn.Module):
         dim = x.shape[-1]
         return fused.rms_norm(x, torch.full((dim,), dim**-0.5, dtype=x.dtype, device=x.device), 1e-6 / dim)
 
-    def conv_prefill(self, attn: nn.Module, qkv: torch.Tensor, n_valid: torch.Tensor, past=None):
+    @staticmethod
+    def conv_prefill(attn: nn.Module, qkv: torch.Tensor, n_valid: torch.Tensor, past=None):
         """Causal conv + SiLU over the prompt (or a chunk of it after the conv state ``past``
-        ``[B, D, K-1]``) ``[B, D, S]`` -> (output, state of the last real tokens)."""
-        weight = attn.conv1d.weight  # [D, 1, K]
-        if not self.fused:
-            return layers.causal_conv_prefill(qkv, weight.squeeze(1), n_valid, past)
-        kernel = weight.shape[-1]
-        if past is None:
-            past = qkv.new_zeros(qkv.shape[0], qkv.shape[1], kernel - 1)
-        mixed, _ = fused.causal_conv(qkv, weight, past)  # its state would hold the padding
-        return mixed, layers.conv_state_of_prompt(torch.cat([past, qkv], dim=-1), n_valid, kernel)
+        ``[B, D, K-1]``) ``[B, D, S]`` -> (output, state of the last real tokens). Standard ONNX
+        (Concat, a depthwise Conv, Sigmoid * x, GatherElements) with either ``--ops``: ONNX Runtime's
+        fused ``CausalConvWithState`` measured 13-15x slower at 512 tokens (0.8B, 18 layers: 132-152 ms
+        against 10 ms) and no faster at one token (``benchmarks/README.md``, issue 19)."""
+        return layers.causal_conv_prefill(qkv, attn.conv1d.weight.squeeze(1), n_valid, past)
 
-    def conv_step(self, attn: nn.Module, qkv: torch.Tensor, past: torch.Tensor):
-        """One decode step of the causal conv: ``[B, D, 1]`` and state ``[B, D, K-1]``."""
-        if self.fused:
-            return fused.causal_conv(qkv, attn.conv1d.weight, past)
+    @staticmethod
+    def conv_step(attn: nn.Module, qkv: torch.Tensor, past: torch.Tensor):
+        """One decode step of the causal conv: ``[B, D, 1]`` and state ``[B, D, K-1]`` (standard ONNX,
+        see :meth:`conv_prefill`)."""
         return layers.causal_conv_step(qkv, past, attn.conv1d.weight.squeeze(1))
 
     def recurrence(self, q, k, v, g, beta, state, prompt: bool):
@@ -320,11 +317,13 @@ class _TextGraph(nn.Module):
     def gdn_output(self, attn: nn.Module, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm + out_proj: core ``[B, S, Hv, Dv]``, z ``[B, S, Hv*Dv]`` -> ``[B, S, hidden]``."""
         batch, seq_len = core.shape[:2]
-        if self.fused:  # one GatedRMSNorm on the packed heads
-            out = fused.gated_rms_norm(
-                core.reshape(batch, seq_len, -1), attn.norm.weight, z, attn.norm.variance_epsilon
-            )
-            return attn.out_proj(out)
+        if self.fused:
+            # one SimplifiedLayerNormalization over each head, then * SiLU(z) in fp32 (transformers'
+            # Qwen3_5RMSNormGated); ONNX Runtime's fused GatedRMSNorm measured 47x slower at 512 tokens
+            # (0.8B, 18 layers: 216 ms against 4.6 ms) and 10x at one (0.47 ms against 0.05 ms)
+            normed = fused.rms_norm(core, attn.norm.weight.to(core.dtype), attn.norm.variance_epsilon)
+            out = normed.reshape(batch, seq_len, -1).float() * F.silu(z.float())
+            return attn.out_proj(out.to(core.dtype))
         out = attn.norm(core.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim))
         return attn.out_proj(out.reshape(batch, seq_len, -1))
 

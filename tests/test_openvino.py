@@ -451,12 +451,13 @@ def test_bf16_token_agreement_with_f32(trained_export, photo):
     out = trained_export("portable", vision_grids=(GRID,))  # as test_dtypes' portable fp32 export
     f32 = Pipeline.from_exported(out, runtime="openvino").generate(photo, PROMPT, max_new_tokens=64)
     bf16 = Pipeline.from_exported(out, runtime="openvino", precision="bf16").generate(photo, PROMPT, max_new_tokens=64)
-    assert len(f32.token_ids) == 64 == len(bf16.token_ids)
-    agree = next((i for i, (a, b) in enumerate(zip(f32.token_ids, bf16.token_ids)) if a != b), 64)
+    n = min(len(f32.token_ids), len(bf16.token_ids))  # up to 64: either may end at its end-of-turn token
+    assert n >= 16, (f32.token_ids, bf16.token_ids)
+    agree = next((i for i, (a, b) in enumerate(zip(f32.token_ids, bf16.token_ids)) if a != b), n)
     same = sum(a == b for a, b in zip(f32.token_ids, bf16.token_ids))
     print(
-        f"bf16 vs f32 (OpenVINO, trained demo checkpoint): first {agree}/64 tokens identical, "
-        f"{same}/64 equal position by position; decode {f32.timings.decode_ms_per_token:.2f} ms/token f32, "
+        f"bf16 vs f32 (OpenVINO, trained demo checkpoint): first {agree}/{n} tokens identical, "
+        f"{same}/{n} equal position by position; decode {f32.timings.decode_ms_per_token:.2f} ms/token f32, "
         f"{bf16.timings.decode_ms_per_token:.2f} ms/token bf16"
     )
     assert agree >= 1

@@ -22,12 +22,12 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from qwen35_onnx.contract import read_manifest
+from qwen35_onnx.contract import DEFAULT_QUANT_BLOCK_SIZE, read_manifest
 from qwen35_onnx.export.quantize import quantize_blocks
 
 from .conftest import PROMPT, export_to, forced_logits
 
-BLOCK = 32
+BLOCK = DEFAULT_QUANT_BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")

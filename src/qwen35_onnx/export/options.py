@@ -15,6 +15,7 @@ from typing import Any
 
 from ..contract import (
     DEFAULT_QUANT_ACCURACY_LEVEL,
+    DEFAULT_QUANT_BLOCK_SIZE,
     QUANT_ACCURACY_LEVELS,
     Dtype,
     GraphKind,
@@ -142,7 +143,7 @@ class ExportOptions:
         Quantization.NONE, "--quantize", contract=True,
         help="none, int4 or int8: weight-only quantization of the text graphs (MatMulNBits with --ops ort, standard "
              "blocked DequantizeLinear with --ops portable).")
-    quant_block_size: int = option(32, "--quant-block-size", contract=True,
+    quant_block_size: int = option(DEFAULT_QUANT_BLOCK_SIZE, "--quant-block-size", contract=True,
                                    help="Weights per quantization scale (power of two from 16 to 256).")
     quant_accuracy_level: int = option(
         DEFAULT_QUANT_ACCURACY_LEVEL, "--quant-accuracy-level", contract=True,

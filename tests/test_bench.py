@@ -26,7 +26,7 @@ def test_report_has_ratios_flatness_and_floor(tmp_path: Path):
         "fast", {32: 1.0, 2048: 8.0}, {32: 1.0, 2048: 1.1}, 900.0, decode_bytes=10**9, peak_rss_bytes=2_500_000_000
     )
     slow = PeerResult("slow", {32: 2.0, 2048: 16.0}, {32: 4.0, 2048: 8.0}, 200.0, decode_bytes=10**9)
-    markdown = report([fast, slow], bandwidth_gbps=10.0, out_dir=tmp_path, state_bytes={32: 0})
+    markdown = report([fast, slow], bandwidths={"probe": 10.0, "slower": 5.0}, out_dir=tmp_path, state_bytes={32: 0})
     rows = {}
     for line in markdown.splitlines():  # the first table (the ratio table repeats the names)
         if line.startswith(("| fast", "| slow")):
@@ -35,13 +35,14 @@ def test_report_has_ratios_flatness_and_floor(tmp_path: Path):
     assert rows["slow"] == ["2.0", "16.0", "4.00", "8.00", "2.00", "200.0", "100.000", "0.0", "-"]
     assert rows["fast"][-1] == "2.50"
     assert "Prefill: median of" not in markdown  # the reference protocol: not restated
+    assert "Read bandwidth: 10.0 GB/s (measured in this run, the best of: probe 10.0, slower 5.0)" in markdown
     assert np.isclose(float(rows["fast"][4]), 1.1)
     assert "| slow | 4.00 | 1.00 |" in markdown  # ratio row/column
     assert (tmp_path / "bench.json").is_file() and (tmp_path / "bench.md").read_text() == markdown
     sampled = PeerResult(
         "ort int4", {32: 1.0}, {32: 1.0}, 9.0, decode_bytes=10**9, peak_rss_bytes=3 * 10**9, peak_sampled=True
     )
-    assert "| 3.00* |" in report([sampled], bandwidth_gbps=10.0, out_dir=tmp_path, state_bytes={32: 0})
+    assert "| 3.00* |" in report([sampled], bandwidths={"probe": 10.0}, out_dir=tmp_path, state_bytes={32: 0})
 
 
 def test_target_lines_compare_our_openvino_int4_with_the_peer():

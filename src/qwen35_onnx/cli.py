@@ -300,6 +300,23 @@ def verify(
         raise typer.Exit(code=1)
 
 
+def _lengths(text: str) -> tuple[int, ...]:
+    """``--lengths`` as positive integers (exits naming the value otherwise)."""
+    try:
+        parsed = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        _fail(ValueError(f"--lengths {text!r} must be comma-separated integers"))
+    if not parsed or min(parsed) < 1:
+        _fail(ValueError(f"--lengths {text!r} must be positive"))
+    return parsed
+
+
+def _prefill_runs(runs: int) -> int:
+    if runs < 1:
+        _fail(ValueError(f"--prefill-runs {runs} must be at least 1"))
+    return runs
+
+
 @app.command()
 def bench(
     lengths: str = typer.Option(
@@ -330,6 +347,12 @@ def bench(
         help="Instead: resident memory of a Pipeline with every graph of this export loaded, against "
         "1.2 x weights + states + 0.5 GB, and decode ms/token with shared vs per-session weights.",
     ),
+    profile: Optional[Path] = typer.Option(
+        None,
+        "--profile",
+        help="Instead: ONNX Runtime's profile of this export's prefill and decode at each of --lengths "
+        "(time per operator and per node, the overhead outside the kernels, bytes a decode step reads).",
+    ),
 ) -> None:
     """Speed side by side: this project's variants, transformers, onnxruntime-genai, the floor."""
     from .bench.speed import check_rows, run_bench
@@ -347,16 +370,22 @@ def bench(
         typer.echo("\n".join(report.lines()))
         return
 
+    if profile is not None:
+        from .bench.profile import profile_export, profile_lines
+
+        try:
+            steps = profile_export(
+                profile, _lengths(lengths), runs=_prefill_runs(prefill_runs), log=lambda m: typer.echo(m, err=True)
+            )
+        except USER_ERRORS as exc:
+            _fail(exc)
+        typer.echo("\n".join(profile_lines(steps)))
+        return
+
     if preset not in PRESETS:
         _fail(ValueError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}"))
-    try:
-        parsed = tuple(int(n) for n in lengths.split(","))
-    except ValueError:
-        _fail(ValueError(f"--lengths {lengths!r} must be comma-separated integers"))
-    if not parsed or min(parsed) < 1:
-        _fail(ValueError(f"--lengths {lengths!r} must be positive"))
-    if prefill_runs < 1:
-        _fail(ValueError(f"--prefill-runs {prefill_runs} must be at least 1"))
+    parsed = _lengths(lengths)
+    _prefill_runs(prefill_runs)
     try:
         chosen = check_rows(None if rows.strip() == "all" else [r.strip() for r in rows.split(",") if r.strip()])
     except ValueError as exc:

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Protocol", "PeerResult", "decode_weight_bytes", "median_ms", "read_bandwidth_gbps"]
+__all__ = [
+    "Protocol",
+    "PeerResult",
+    "decode_weight_bytes",
+    "median_ms",
+    "read_bandwidth_gbps",
+    "read_bandwidths",
+    "step_state_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -83,12 +91,29 @@ def median_ms(fn, warmup: int, runs: int) -> float:
     return statistics.median(times)
 
 
-def read_bandwidth_gbps(size_bytes: int = 2**30, repeats: int = 5) -> float:
-    """Measured memory read bandwidth in GB/s: best of ``repeats`` runs of ONNX Runtime's
-    ReduceSum over a ``size_bytes`` fp32 buffer on all cores (a pure read, by the runtime the
-    peers use; a NumPy copy also writes and gives about 15 % less)."""
+def read_bandwidths(size_bytes: int = 2**30, repeats: int = 5) -> dict[str, float]:
+    """Memory read bandwidth in GB/s measured two ways on all cores, best of ``repeats`` runs each:
+    ``"ReduceSum"``: ONNX Runtime's ReduceSum over a ``size_bytes`` fp32 buffer (a pure read; a NumPy
+    copy also writes and gives about 15 % less); ``"MatMulNBits"``: ONNX Runtime's int4 matrix-vector
+    product (one row of activations, block 128, int8 activations) over ``size_bytes / 2`` of 4-bit codes,
+    counting the codes and scales it reads: the kernel a decode step spends most of its time in,
+    which streams faster than ReduceSum on the 2-core AMD EPYC machine (46-55 against 34 GB/s)."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper, numpy_helper
+
+    def best(model, feeds: dict[str, np.ndarray], output: str) -> float:
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
+        binding.bind_output(output)
+        session.run_with_iobinding(binding)  # warm-up
+        fastest = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            session.run_with_iobinding(binding)
+            fastest = min(fastest, time.perf_counter() - start)
+        return fastest
 
     n = size_bytes // 4
     graph = helper.make_graph(
@@ -98,27 +123,72 @@ def read_bandwidth_gbps(size_bytes: int = 2**30, repeats: int = 5) -> float:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    binding = session.io_binding()
-    binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(np.ones(n, dtype=np.float32)))
-    binding.bind_output("y")
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        session.run_with_iobinding(binding)
-        best = min(best, time.perf_counter() - start)
-    return 4 * n / best / 1e9
+    out = {"ReduceSum": 4 * n / best(model, {"x": np.ones(n, dtype=np.float32)}, "y") / 1e9}
+
+    k, block = 4096, 128
+    rows = size_bytes // k  # N: size_bytes / 2 of 4-bit codes of a [K, N] weight (its proto stays below 2 GB)
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, size=(rows, k // block, block // 2), dtype=np.uint8)
+    scales = np.full((rows, k // block), 0.01, np.float32)
+    node = helper.make_node(
+        "MatMulNBits",
+        ["a", "b", "s"],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=rows,
+        bits=4,
+        block_size=block,
+        accuracy_level=4,
+    )
+    graph = helper.make_graph(
+        [node],
+        "read4",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(codes, "b"), numpy_helper.from_array(scales, "s")],
+    )
+    del codes
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    read = rows * k // 2 + scales.nbytes
+    out["MatMulNBits"] = read / best(model, {"a": np.ones((1, k), np.float32)}, "y") / 1e9
+    return out
+
+
+def read_bandwidth_gbps(size_bytes: int = 2**30, repeats: int = 5) -> float:
+    """The best of :func:`read_bandwidths` (GB/s)."""
+    return max(read_bandwidths(size_bytes, repeats).values())
+
+
+def step_state_bytes(contract, length: int) -> int:
+    """Bytes of the states one decode step reads at ``length`` tokens of context: the conv and
+    recurrent states and ``length`` KV slots per layer, counted as fp32 (4 bytes each)."""
+    shapes = (contract.conv_state_shape, contract.recurrent_state_shape, contract.kv_shape(length))
+    return 4 * sum(int(np.prod(shape)) for shape in shapes)
 
 
 #: (operator, input) pairs that index a table by token: one row is read per decode step.
 GATHERED = {("Gather", 0), ("GatherBlockQuantized", 0), ("GatherBlockQuantized", 2)}
 
 
+#: (operator, input) pairs folded into the pre-packed blob of the operator's weight (input 1):
+#: MatMulNBits' scales and zero points, read when a session packs its weights, never at run time.
+FOLDED = {("MatMulNBits", 2), ("MatMulNBits", 3)}
+
+
 def decode_weight_bytes(path: Path) -> int:
     """Bytes of weights one decode step reads from the ONNX graph at ``path``: every initializer
     (inline or external data) except tables that are only indexed by Gather or
     GatherBlockQuantized (the token embedding: one row per token), each stored tensor counted
-    once (a tied model's quantized embedding and lm_head are one tensor under two names)."""
+    once (a tied model's quantized embedding and lm_head are one tensor under two names).
+
+    A graph ONNX Runtime saved with its pre-packed weights (:mod:`qwen35_onnx.runtime.onnxruntime.
+    prepacked`: an initializer's ``external_data`` lists ``prepacked_N = key|offset;length;...``)
+    counts what the kernels read: the packed blobs instead of the weights they were packed from
+    (MLAS's int4 layout for int8 activations holds the codes, an fp32 scale and an fp32 block sum
+    per block, 1.5x the codes at block 32), and not the scales folded into them (:data:`FOLDED`)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -126,12 +196,26 @@ def decode_weight_bytes(path: Path) -> int:
     for node in model.graph.node:
         for i, name in enumerate(node.input):
             uses.setdefault(name, set()).add((node.op_type, i))
+    externals = {t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer}
+    packed = {name for name, ext in externals.items() if any(k.startswith("prepacked_") for k in ext)}
+    folded = {
+        node.input[i]
+        for node in model.graph.node
+        if node.op_type == "MatMulNBits" and len(node.input) > 1 and node.input[1] in packed
+        for i in range(2, len(node.input))
+        if node.input[i] and uses[node.input[i]] <= FOLDED
+    }
     stored: dict[tuple, int] = {}
     for tensor in model.graph.initializer:
-        if tensor.name in uses and uses[tensor.name] <= GATHERED:
+        if tensor.name in uses and uses[tensor.name] <= GATHERED or tensor.name in folded:
             continue
-        external = {e.key: e.value for e in tensor.external_data}
-        if "length" in external:
+        external = externals[tensor.name]
+        if tensor.name in packed:
+            for key, value in external.items():
+                if key.startswith("prepacked_"):
+                    offset, length = value.split("|")[1].split(";")[:2]
+                    stored[(external.get("location"), "packed", offset)] = int(length)
+        elif "length" in external:
             stored[(external.get("location"), external.get("offset", "0"))] = int(external["length"])
         else:
             stored[("inline", tensor.name)] = onnx.numpy_helper.to_array(tensor).nbytes

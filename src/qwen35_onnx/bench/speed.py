@@ -5,7 +5,8 @@ tokens (the same ids for every peer). All peers run in one command, one after th
 on the same checkpoint:
 
 - this project on ONNX Runtime: portable fp32, ort fp32, ort int8, ort int4, portable int4
-  (exported here, fixed KV);
+  (exported here, fixed KV, the default quantization block), and ort int4 b32 (block 32, as
+  llama.cpp's Q4_0);
 - this project on OpenVINO (``runtime="openvino"``): the portable fp32 and portable int4
   exports, each with inference precision f32 and bf16; the same measuring function as the ONNX
   Runtime rows (:func:`bench_pipeline` takes a Pipeline, whatever its runtime);
@@ -17,6 +18,10 @@ on the same checkpoint:
   optimum-intel pins an older transformers, so it runs from its own virtual environment
   (``WORK_DIR/../.venv-optimum``, created with :data:`~.peers.OPTIMUM_VENV_PINS`), in a subprocess
   that runs :mod:`.ovgenai_peer` and prints JSON;
+- llama.cpp (:mod:`.llamacpp`): built once from the ``llama-cpp-python`` source distribution, the
+  checkpoint converted to GGUF (BF16) and quantized to Q4_0 (llama-quantize's default mix and
+  ``--pure``) and Q8_0, measured by ``llama-bench`` at the same lengths and threads, and an image
+  prompt through ``llama-mtmd-cli``;
 - the floor: bytes read per decode token (weights + states) / the machine's read
   bandwidth, measured in the same run (ONNX Runtime ReduceSum over 1 GiB);
 - constrained decoding (:mod:`.constrained`): the grammar's time per token against the decode
@@ -46,11 +51,12 @@ from ..paths import check_folder
 from ..runtime.host_memory import release_freed_memory
 from ..runtime.sampling import SamplingConfig
 from .constrained import constrained_costs, constrained_lines
+from .llamacpp import LLAMACPP_ROWS, bench_llamacpp_row, prepare_llamacpp
 from .memory import reset_peak, resident
 from .peers import bench_genai, bench_ovgenai, bench_transformers, build_genai, build_optimum, ensure_optimum_venv
 from .prefill import PREFILL_LENGTHS, conversation_cost, genai_ttft, prefill_lines, ttft_by_length
-from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read_bandwidth_gbps
-from .report import report, target_lines
+from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read_bandwidths, step_state_bytes
+from .report import llamacpp_target_lines, report, target_lines
 from .vision import QUESTION, ImageCost, image_costs, image_lines, photo
 
 LENGTHS = (32, 512, 1024, 2048)
@@ -66,6 +72,7 @@ EXPORTS = {
     "ort fp32": dict(ops="ort"),
     "ort int8": dict(ops="ort", quantize="int8"),
     "ort int4": dict(ops="ort", quantize="int4"),
+    "ort int4 b32": dict(ops="ort", quantize="int4", quant_block_size=32),  # the block of llama.cpp's Q4_0
     "ort int4 chunks": dict(ops="ort", quantize="int4", prefill_chunks=PREFILL_CHUNKS),
     "portable int4": dict(ops="portable", quantize="int4", vision_grids="static"),
 }
@@ -75,6 +82,7 @@ PIPELINE_ROWS = {
     "ort fp32": ("ort fp32", "onnxruntime", "f32"),
     "ort int8": ("ort int8", "onnxruntime", "f32"),
     "ort int4": ("ort int4", "onnxruntime", "f32"),
+    "ort int4 b32": ("ort int4 b32", "onnxruntime", "f32"),
     "ort int4 chunks": ("ort int4 chunks", "onnxruntime", "f32"),
     "portable int4": ("portable int4", "onnxruntime", "f32"),
     "openvino fp32 f32": ("portable fp32", "openvino", "f32"),
@@ -84,7 +92,12 @@ PIPELINE_ROWS = {
 }
 #: OpenVINO's own pipeline: row name -> its inference precision hint.
 OVGENAI_ROWS = {"ov-genai int4 f32": "f32", "ov-genai int4 bf16": "bf16"}
-ROWS = tuple(PIPELINE_ROWS) + ("transformers eager", "genai fp32", "genai int4") + tuple(OVGENAI_ROWS)
+ROWS = (
+    tuple(PIPELINE_ROWS)
+    + ("transformers eager", "genai fp32", "genai int4")
+    + tuple(OVGENAI_ROWS)
+    + tuple(LLAMACPP_ROWS)
+)
 """Every row, in table order; ``run_bench(rows=...)`` measures a subset."""
 
 
@@ -146,9 +159,7 @@ def bench_export(
 
     pipe = Pipeline.from_exported(export_dir, runtime=runtime, precision=precision)
     try:
-        result = bench_pipeline(
-            name, pipe, prompts, protocol, decode_weight_bytes(export_dir / pipe.contract.graphs["decode"])
-        )
+        result = bench_pipeline(name, pipe, prompts, protocol, decode_weight_bytes(step_graph(pipe, export_dir)))
         result.image = image_costs(name, pipe, protocol.prefill_runs)
         if name in PREFILL_ROWS:
             result.ttft_ms = ttft_by_length(pipe, prefill_prompts(pipe.contract), protocol.prefill_runs)
@@ -158,6 +169,14 @@ def bench_export(
     finally:
         del pipe
         release_freed_memory()
+
+
+def step_graph(pipe, export_dir: Path) -> Path:
+    """The graph file whose weights ``pipe``'s decode step reads: ONNX Runtime's saved copy of the
+    decode graph with its pre-packed weights when the pre-packed weights cache loaded it (the packed
+    layout is what the kernels read: :func:`~.protocol.decode_weight_bytes`), else the export's."""
+    loaded = getattr(pipe.backend.graphs.decode, "path", None)
+    return loaded if loaded is not None else export_dir / pipe.contract.graphs["decode"]
 
 
 def prefill_prompts(contract, seed: int = 1) -> dict[int, np.ndarray]:
@@ -203,6 +222,7 @@ def _is_cached(folder: Path, options) -> bool:
         c.prefill_chunks,
         c.ops,
         c.quantize,
+        c.quant_block_size,
         c.image_tokens,
         c.static_vision,
     ) == (
@@ -212,6 +232,7 @@ def _is_cached(folder: Path, options) -> bool:
         options.chunks,
         options.ops,
         options.quantize,
+        options.quant_block_size,
         options.image_tokens,
         options.vision_grids not in (ANY_GRID, ()),
     )
@@ -233,7 +254,13 @@ def _image_cost(result: PeerResult) -> ImageCost:
     """A row's image figures (this project's :class:`ImageCost`, or a peer's ``{"ttft_ms", "prompt_tokens"}``)."""
     if isinstance(result.image, ImageCost):
         return result.image
-    return ImageCost(result.name, ttft_ms=result.image["ttft_ms"], prompt_tokens=result.image["prompt_tokens"])
+    image = result.image
+    return ImageCost(
+        result.name,
+        ttft_ms=image["ttft_ms"],
+        prompt_tokens=image["prompt_tokens"],
+        image_tokens=image.get("image_tokens"),
+    )
 
 
 def check_rows(rows) -> tuple[str, ...]:
@@ -306,18 +333,10 @@ def run_bench(
     contract = read_manifest(next(iter(exports.values())))
     rng = np.random.default_rng(seed)
     prompts = {n: rng.integers(0, min(contract.vocab_size, 1000), size=(1, n)).astype(np.int64) for n in lengths}
-    state_bytes = {
-        n: 4
-        * (
-            int(np.prod(contract.conv_state_shape))
-            + int(np.prod(contract.recurrent_state_shape))
-            + int(np.prod(contract.kv_shape(n)))
-        )
-        for n in lengths
-    }
-    bandwidth = read_bandwidth_gbps()
+    states = {n: step_state_bytes(contract, n) for n in lengths}
+    bandwidths = read_bandwidths()
     results, skipped, constrained = [], [], []
-    optimum = None
+    optimum = llama = None
     for row in rows:
         release_freed_memory()  # what the previous row freed leaves the process (and the next row's peak)
         reset_peak()
@@ -352,6 +371,20 @@ def run_bench(
             results.append(bench_genai(row, folder, prompts, protocol))
             if row in PREFILL_ROWS:
                 results[-1].ttft_ms = genai_ttft(folder, prefill_prompts(contract), protocol.prefill_runs)
+        elif row in LLAMACPP_ROWS:
+            try:
+                if llama is None:
+                    llama = prepare_llamacpp(checkpoint, work_dir, log)
+                    photo().save(work_dir / "photo-640x480.png")
+                image = {
+                    "path": work_dir / "photo-640x480.png",
+                    "question": QUESTION,
+                    "max_image_tokens": contract.image_tokens,
+                }
+                results.append(bench_llamacpp_row(row, llama, lengths, protocol, image, log))
+            except (RuntimeError, OSError, ValueError) as exc:
+                skipped.append(f"{row}: {exc}")
+                log(f"[bench] skipped {skipped[-1]}")
         else:  # OpenVINO's own pipeline
             log(f"[bench] {row} (optimum-intel + openvino-genai VLMPipeline)")
             try:
@@ -368,8 +401,13 @@ def run_bench(
                 log(f"[bench] skipped {skipped[-1]}")
         if len(results) > done and results[-1].peak_rss_bytes is None:
             results[-1].peak_rss_bytes = resident().get("VmHWM")
-    markdown = report(results, bandwidth, work_dir, state_bytes, protocol)
-    extra = target_lines(results) + constrained + image_lines([_image_cost(r) for r in results if r.image])
+    markdown = report(results, bandwidths, work_dir, states, protocol)
+    extra = (
+        target_lines(results)
+        + llamacpp_target_lines(results)
+        + constrained
+        + image_lines([_image_cost(r) for r in results if r.image])
+    )
     extra += prefill_lines(
         {r.name: r.ttft_ms for r in results if r.ttft_ms}, [r.conversation for r in results if r.conversation]
     )

@@ -81,6 +81,10 @@ class RuntimeOptions:
             0: ``$QWEN35_ONNX_THREADS`` if set (e.g. for several processes on one machine), else the
             runtime's default (see :attr:`intra_op_threads`).
         host_state_roundtrip: copy every state to host every decode step (for comparison).
+        profile_dir: ONNX Runtime only: profile every graph session (its profiler: each node's
+            kernel time, in microseconds) and write each profile into this folder as
+            ``<graph>_<time>.json`` (Chrome trace format) when the session ends; '' (the default):
+            no profiling. ``qwen35-onnx bench --profile`` reads them.
     """
 
     runtime: Runtime = option(
@@ -101,6 +105,11 @@ class RuntimeOptions:
     )
     host_state_roundtrip: bool = option(
         False, "--host-state-roundtrip", "Copy states to host every decode step (for comparison)."
+    )
+    profile_dir: str = option(
+        "",
+        "--profile-dir",
+        "onnxruntime: write each graph session's profile (per-node kernel times, JSON) into this folder.",
     )
 
     def validate(self) -> None:
@@ -127,6 +136,13 @@ class RuntimeOptions:
             )
         if not isinstance(self.host_state_roundtrip, bool):
             raise ValueError(f"host_state_roundtrip must be true or false, got {self.host_state_roundtrip!r}")
+        if not isinstance(self.profile_dir, (str, os.PathLike)):
+            raise ValueError(f"profile_dir must be a folder path or '', got {self.profile_dir!r}")
+        if str(self.profile_dir) and self.runtime != Runtime.ONNXRUNTIME:
+            raise ValueError(
+                f"profile_dir {str(self.profile_dir)!r} needs runtime 'onnxruntime' (ONNX Runtime's profiler), "
+                f"not {plain(self.runtime)!r}"
+            )
         self.intra_op_threads  # noqa: B018 - a bad environment value fails here, naming it
 
     @property

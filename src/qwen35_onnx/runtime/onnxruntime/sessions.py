@@ -50,10 +50,12 @@ def providers_for(device: str) -> list[str]:
 
 @dataclass
 class GraphSession(GraphSpec):
-    """One graph loaded by ONNX Runtime: its session, and its description (contract from
+    """One graph loaded by ONNX Runtime: its session, the file it was loaded from (the export's
+    graph, or the pre-packed weights cache's saved copy of it), and its description (contract from
     ``metadata_props``, I/O shapes and ONNX element types such as ``'tensor(float)'``)."""
 
     session: ort.InferenceSession | None = None
+    path: Path | None = None
 
     @classmethod
     def load(
@@ -67,6 +69,7 @@ class GraphSession(GraphSpec):
         weights: SharedWeights | None = None,
         arena: bool = True,
         save_to: tuple[Path, str] | None = None,
+        profile_dir: Path | None = None,
     ) -> GraphSession:
         """Load ``path`` with the providers of ``device``; ``threads`` 0 lets ORT choose;
         ``config``: session config entries (``SessionOptions.add_session_config_entry``);
@@ -76,7 +79,8 @@ class GraphSession(GraphSpec):
         ``arena``: ONNX Runtime's CPU memory arena, which keeps the memory of a run's largest
         activations for the next run (off: freed after each run); ``save_to``: ``(graph file, data
         file name)``: also save the optimized graph there, its pre-packed weights in the data file
-        (for :mod:`.prepacked`).
+        (for :mod:`.prepacked`); ``profile_dir``: profile the session (ONNX Runtime's profiler),
+        its file ``<profile_dir>/<name>_<time>.json`` written when the session ends.
 
         Raises:
             ContractError: the file is missing, unreadable, or carries no qwen35-onnx contract.
@@ -88,6 +92,10 @@ class GraphSession(GraphSpec):
         options.enable_cpu_mem_arena = arena
         if threads:
             options.intra_op_num_threads = threads
+        if profile_dir is not None and save_to is None:  # a session made only to save a graph is not profiled
+            Path(profile_dir).mkdir(parents=True, exist_ok=True)
+            options.enable_profiling = True
+            options.profile_file_prefix = str(Path(profile_dir) / name)
         for key, value in (config or {}).items():
             options.add_session_config_entry(key, value)
         if save_to is not None:
@@ -124,6 +132,7 @@ class GraphSession(GraphSpec):
         return cls(
             name=name,
             session=session,
+            path=Path(path),
             contract=ShapeContract.from_json(meta[METADATA_KEY]),
             inputs={i.name: list(i.shape) for i in session.get_inputs()},
             outputs={o.name: list(o.shape) for o in session.get_outputs()},
@@ -171,6 +180,7 @@ class OrtGraphSet(GraphSet):
             raise ValueError(f"max_prefill_sessions must be None or an integer >= 1, got {max_prefill_sessions!r}")
         device = self.device = options.device
         self.threads = options.intra_op_threads
+        self.profile_dir = Path(options.profile_dir) if str(options.profile_dir) else None
         relayout = relayout_for(contract.dtype, contract.quantize)
         self.prepacked: PrepackedCache | None = None
         """The pre-packed weights cache every graph loads through (quantized, fp16 and bf16
@@ -254,7 +264,14 @@ class OrtGraphSet(GraphSet):
         """:meth:`GraphSession.load` of ``path`` with this set's device, threads, the export's session
         config and dtype, and ``extra`` (its ``weights``, ``arena``, ``save_to``)."""
         return GraphSession.load(
-            key, path, self.device, self.threads, session_config(self.contract), self.contract.dtype, **extra
+            key,
+            path,
+            self.device,
+            self.threads,
+            session_config(self.contract),
+            self.contract.dtype,
+            profile_dir=self.profile_dir,
+            **extra,
         )
 
     def _read_cached(self, key: str, path: Path, arena: bool) -> GraphSession:

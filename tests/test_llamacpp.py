@@ -1,0 +1,160 @@
+"""The bench's llama.cpp peer (``qwen35_onnx.bench.llamacpp``) without building llama.cpp: the
+converter wrapper's pre-tokenizer check, the reading of ``llama-bench`` / ``llama-mtmd-cli`` output
+(through stand-in scripts that print what the real tools print), peak memory per process, and the
+targets read off the results. The real tools run in ``qwen35-onnx bench`` (``benchmarks/README.md``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen35_onnx.bench import llamacpp_convert
+from qwen35_onnx.bench.llamacpp import LlamaCpp, bench_llamacpp, gguf_for, image_ttft
+from qwen35_onnx.bench.protocol import PeerResult, Protocol
+from qwen35_onnx.bench.report import llamacpp_target_lines
+
+
+def _tool(folder: Path, name: str, body: str) -> None:
+    """A stand-in for one llama.cpp tool: a Python script named ``name`` in ``folder``."""
+    path = folder / name
+    path.write_text(f"#!{sys.executable}\nimport sys, json\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_pre_tokenizer_check_accepts_qwen35s_regex_and_names_any_other(checkpoint, tmp_path):
+    """The converter's hash check is answered only for a tokenizer whose Split regex is Qwen3.5's."""
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    assert llamacpp_convert.split_regex(Path(checkpoint)) == PRETOKENIZE_REGEX
+    llamacpp_convert.check_pre_tokenizer(Path(checkpoint))  # the demo tokenizer: Qwen3.5's pre-tokenizer
+
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    for step in spec["pre_tokenizer"]["pretokenizers"]:
+        if step["type"] == "Split":
+            step["pattern"]["Regex"] = r"\s+|\w+"
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(SystemExit, match=r"pre-tokenizer regex '\\\\s\+\|\\\\w\+' is not Qwen3.5's") as info:
+        llamacpp_convert.check_pre_tokenizer(other)
+    assert repr(PRETOKENIZE_REGEX) in str(info.value) and "'qwen35'" in str(info.value)
+
+
+def test_the_converter_wrapper_refuses_before_running_the_converter(checkpoint, tmp_path):
+    """As a script in its own environment: a tokenizer that is not Qwen3.5's stops it with exit
+    status 1 and the reason on stderr, and nothing is written."""
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Whitespace"}
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    script = Path(llamacpp_convert.__file__)
+    request = {"source": str(tmp_path / "no-llama.cpp"), "checkpoint": str(other), "outfile": str(tmp_path / "x.gguf")}
+    done = subprocess.run(
+        [sys.executable, "-P", str(script)],
+        input=json.dumps({**request, "outtype": "bf16"}),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "pre-tokenizer regex None is not Qwen3.5's" in done.stderr
+    assert not (tmp_path / "x.gguf").exists()
+
+
+LLAMA_BENCH = """
+args = sys.argv[1:]
+def value(flag):
+    return args[args.index(flag) + 1] if flag in args else None
+tests = []
+if value("-pg"):
+    p, n = map(int, value("-pg").split(","))
+    tests.append({"n_prompt": p, "n_gen": n, "n_depth": 0, "samples_ns": [2_000_000_000]})
+elif value("-p") != "0":
+    for p in map(int, value("-p").split(",")):
+        samples = [p * 3_000_000, p * 2_000_000, p * 9_000_000]
+        tests.append({"n_prompt": p, "n_gen": 0, "n_depth": 0, "samples_ns": samples})
+else:
+    n = int(value("-n"))
+    for d in map(int, value("-d").split(",")):
+        samples = [n * 15_000_000, n * 16_000_000, n * 40_000_000]
+        tests.append({"n_prompt": 0, "n_gen": n, "n_depth": d, "samples_ns": samples})
+buffer = bytearray(30 * 2**20)  # resident memory the parent reads back
+buffer[:: 4096] = b"x" * len(buffer[:: 4096])
+assert value("-t") == "2" and value("-o") == "json"
+print(json.dumps(tests))
+"""
+
+MTMD_CLI = """
+print("main: loading model", file=sys.stderr)
+print("0.05.549.453 I encoding mtmd batch, n_chunks = 1 (done = 1, total = 3)", file=sys.stderr)
+print("0.06.391.260 I decoding image batch 1/1, n_tokens_batch = 234", file=sys.stderr)
+print("0.07.320.838 I llama_perf_context_print: prompt eval time =    1742.26 ms /   251 tokens (6.94 ms)",
+      file=sys.stderr)
+assert "--image-max-tokens" in sys.argv and sys.argv[sys.argv.index("--image-max-tokens") + 1] == "256"
+"""
+
+
+def test_bench_llamacpp_reads_llama_bench_medians_and_peak_memory(tmp_path):
+    _tool(tmp_path, "llama-bench", LLAMA_BENCH)
+    model = tmp_path / "model-Q4_0.gguf"
+    model.write_bytes(b"\0" * 1000)
+    result = bench_llamacpp("llama.cpp Q4_0", LlamaCpp(tmp_path, tmp_path), model, (512, 32), Protocol(), threads=2)
+    # prefill: the median of the samples (3, 2, 9 ms per token -> 3); decode: each repetition / steps, median
+    assert result.prefill_ms == {32: 96.0, 512: 1536.0}
+    assert result.decode_ms == {32: 16.0, 512: 16.0}
+    assert result.e2e_tokens_per_s == pytest.approx(64.0)  # 128 tokens in 2 s
+    assert result.decode_bytes == 1000
+    assert result.peak_rss_bytes > 30 * 2**20  # the stand-in's own resident memory, per process
+
+
+def test_a_failing_llama_cpp_tool_is_named_with_its_output(tmp_path):
+    _tool(tmp_path, "llama-bench", 'print("error: failed to load model", file=sys.stderr); sys.exit(3)')
+    with pytest.raises(RuntimeError, match=r"llama-bench failed \(exit 3\): error: failed to load model"):
+        bench_llamacpp("x", LlamaCpp(tmp_path, tmp_path), tmp_path / "m.gguf", (32,), Protocol(), threads=2)
+
+
+def test_image_ttft_reads_the_prompt_evaluation_and_image_tokens(tmp_path):
+    _tool(tmp_path, "llama-mtmd-cli", MTMD_CLI)
+    llama = LlamaCpp(tmp_path, tmp_path)
+    out = image_ttft(llama, tmp_path / "m.gguf", tmp_path / "p.gguf", tmp_path / "photo.png", "What?", 256, runs=2)
+    assert out["ttft_ms"] == pytest.approx(1742.26) and out["prompt_tokens"] == 251 and out["image_tokens"] == 234
+    _tool(tmp_path, "llama-mtmd-cli", 'print("nothing useful", file=sys.stderr)')
+    with pytest.raises(RuntimeError, match="llama-mtmd-cli printed no image or prompt timings: nothing useful"):
+        image_ttft(llama, tmp_path / "m.gguf", tmp_path / "p.gguf", tmp_path / "photo.png", "What?", 256, runs=1)
+
+
+def test_gguf_for_quantizes_once_and_bf16_is_the_converters_file(tmp_path):
+    calls = tmp_path / "calls.txt"
+    _tool(
+        tmp_path,
+        "llama-quantize",
+        f"open({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n'); open(sys.argv[-2], 'wb').write(b'q')",
+    )
+    llama = LlamaCpp(tmp_path, tmp_path)
+    bf16 = tmp_path / "model-BF16.gguf"
+    bf16.write_bytes(b"b")
+    assert gguf_for("llama.cpp BF16", llama, bf16) == bf16
+    pure = gguf_for("llama.cpp Q4_0 pure", llama, bf16)
+    assert pure.name == "model-Q4_0-pure.gguf" and pure.read_bytes() == b"q"
+    assert gguf_for("llama.cpp Q4_0 pure", llama, bf16) == pure  # cached: llama-quantize ran once
+    assert calls.read_text().splitlines() == [f"--pure {bf16} {tmp_path / 'partial-model-Q4_0-pure.gguf'} Q4_0"]
+
+
+def test_llamacpp_targets_read_ratios_at_every_length():
+    ours = PeerResult("ort int4", {32: 100.0, 512: 1000.0}, {32: 15.0, 512: 16.0}, None)
+    pure = PeerResult("llama.cpp Q4_0 pure", {32: 120.0, 512: 1600.0}, {32: 16.0, 512: 15.0}, None)
+    default = PeerResult("llama.cpp Q4_0", {32: 150.0, 512: 1800.0}, {32: 19.5, 512: 20.0}, None)
+    lines = llamacpp_target_lines([ours, pure, default])
+    decode_pure, decode_default, prefill = [line for line in lines if line.startswith("- ")]
+    assert decode_pure.startswith("- decode, llama.cpp Q4_0 pure / ort int4, target >= 1.0x:")
+    assert "32: 16.0 / 15.0 ms = 1.07x (met)" in decode_pure and "512: 15.0 / 16.0 ms = 0.94x (missed)" in decode_pure
+    assert (
+        "32: 19.5 / 15.0 ms = 1.30x (met)" in decode_default and "512: 20.0 / 16.0 ms = 1.25x (met)" in decode_default
+    )
+    assert "512: 1600.0 / 1000.0 ms = 1.60x (met)" in prefill and "32: 120.0 / 100.0 ms = 1.20x (missed)" in prefill
+    assert llamacpp_target_lines([ours]) == []

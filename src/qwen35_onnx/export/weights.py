@@ -78,6 +78,7 @@ class WeightsFileWriter:
         self.staging = self.folder / (data_name + ".tmp")
         self.out = open(self.staging, "wb")
         self.index: dict[object, tuple[int, int]] = {}
+        self.small: dict[object, ir.Tensor] = {}
         self.graphs = 0
         self.references = 0
 
@@ -104,18 +105,35 @@ class WeightsFileWriter:
         self.references += 1
         return self.index[content]
 
+    def _keep_small(self, value: ir.Value) -> None:
+        """Give a small initializer with a ``key`` (stored inline in each graph) the tensor computed
+        for the first graph that had it: the scales of a quantized weight in one block are under
+        ``min_bytes`` while its codes are not, and computing them again would read and quantize the
+        checkpoint weight once more per graph."""
+        key = getattr(value.const_value, "key", None)
+        if key is None:
+            return
+        if key not in self.small:
+            tensor = value.const_value
+            self.small[key] = ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=value.name)
+        value.const_value = self.small[key]
+
     def add_model(
         self, model: ir.Model, path: Path, convert: Callable[[onnx.ModelProto], onnx.ModelProto] | None = None
     ) -> None:
         """Write the initializers of ``model`` of at least ``min_bytes`` into the shared file
         (materializing one at a time; a tensor with a ``key`` attribute seen before is not
-        computed again) and save the graph at ``path`` referencing them. ``convert`` is applied
-        to the serialized graph (weights already external) before it is saved."""
+        computed again, nor is a smaller one, kept inline) and save the graph at ``path``
+        referencing them. ``convert`` is applied to the serialized graph (weights already
+        external) before it is saved."""
         path = self._check(path)
         for graph in model.graphs():
             for value in graph.initializers.values():
                 tensor = value.const_value
-                if tensor is None or tensor.nbytes < self.min_bytes:
+                if tensor is None:
+                    continue
+                if tensor.nbytes < self.min_bytes:
+                    self._keep_small(value)
                     continue
                 offset, length = self._store(
                     int(tensor.dtype), getattr(tensor, "key", None), lambda tensor=tensor: _buffer(tensor)

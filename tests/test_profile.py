@@ -97,3 +97,18 @@ def test_decode_bytes_count_onnx_runtimes_packed_weights(trained_export):
     others = decode_weight_bytes(exported) - quantized
     assert extra > others >= 0
     assert abs(decode_weight_bytes(saved) - decode_weight_bytes(exported) - extra) <= others
+
+
+@pytest.mark.slow
+def test_measure_memory_reads_the_text_run_before_the_image(trained_export):
+    """``bench --memory``: resident memory after a text prompt (vision weights mapped, not yet read)
+    and after an image too; with the pre-packed cache the pages are file pages, read from Pss."""
+    from qwen35_onnx.bench.memory import measure_memory
+
+    out = trained_export("ort", quantize="int4")
+    report = measure_memory(out, compare=False, log=lambda m: None)
+    assert report.text_tokens == 126  # the test capacity, 128, less 2
+    assert report.baseline["Pss"] <= report.text["Pss"] and "Pss" in report.ran
+    text = "\n".join(report.lines())
+    assert "after a prefill of 126 tokens and a decode step (text only): VmRSS" in text
+    assert "after running vision too (the largest grid): VmRSS" in text and "pre-packed weights cache" in text

@@ -26,6 +26,9 @@ import numpy as np
 BUDGET_FACTOR, BUDGET_SLACK = 1.2, 0.5e9
 """The budget: ``BUDGET_FACTOR x weight bytes + state bytes + BUDGET_SLACK`` bytes."""
 WARMUP = 3
+TEXT_TOKENS = 512
+"""The text prompt run before the memory is read (tokens; at most the capacity less 2): the length
+llama.cpp's ``llama-bench`` prefills in the bench's llama.cpp rows."""
 BLOCK, SWITCH_PAUSE_S = 5, 0.05
 """Decode timing: each decoder runs ``BLOCK`` steps in turn, after a pause of ``SWITCH_PAUSE_S``
 seconds. Alternating every single step lets the idle worker threads of the session that just ran
@@ -114,6 +117,10 @@ class MemoryReport:
     baseline: dict[str, int]
     loaded: dict[str, int]
     ran: dict[str, int]
+    text: dict[str, int] = field(default_factory=dict)
+    """After a text prompt's prefill and a decode step, before any image (the vision weights, mapped
+    from the pre-packed cache, are not resident until an image runs)."""
+    text_tokens: int = 0
     decode_ms: dict[str, float] = field(default_factory=dict)
     tokens_identical: bool | None = None
     shared: dict[str, int] = field(default_factory=dict)
@@ -136,7 +143,8 @@ class MemoryReport:
             f"decode state buffers: {gb(self.states)}",
             f"before loading: {mem(self.baseline)}",
             f"vision + decode + every prefill bucket loaded: {mem(self.loaded)}",
-            f"after running vision, the smallest prefill bucket and decode: {mem(self.ran)}",
+            f"after a prefill of {self.text_tokens} tokens and a decode step (text only): {mem(self.text)}",
+            f"after running vision too (the largest grid): {mem(self.ran)}",
         ]
         if "mapped" in self.shared:
             out.append(
@@ -196,10 +204,8 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
         f"[memory] loaded vision, decode and {len(contract.prefill_keys or contract.prefill_chunks)} prefill graph(s) "
         f"in {time.perf_counter() - start:.1f} s"
     )
-    side = contract.spatial_merge_size * math.isqrt(contract.image_tokens)  # the largest grid: the most memory
-    grid = max(contract.vision_grids, key=lambda g: g[0] * g[1]) if contract.static_vision else (side, side)
-    pipe.backend.run_vision(grid, np.zeros((grid[0] * grid[1], contract.patch_dim), dtype=np.float32))
-    prepared = pipe.prepare_ids(_prompt(pipe, min(20, contract.capacity - 1)))  # the smallest bucket
+    text_tokens = min(TEXT_TOKENS, contract.capacity - 2)
+    prepared = pipe.prepare_ids(_prompt(pipe, text_tokens))
 
     def begin(backend):
         """A generation on ``backend`` after one step from a fresh prefill of the pipeline (prefill
@@ -211,6 +217,11 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
 
     generations = {"shared": begin(pipe.backend)}
     gc.collect()
+    text = resident()
+    side = contract.spatial_merge_size * math.isqrt(contract.image_tokens)  # the largest grid: the most memory
+    grid = max(contract.vision_grids, key=lambda g: g[0] * g[1]) if contract.static_vision else (side, side)
+    pipe.backend.run_vision(grid, np.zeros((grid[0] * grid[1], contract.patch_dim), dtype=np.float32))
+    gc.collect()
     ran = resident()
     report = MemoryReport(
         weight_bytes(export_dir, contract.graphs),
@@ -218,6 +229,8 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
         baseline,
         loaded,
         ran,
+        text=text,
+        text_tokens=text_tokens,
         shared=pipe.backend.shared_weight_bytes(),
     )
     if not compare:

@@ -115,7 +115,10 @@ def conversation_cost(row: str, pipe, runs: int = 3, seed: int = 0) -> Conversat
     history's own assistant text fed as the model's output (teacher forcing: the state a model that
     wrote that reply keeps; the bench's random weights would write text that does not survive the
     round trip through the tokenizer); then turn 4, the client resending the whole conversation, is
-    timed from a fresh copy of that cache each run, against the same question alone."""
+    timed from a fresh copy of that cache each run, against the same question alone.
+
+    Raises:
+        ValueError: the conversation (about 1,750 tokens) does not fit the export's capacity."""
     kwargs = {"enable_thinking": False}
     history = _history(pipe, np.random.default_rng(seed))
     tokenizer = pipe.preprocessor.tokenizer

@@ -90,12 +90,10 @@ def _summarize(profile: GraphProfile, runs: list[dict], walls: list[float]) -> G
             ops[op].append(us)
         for op in per_op:
             counts[op] = sum(1 for o, _ in r["nodes"].values() if o == op)
-    profile.by_op = {
-        op: (statistics.median(v) / 1000, counts[op]) for op, v in sorted(ops.items(), key=lambda kv: -sum(kv[1]))
-    }
-    profile.by_node = {
-        n: (kinds[n], statistics.median(v) / 1000) for n, v in sorted(nodes.items(), key=lambda kv: -sum(kv[1]))
-    }
+    by_op = {op: (statistics.median(v) / 1000, counts[op]) for op, v in ops.items()}
+    profile.by_op = dict(sorted(by_op.items(), key=lambda kv: -kv[1][0]))
+    by_node = {n: (kinds[n], statistics.median(v) / 1000) for n, v in nodes.items()}
+    profile.by_node = dict(sorted(by_node.items(), key=lambda kv: -kv[1][1]))
     return profile
 
 

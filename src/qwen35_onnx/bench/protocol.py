@@ -77,6 +77,8 @@ class PeerResult:
     """Time to first token (ms) by prompt length (section "Prefill", :mod:`.prefill`)."""
     conversation: object | None = None
     """Turn 4 of a conversation (a :class:`~.prefill.ConversationCost`), where measured."""
+    skipped: list[str] = field(default_factory=list)
+    """Parts of this row that could not be measured, each with its reason (listed under the tables)."""
 
 
 def median_ms(fn, warmup: int, runs: int) -> float:

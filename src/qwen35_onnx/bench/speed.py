@@ -164,7 +164,10 @@ def bench_export(
         if name in PREFILL_ROWS:
             result.ttft_ms = ttft_by_length(pipe, prefill_prompts(pipe.contract), protocol.prefill_runs)
             if pipe.contract.prefill_chunks:
-                result.conversation = conversation_cost(name, pipe, protocol.prefill_runs)
+                try:
+                    result.conversation = conversation_cost(name, pipe, protocol.prefill_runs)
+                except ValueError as exc:  # e.g. the conversation does not fit the bench's capacity
+                    result.skipped.append(f"{name}: turn 4 of a conversation: {exc}")
         return result
     finally:
         del pipe
@@ -399,6 +402,10 @@ def run_bench(
             except (RuntimeError, OSError, ValueError) as exc:
                 skipped.append(f"{row}: {exc}")
                 log(f"[bench] skipped {skipped[-1]}")
+        if len(results) > done:
+            for reason in results[-1].skipped:
+                skipped.append(reason)
+                log(f"[bench] not measured: {reason}")
         if len(results) > done and results[-1].peak_rss_bytes is None:
             results[-1].peak_rss_bytes = resident().get("VmHWM")
     markdown = report(results, bandwidths, work_dir, states, protocol)

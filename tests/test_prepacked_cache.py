@@ -240,3 +240,60 @@ def test_more_buckets_add_far_less_than_a_packed_weight_set(wide_int4_export):
     )
     assert all(step < 0.5 * packed for step in steps[:-1]), report
     assert steps[-1] - max(steps[:-1]) > 0.7 * packed, report
+
+
+def _fake_cache(directory: Path, name: str, nbytes: int, used_ns: int) -> Path:
+    """A cache folder of another export: ``nbytes`` of data, last used at ``used_ns``."""
+    folder = directory / name
+    folder.mkdir(parents=True)
+    (folder / "packed.data").write_bytes(b"\0" * nbytes)
+    (folder / "index.json").write_text(json.dumps({"key": {"export": str(directory / name), "machine": "x"}}))
+    (folder / "use.lock").touch()
+    os.utime(folder / "use.lock", ns=(used_ns, used_ns))
+    return folder
+
+
+def test_the_folder_keeps_at_most_its_bound_least_recently_used_go_first(int4_export, tmp_path, monkeypatch):
+    """With ``QWEN35_ONNX_PREPACKED_CACHE_MAX_GB`` set, the caches of other exports go, least
+    recently used first, until the folder is within the bound (when a cache opens, and after it
+    saves a graph); one a process holds stays; the cache opened stays even when it alone is over
+    the bound; a bad bound is a warning."""
+    import fcntl
+
+    own = open_pipe(int4_export, prepacked_cache=tmp_path / "probe").backend.graphs.prepacked.disk_bytes()
+    directory = tmp_path / "cache"
+    old, newer, held = (_fake_cache(directory, n, 4_000_000, t * 10**18) for n, t in (("a", 1), ("b", 2), ("c", 0)))
+    with open(held / "use.lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # another process uses it
+        # room for this export's cache and two of 4 MB: the least recently used unheld one goes
+        monkeypatch.setenv(prepacked.MAX_ENV, str((own + 2 * 4_000_000 + 1000) / 1e9))
+        cache = open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked
+        assert not old.exists() and newer.exists() and held.exists() and cache.disk_bytes() == own
+        # a bound of 0: every cache no process uses goes; this one and the held one stay
+        monkeypatch.setenv(prepacked.MAX_ENV, "0")
+        saved = saves(monkeypatch)
+        again = open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked
+        assert again.path == cache.path and not saved
+        assert not newer.exists() and held.exists() and again.path.exists()
+    for bad in ("-1", "lots", "inf"):
+        monkeypatch.setenv(prepacked.MAX_ENV, bad)
+        with pytest.warns(
+            RuntimeWarning, match=rf"QWEN35_ONNX_PREPACKED_CACHE_MAX_GB='{bad}' is not a number of GB >= 0"
+        ):
+            assert open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked is None
+
+
+def test_a_build_without_room_first_removes_unused_caches(int4_export, tmp_path, monkeypatch):
+    """A disk without room for the next graph: the caches no process uses go (least recently used
+    first) before the cache gives up."""
+    directory = tmp_path / "cache"
+    old = _fake_cache(directory, "a", 1000, 10**18)
+    real = shutil.disk_usage
+
+    def usage(path):
+        total, used, free = real(path)
+        return type(real(path))(total, used, free if not old.exists() else 0)
+
+    monkeypatch.setattr(prepacked.shutil, "disk_usage", usage)
+    cache = open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked
+    assert cache is not None and not old.exists()

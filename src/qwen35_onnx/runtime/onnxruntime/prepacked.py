@@ -29,6 +29,15 @@ per graph, ``use.lock`` and ``build.lock`` (see :class:`PrepackedCache`). The ke
 path and its files' sizes and times, the machine, the ONNX Runtime version and the session
 config; another key is another folder, and a folder no process uses is removed once its export
 changed or was deleted.
+
+Disk. A cache holds what ONNX Runtime saves: the original weights (it reads them when it loads
+the saved graph, and a pre-packed blob must sit in the file of its initializer, so they cannot
+stay in the export's file) and the packed ones, about twice the export's data (Qwen3.5-4B int4:
+7.25 GB for 3.58 GB; 0.8B: 1.62 GB for 0.81 GB). Bounded: the caches of one folder keep at most
+:func:`max_cache_bytes` together, and a graph is saved only with room for it
+(:data:`SPACE_FACTOR`); either way the caches no process uses go first, least recently used
+first (checked when a cache opens and after each graph it saves; a cache in use is never
+removed, so one export larger than the bound still gets its own).
 """
 
 from __future__ import annotations
@@ -68,6 +77,28 @@ class PrepackedCacheError(RuntimeError):
 
 ENV = "QWEN35_ONNX_PREPACKED_CACHE"
 """Environment variable: the caches' folder, or ``off`` to load without the cache."""
+MAX_ENV = "QWEN35_ONNX_PREPACKED_CACHE_MAX_GB"
+"""Environment variable: the most bytes (GB, 10^9) the caches of one folder keep on disk together,
+:data:`DEFAULT_MAX_GB` when unset."""
+DEFAULT_MAX_GB = 20.0
+"""The default bound of a cache folder (GB): two Qwen3.5-4B int4 exports' caches (7.3 GB each:
+the saved graphs keep the original weights next to the packed ones) or a dozen of the 0.8B's."""
+
+
+def max_cache_bytes() -> int:
+    """``$QWEN35_ONNX_PREPACKED_CACHE_MAX_GB`` (default :data:`DEFAULT_MAX_GB`) in bytes.
+
+    Raises:
+        PrepackedCacheError: the variable is not a number of GB >= 0 (the cache is then not used).
+    """
+    text = os.environ.get(MAX_ENV, "").strip()
+    try:
+        gb = float(text) if text else DEFAULT_MAX_GB
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0 or gb == float("inf"):
+        raise PrepackedCacheError(f"{MAX_ENV}={text!r} is not a number of GB >= 0")
+    return int(gb * 1e9)
 
 
 def default_directory() -> Path | None:
@@ -142,6 +173,7 @@ class PrepackedCache:
         }
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = self.directory / f"{self.export_root.name[:40]}-{digest}"
+        self.max_bytes = max_cache_bytes()
         self.released = 0
         """Bytes of mappings released after loads (:func:`release_new_pages`)."""
         try:
@@ -153,7 +185,9 @@ class PrepackedCache:
             self.path.mkdir(parents=True, exist_ok=True)
             self._use = open(self.path / "use.lock", "a+")
             fcntl.flock(self._use, fcntl.LOCK_SH)
+            os.utime(self.path / "use.lock")  # the last use, for eviction
             self._remove_stale()
+            self._evict(0)
         except OSError as exc:
             raise PrepackedCacheError(f"cannot create the pre-packed weights cache {str(self.path)!r}: {exc}") from exc
 
@@ -207,7 +241,7 @@ class PrepackedCache:
                 needed = self.space_factor * sum(
                     f.stat().st_size for f in source.parent.iterdir() if f.is_file() and f.suffix != ".onnx"
                 )
-                free = shutil.disk_usage(self.path).free
+                free = self._evict(needed)
                 if free < needed:
                     raise PrepackedCacheError(
                         f"{free / 1e9:.1f} GB free on the disk of {str(self.path)!r}, but saving the pre-packed "
@@ -225,6 +259,7 @@ class PrepackedCache:
                     self._write_index(index)
                 finally:
                     shutil.rmtree(build, ignore_errors=True)
+                self._evict(0)
                 return self.path / f"{name}.onnx"
         except OSError as exc:
             raise PrepackedCacheError(f"the pre-packed weights cache {str(self.path)!r} failed: {exc}") from exc
@@ -317,7 +352,32 @@ class PrepackedCache:
 
     def disk_bytes(self) -> int:
         """Bytes of the cache's files on disk."""
-        return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())
+        return _folder_bytes(self.path)
+
+    def _evict(self, free_needed: int) -> int:
+        """Remove other caches of the folder that no process uses, least recently used first
+        (``use.lock``'s time), while the disk has less than ``free_needed`` bytes free or the
+        folder's caches together hold more than :attr:`max_bytes`; returns the free bytes then."""
+        free = shutil.disk_usage(self.path).free
+        others = []
+        for other in self.directory.iterdir():
+            if other != self.path and other.is_dir():
+                try:
+                    others.append(((other / "use.lock").stat().st_mtime_ns, _folder_bytes(other), other))
+                except OSError:
+                    continue
+        total = self.disk_bytes() + sum(size for _, size, _ in others)
+        for _, size, other in sorted(others):
+            if free >= free_needed and total <= self.max_bytes:
+                break
+            try:
+                with open(other / "use.lock", "a+") as lock:
+                    self._fcntl.flock(lock, self._fcntl.LOCK_EX | self._fcntl.LOCK_NB)
+                    shutil.rmtree(other, ignore_errors=True)
+            except OSError:
+                continue
+            free, total = shutil.disk_usage(self.path).free, total - size
+        return free
 
     def _remove_stale(self) -> None:
         """Remove the caches (siblings of this one) that no process uses (``use.lock`` free) and
@@ -337,6 +397,11 @@ class PrepackedCache:
                     shutil.rmtree(other, ignore_errors=True)
             except (OSError, ValueError, KeyError, TypeError):
                 continue
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of the files of ``folder`` (not below it; a cache has no subfolders once built)."""
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
 
 def _write_durably(path: Path, data: bytes) -> None:

@@ -39,7 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .protocol import PeerResult, Protocol
+from .protocol import PeerResult, Protocol, run_tool
 
 __all__ = [
     "LLAMACPP_ROWS",
@@ -101,18 +101,9 @@ class LlamaCpp:
         return str(self.bin / name)
 
 
-def _run(cmd: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``cmd``; a RuntimeError naming ``what`` with the end of its output when it fails."""
-    done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
-    if done.returncode:
-        tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-15:])
-        raise RuntimeError(f"{what} failed (exit {done.returncode}): {tail}")
-    return done
-
-
 def _run_measured(cmd: list[str], what: str) -> tuple[str, str, int]:
     """Run ``cmd``: ``(stdout, stderr, peak resident bytes of that process)``; RuntimeError as
-    :func:`_run`."""
+    :func:`~.protocol.run_tool`."""
     with tempfile.TemporaryFile() as stderr:  # a file: a full stderr pipe cannot block the child
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr)
         out = proc.stdout.read().decode(errors="replace")
@@ -149,7 +140,7 @@ def ensure_llamacpp(root: Path, log=print) -> LlamaCpp:
     log(f"[bench] building llama.cpp from {LLAMA_CPP_PYTHON_PIN}'s source distribution (once) ...")
     download = root / "sdist"
     shutil.rmtree(download, ignore_errors=True)
-    _run(
+    run_tool(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
         + [LLAMA_CPP_PYTHON_PIN, "-d", str(download)],
         f"pip download {LLAMA_CPP_PYTHON_PIN}",
@@ -163,8 +154,8 @@ def ensure_llamacpp(root: Path, log=print) -> LlamaCpp:
         for m in members:
             m.name = m.name[len(prefix) :]
         tar.extractall(source, members=[m for m in members if m.name], filter="data")
-    _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], "cmake (llama.cpp configure)")
-    _run(
+    run_tool(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], "cmake (llama.cpp configure)")
+    run_tool(
         ["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(os.cpu_count() or 1)],
         "cmake --build (llama.cpp)",
     )
@@ -181,9 +172,9 @@ def ensure_converter_venv(venv: Path, llama: LlamaCpp, log=print) -> Path:
     if python.is_file() and stamp.is_file() and stamp.read_text() == wanted:
         return python
     log(f"[bench] creating llama.cpp's converter environment {venv} (once) ...")
-    _run([sys.executable, "-m", "venv", "--clear", str(venv)], "python -m venv")
-    _run([str(python), "-m", "pip", "install", "--quiet", *CONVERTER_PINS], "pip install (converter environment)")
-    _run([str(python), "-m", "pip", "install", "--quiet", str(llama.source / "gguf-py")], "pip install gguf-py")
+    run_tool([sys.executable, "-m", "venv", "--clear", str(venv)], "python -m venv")
+    run_tool([str(python), "-m", "pip", "install", "--quiet", *CONVERTER_PINS], "pip install (converter environment)")
+    run_tool([str(python), "-m", "pip", "install", "--quiet", str(llama.source / "gguf-py")], "pip install gguf-py")
     stamp.write_text(wanted)
     return python
 
@@ -229,7 +220,7 @@ def convert(python: Path, llama: LlamaCpp, checkpoint: Path, out_dir: Path, log=
             "mmproj": mmproj,
             "no_mtp": not _has_mtp(Path(checkpoint)),
         }
-        _run([str(python), "-P", str(script)], "llama.cpp's convert_hf_to_gguf.py", input=json.dumps(spec))
+        run_tool([str(python), "-P", str(script)], "llama.cpp's convert_hf_to_gguf.py", input=json.dumps(spec))
         written = partial if partial.is_file() else out_dir / f"mmproj-{partial.name}"  # --mmproj prefixes
         written.rename(target)
     return out_dir / "model-BF16.gguf", out_dir / "mmproj-F16.gguf"
@@ -244,7 +235,7 @@ def gguf_for(row: str, llama: LlamaCpp, bf16: Path, log=print) -> Path:
     if not target.is_file():
         log(f"[bench] llama-quantize {' '.join(options)} {qtype} ...")
         partial = target.with_name("partial-" + target.name)
-        _run([llama.tool("llama-quantize"), *options, str(bf16), str(partial), qtype], f"llama-quantize {qtype}")
+        run_tool([llama.tool("llama-quantize"), *options, str(bf16), str(partial), qtype], f"llama-quantize {qtype}")
         partial.rename(target)
     return target
 
@@ -259,7 +250,7 @@ def check_tokenizer(llama: LlamaCpp, model: Path, checkpoint: Path, text: str = 
     from transformers import AutoTokenizer
 
     expected = AutoTokenizer.from_pretrained(str(checkpoint))(text, add_special_tokens=False)["input_ids"]
-    done = _run(
+    done = run_tool(
         [llama.tool("llama-tokenize"), "-m", str(model), "--stdin", "--ids", "--no-bos", "--log-disable"],
         "llama-tokenize",
         input=text,

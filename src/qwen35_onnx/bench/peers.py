@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms
+from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, run_tool
 
 #: The peer's virtual environment (pip, in this order; see :func:`ensure_optimum_venv`).
 #: optimum-intel 2.2.0 itself installs with ``--no-deps`` after these: it requires torchvision,
@@ -166,15 +166,6 @@ def bench_genai(name: str, model_dir: Path, prompts: dict[int, np.ndarray], prot
 
 
 # ---- OpenVINO's own pipeline (optimum-intel + openvino-genai, in its own venv) -------------
-def _run(cmd: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``cmd``; a RuntimeError naming ``what`` with the end of its output when it fails."""
-    done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
-    if done.returncode:
-        tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-15:])
-        raise RuntimeError(f"{what} failed (exit {done.returncode}): {tail}")
-    return done
-
-
 def ensure_optimum_venv(venv: Path, log=print) -> Path:
     """Create (once) the peer's virtual environment at ``venv`` with :data:`OPTIMUM_VENV_PINS`, then
     :data:`OPTIMUM_INTEL_PIN` without its dependencies; returns its python. A stamp file holding the
@@ -185,11 +176,11 @@ def ensure_optimum_venv(venv: Path, log=print) -> Path:
     if python.is_file() and stamp.is_file() and stamp.read_text() == wanted:
         return python
     log(f"[bench] creating the optimum-intel environment {venv} (once) ...")
-    _run([sys.executable, "-m", "venv", "--clear", str(venv)], "python -m venv")
-    _run(
+    run_tool([sys.executable, "-m", "venv", "--clear", str(venv)], "python -m venv")
+    run_tool(
         [str(python), "-m", "pip", "install", "--quiet", *OPTIMUM_VENV_PINS], "pip install (optimum-intel environment)"
     )
-    _run(
+    run_tool(
         [str(python), "-m", "pip", "install", "--quiet", "--no-deps", OPTIMUM_INTEL_PIN],
         f"pip install {OPTIMUM_INTEL_PIN}",
     )
@@ -205,7 +196,7 @@ def build_optimum(python: Path, checkpoint: Path, out: Path, log=print) -> Path:
     if stamp.is_file() and stamp.read_text() == args:
         return out
     log(f"[bench] optimum-cli export openvino {' '.join(OPTIMUM_EXPORT_ARGS)} ...")
-    done = _run(
+    done = run_tool(
         [
             str(python.parent / "optimum-cli"),
             "export",
@@ -243,7 +234,7 @@ def bench_ovgenai(
         "image": image,
     }
     script = Path(__file__).resolve().with_name("ovgenai_peer.py")
-    done = _run([str(python), "-P", str(script)], f"openvino-genai peer {name}", input=json.dumps(spec))
+    done = run_tool([str(python), "-P", str(script)], f"openvino-genai peer {name}", input=json.dumps(spec))
     out = json.loads(done.stdout.strip().splitlines()[-1])
     result = PeerResult(
         name,

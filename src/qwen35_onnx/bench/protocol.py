@@ -9,6 +9,7 @@ milliseconds.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,3 +223,17 @@ def decode_weight_bytes(path: Path) -> int:
         else:
             stored[("inline", tensor.name)] = onnx.numpy_helper.to_array(tensor).nbytes
     return sum(stored.values())
+
+
+def run_tool(cmd: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
+    """Run a peer's tool ``cmd`` (text output captured; ``kwargs`` go to :func:`subprocess.run`).
+
+    Raises:
+        RuntimeError: it exited non-zero; the message names ``what``, the exit status and the last
+            15 lines of its stderr (else stdout).
+    """
+    done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    if done.returncode:
+        tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-15:])
+        raise RuntimeError(f"{what} failed (exit {done.returncode}): {tail}")
+    return done

@@ -263,22 +263,29 @@ def test_the_folder_keeps_at_most_its_bound_least_recently_used_go_first(int4_ex
     own = open_pipe(int4_export, prepacked_cache=tmp_path / "probe").backend.graphs.prepacked.disk_bytes()
     directory = tmp_path / "cache"
     old, newer, held = (_fake_cache(directory, n, 4_000_000, t * 10**18) for n, t in (("a", 1), ("b", 2), ("c", 0)))
+    # what an interrupted save left in its build folder counts; a symlink to a cache is not a cache
+    (old / "packed.data").write_bytes(b"\0" * 1_000_000)
+    (old / "build").mkdir()
+    (old / "build" / "decode.building.data").write_bytes(b"\0" * 3_000_000)
+    (directory / "alias").symlink_to(newer)
     with open(held / "use.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)  # another process uses it
-        # room for this export's cache and two of 4 MB: the least recently used unheld one goes
-        monkeypatch.setenv(prepacked.MAX_ENV, str((own + 2 * 4_000_000 + 1000) / 1e9))
+        # room for this export's cache, two of 4 MB and 1.5 MB: "a" (1 MB, 4 MB with its build
+        # folder) is the least recently used one no process holds: it goes
+        monkeypatch.setenv(prepacked.MAX_ENV, str((own + 2 * 4_000_000 + 1_500_000) / 1e9))
         cache = open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked
         assert not old.exists() and newer.exists() and held.exists() and cache.disk_bytes() == own
+        assert (directory / "alias").is_symlink()
         # a bound of 0: every cache no process uses goes; this one and the held one stay
         monkeypatch.setenv(prepacked.MAX_ENV, "0")
         saved = saves(monkeypatch)
         again = open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked
         assert again.path == cache.path and not saved
         assert not newer.exists() and held.exists() and again.path.exists()
-    for bad in ("-1", "lots", "inf"):
+    for bad in ("-1", "lots", "inf", "1e300"):
         monkeypatch.setenv(prepacked.MAX_ENV, bad)
         with pytest.warns(
-            RuntimeWarning, match=rf"QWEN35_ONNX_PREPACKED_CACHE_MAX_GB='{bad}' is not a number of GB >= 0"
+            RuntimeWarning, match=rf"QWEN35_ONNX_PREPACKED_CACHE_MAX_GB='{bad}' is not a finite number of GB >= 0"
         ):
             assert open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked is None
 
@@ -297,3 +304,32 @@ def test_a_build_without_room_first_removes_unused_caches(int4_export, tmp_path,
     monkeypatch.setattr(prepacked.shutil, "disk_usage", usage)
     cache = open_pipe(int4_export, prepacked_cache=directory).backend.graphs.prepacked
     assert cache is not None and not old.exists()
+
+
+def test_a_folder_removed_while_it_opens_is_made_again(tmp_path, monkeypatch):
+    """Another process may remove a cache folder (stale, or over the bound) in the moment between
+    its creation and the shared lock, when it is unused: the cache takes its lock again on a new
+    folder and is held, not lost."""
+    import fcntl
+
+    export = tmp_path / "export"
+    (export / "text").mkdir(parents=True)
+    (export / "text" / "decode.onnx").write_bytes(b"x")
+    first = prepacked.PrepackedCache(export, {}, tmp_path / "cache")
+    folder = first.path
+    del first
+    gc.collect()
+    real, removed = fcntl.flock, []
+
+    def flock(fd, operation):
+        if operation == fcntl.LOCK_SH and not removed:
+            removed.append(folder)
+            shutil.rmtree(folder)  # as an evicting process does once it holds the lock
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    cache = prepacked.PrepackedCache(export, {}, tmp_path / "cache")
+    assert removed and cache.path == folder and (folder / "use.lock").exists()
+    monkeypatch.setattr(fcntl, "flock", real)
+    with open(folder / "use.lock") as lock, pytest.raises(BlockingIOError):
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held shared by ``cache``

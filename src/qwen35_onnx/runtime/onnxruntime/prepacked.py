@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import platform
@@ -96,8 +97,8 @@ def max_cache_bytes() -> int:
         gb = float(text) if text else DEFAULT_MAX_GB
     except ValueError:
         gb = -1.0
-    if not gb >= 0 or gb == float("inf"):
-        raise PrepackedCacheError(f"{MAX_ENV}={text!r} is not a number of GB >= 0")
+    if not (gb >= 0 and math.isfinite(gb * 1e9)):
+        raise PrepackedCacheError(f"{MAX_ENV}={text!r} is not a finite number of GB >= 0")
     return int(gb * 1e9)
 
 
@@ -182,14 +183,37 @@ class PrepackedCache:
             raise PrepackedCacheError(f"no file locking on this system ({exc})") from None
         self._fcntl = fcntl
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._use = open(self.path / "use.lock", "a+")
-            fcntl.flock(self._use, fcntl.LOCK_SH)
-            os.utime(self.path / "use.lock")  # the last use, for eviction
-            self._remove_stale()
-            self._evict(0)
+            self._use = self._hold()
         except OSError as exc:
             raise PrepackedCacheError(f"cannot create the pre-packed weights cache {str(self.path)!r}: {exc}") from exc
+        try:
+            self._remove_stale()
+            self._evict(0)
+        except OSError:  # another process changing the folder meanwhile: tidying is best effort
+            pass
+
+    def _hold(self, attempts: int = 5):
+        """Create the folder if needed and hold its ``use.lock`` shared; returns the open lock file.
+        Another process may remove the folder (as stale or over the bound) between its creation
+        and the lock, since it was unused then: the lock is taken again until the held file is
+        the folder's ``use.lock``."""
+        for attempt in range(attempts):
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                lock = open(self.path / "use.lock", "a+")
+            except (FileNotFoundError, FileExistsError):  # the folder went while mkdir looked at it
+                if attempt + 1 == attempts:
+                    raise
+                continue
+            self._fcntl.flock(lock, self._fcntl.LOCK_SH)
+            try:
+                if os.path.samestat(os.fstat(lock.fileno()), os.stat(self.path / "use.lock")):
+                    os.utime(self.path / "use.lock")  # the last use, for eviction
+                    return lock
+            except FileNotFoundError:
+                pass
+            lock.close()
+        raise OSError(f"the folder was removed by another process {attempts} times while it was being opened")
 
     # ---- the index --------------------------------------------------------------------------
     def _read_index(self) -> dict:
@@ -361,7 +385,7 @@ class PrepackedCache:
         free = shutil.disk_usage(self.path).free
         others = []
         for other in self.directory.iterdir():
-            if other != self.path and other.is_dir():
+            if other != self.path and other.is_dir() and not other.is_symlink():
                 try:
                     others.append(((other / "use.lock").stat().st_mtime_ns, _folder_bytes(other), other))
                 except OSError:
@@ -371,12 +395,12 @@ class PrepackedCache:
             if free >= free_needed and total <= self.max_bytes:
                 break
             try:
-                with open(other / "use.lock", "a+") as lock:
+                with open(other / "use.lock") as lock:
                     self._fcntl.flock(lock, self._fcntl.LOCK_EX | self._fcntl.LOCK_NB)
                     shutil.rmtree(other, ignore_errors=True)
             except OSError:
                 continue
-            free, total = shutil.disk_usage(self.path).free, total - size
+            free, total = shutil.disk_usage(self.path).free, total - (size - _folder_bytes(other))
         return free
 
     def _remove_stale(self) -> None:
@@ -400,8 +424,17 @@ class PrepackedCache:
 
 
 def _folder_bytes(folder: Path) -> int:
-    """Bytes of the files of ``folder`` (not below it; a cache has no subfolders once built)."""
-    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    """Bytes of the files in and below ``folder`` (the ``build`` folder of an interrupted save
+    included), not following symlinks; files that vanish meanwhile count 0; 0 for a folder that
+    is gone."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+    return total
 
 
 def _write_durably(path: Path, data: bytes) -> None:

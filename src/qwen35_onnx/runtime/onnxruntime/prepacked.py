@@ -384,43 +384,48 @@ class PrepackedCache:
         folder's caches together hold more than :attr:`max_bytes`; returns the free bytes then."""
         free = shutil.disk_usage(self.path).free
         others = []
-        for other in self.directory.iterdir():
-            if other != self.path and other.is_dir() and not other.is_symlink():
-                try:
-                    others.append(((other / "use.lock").stat().st_mtime_ns, _folder_bytes(other), other))
-                except OSError:
-                    continue
+        for other in self._others():
+            try:
+                others.append(((other / "use.lock").stat().st_mtime_ns, _folder_bytes(other), other))
+            except OSError:
+                continue
         total = self.disk_bytes() + sum(size for _, size, _ in others)
         for _, size, other in sorted(others):
             if free >= free_needed and total <= self.max_bytes:
                 break
-            try:
-                with open(other / "use.lock") as lock:
-                    self._fcntl.flock(lock, self._fcntl.LOCK_EX | self._fcntl.LOCK_NB)
-                    shutil.rmtree(other, ignore_errors=True)
-            except OSError:
-                continue
-            free, total = shutil.disk_usage(self.path).free, total - (size - _folder_bytes(other))
+            if self._remove_unused(other):
+                free, total = shutil.disk_usage(self.path).free, total - (size - _folder_bytes(other))
         return free
+
+    def _others(self):
+        """The other cache folders of :attr:`directory` (symlinks are not caches)."""
+        for other in self.directory.iterdir():
+            if other != self.path and other.is_dir() and not other.is_symlink():
+                yield other
+
+    def _remove_unused(self, other: Path) -> bool:
+        """Remove the cache folder ``other`` if no process holds its ``use.lock``; True if it was
+        removed (its lock is held exclusively meanwhile, so no process can start using it)."""
+        try:
+            with open(other / "use.lock") as lock:
+                self._fcntl.flock(lock, self._fcntl.LOCK_EX | self._fcntl.LOCK_NB)
+                shutil.rmtree(other, ignore_errors=True)
+        except OSError:
+            return False
+        return True
 
     def _remove_stale(self) -> None:
         """Remove the caches (siblings of this one) that no process uses (``use.lock`` free) and
         that this machine made either for this export with another key (it changed, or another
         ONNX Runtime version made them) or for an export that no longer exists."""
-        fcntl = self._fcntl
-        for other in self.directory.iterdir():
-            if other == self.path or not other.is_dir():
-                continue
+        for other in self._others():
             try:
                 key = json.loads((other / "index.json").read_text())["key"]
                 export, machine = str(key["export"]), key["machine"]
-                if machine != self.key["machine"] or (export != self.key["export"] and Path(export).exists()):
-                    continue
-                with open(other / "use.lock", "a+") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    shutil.rmtree(other, ignore_errors=True)
             except (OSError, ValueError, KeyError, TypeError):
                 continue
+            if machine == self.key["machine"] and (export == self.key["export"] or not Path(export).exists()):
+                self._remove_unused(other)
 
 
 def _folder_bytes(folder: Path) -> int:

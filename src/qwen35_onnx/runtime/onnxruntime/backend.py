@@ -13,7 +13,7 @@ import onnxruntime as ort
 from ...contract import ContractError, ShapeContract
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
 from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, run_chunk_bound, run_host
-from .sessions import OrtGraphSet, providers_for
+from .sessions import OrtGraphSet, providers_for, run_options
 
 
 class OrtBackend(Backend):
@@ -62,23 +62,25 @@ class OrtBackend(Backend):
     def run_prefill(self, bucket: int | None, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:
         session = self.graphs.prefill(bucket).session
         names = [o.name for o in session.get_outputs()]
+        options = run_options(feeds["input_ids"].shape[-1])
         if self.host_state_roundtrip:
-            outputs = dict(zip(names, session.run(None, feeds)))
+            outputs = dict(zip(names, session.run(None, feeds, options)))
             return outputs.pop("logits"), outputs
         binding = session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
         for name in names:
             binding.bind_output(name, self.device)  # fresh OrtValues on the device each run
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, options)
         outputs = dict(zip(names, binding.get_outputs()))
         return outputs.pop("logits").numpy(), outputs
 
     def run_chunk(self, size: int, feeds: dict[str, np.ndarray], states: dict) -> tuple[np.ndarray, dict]:
         session = self.graphs.chunk(size).session
+        options = run_options(size)
         if self.host_state_roundtrip:
-            return run_host(session, self.contract, feeds, states)
-        return run_chunk_bound(session, self.contract, self.device, feeds, states)
+            return run_host(session, self.contract, feeds, states, options)
+        return run_chunk_bound(session, self.contract, self.device, feeds, states, options)
 
     def states_to_host(self, states: dict, kv_length: int | None = None) -> dict[str, np.ndarray]:
         arrays = {}

@@ -164,12 +164,13 @@ def run_chunk_bound(
     device: str,
     feeds: dict[str, np.ndarray],
     states: dict[str, ort.OrtValue],
+    options: ort.RunOptions | None = None,
 ) -> tuple[np.ndarray, dict[str, ort.OrtValue]]:
     """One run of a chunk graph with IOBinding: the host ``feeds``, the past ``states``
     (``present_*`` OrtValues on ``device``) bound as inputs; the conv and recurrent outputs in new
     buffers; the KV cache written in place in ``states['present_kv_cache']`` with
-    :attr:`ShapeContract.kv_in_place` (a new buffer otherwise). Returns the logits (host) and the
-    new states."""
+    :attr:`ShapeContract.kv_in_place` (a new buffer otherwise); ``options``: the run's RunOptions
+    (:func:`.sessions.run_options`). Returns the logits (host) and the new states."""
     binding = session.io_binding()
     for name, value in feeds.items():
         binding.bind_cpu_input(name, np.ascontiguousarray(value))
@@ -178,7 +179,7 @@ def run_chunk_bound(
         for state in STATE_NAMES:
             binding.bind_ortvalue_input(f"past_{state}", states[f"present_{state}"])
             binding.bind_output(f"present_{state}", device)
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, options)
         outputs = dict(zip(["logits", *(f"present_{s}" for s in STATE_NAMES)], binding.get_outputs()))
         return outputs.pop("logits").numpy(), outputs
     new = {}
@@ -190,23 +191,28 @@ def run_chunk_bound(
     kv = new["present_kv_cache"] = states["present_kv_cache"]
     bind_entries(binding, contract, device, "kv_cache", "past", kv)
     bind_entries(binding, contract, device, "kv_cache", "present", kv)  # in place
-    session.run_with_iobinding(binding)
+    session.run_with_iobinding(binding, options)
     return binding.get_outputs()[0].numpy(), new
 
 
 def run_host(
-    session: ort.InferenceSession, contract: ShapeContract, feeds: dict[str, np.ndarray], states: dict
+    session: ort.InferenceSession,
+    contract: ShapeContract,
+    feeds: dict[str, np.ndarray],
+    states: dict,
+    options: ort.RunOptions | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """One run of a decode or chunk graph with every state through numpy (``--host-state-roundtrip``):
     the host ``feeds`` and the past ``states`` (``present_*``, stacked; split into entries where the
-    graph takes them one by one) in; the logits and the new stacked states out."""
+    graph takes them one by one) in; the logits and the new stacked states out; ``options``: the
+    run's RunOptions."""
     feeds = dict(feeds)
     per_entry = contract.kv_in_place
     for state in STATE_NAMES:
         names = contract.decode_state_names(state, "past")
         value = _to_numpy(states[f"present_{state}"])
         feeds.update(zip(names, value) if per_entry else {names[0]: value})
-    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds, options)))
     new = {}
     for state in STATE_NAMES:
         names = contract.decode_state_names(state, "present")

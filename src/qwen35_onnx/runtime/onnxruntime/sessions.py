@@ -6,9 +6,11 @@ weights (:mod:`.shared_weights`, :mod:`.prepacked`).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import onnxruntime as ort
@@ -29,6 +31,52 @@ from .prepacked import (
 from .shared_weights import SharedWeights, relayout_for
 
 DEVICES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class Activations(StrEnum):
+    """Where an ONNX Runtime CPU session's activation memory lives between runs."""
+
+    OWN = "own"
+    """The session's own CPU arena with ONNX Runtime's memory pattern: what a run needs stays
+    allocated for the next one (vision, decode)."""
+    SHARED = "shared"
+    """The process's one shared CPU arena (:func:`shared_arena`), tensor by tensor (no memory
+    pattern): every prefill and chunk session reuses the same memory, so the process holds the
+    largest run's live activations once, not one block per loaded graph, and a run writes to
+    pages already mapped (freshly mapped memory cost 0.8B int4 prefill 20-25 %: 111,000 page
+    faults, 0.43 GB, per 512-token run; ``docs/design.md``)."""
+
+
+KEPT_ACTIVATION_TOKENS = 512
+"""Prompt positions up to which a prefill or chunk run leaves the shared arena's memory allocated
+for the next run (the default largest chunk); a wider run hands what it added back to the system
+at its end (ONNX Runtime's arena shrinkage), so one long bucketed prompt does not keep its
+activations (0.8B: about 0.2 GB at 512 tokens, growing with the width)."""
+
+
+@functools.lru_cache(maxsize=1)
+def shared_arena() -> bool:
+    """Register the process's shared ONNX Runtime CPU arena (``create_and_register_allocator``,
+    growing by what is requested rather than in powers of two) once; sessions opt in with the
+    ``session.use_env_allocators`` config entry. Returns False where this ONNX Runtime cannot (the
+    sessions then use their own arenas)."""
+    try:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+    except (AttributeError, RuntimeError, TypeError):  # an ONNX Runtime build without it
+        return False
+    return True
+
+
+def run_options(tokens: int) -> ort.RunOptions | None:
+    """The RunOptions of a prefill or chunk run over ``tokens`` prompt positions: None up to
+    :data:`KEPT_ACTIVATION_TOKENS`; above it, shrink the CPU arena at the end of the run (ONNX
+    Runtime's ``memory.enable_memory_arena_shrinkage``)."""
+    if tokens <= KEPT_ACTIVATION_TOKENS:
+        return None
+    options = ort.RunOptions()
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
 MISSING_KERNEL = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
 """ONNX Runtime's NOT_IMPLEMENTED message for an operator without a kernel for the graph's types."""
 
@@ -67,7 +115,7 @@ class GraphSession(GraphSpec):
         config: dict[str, str] | None = None,
         dtype: Dtype = Dtype.FP32,
         weights: SharedWeights | None = None,
-        arena: bool = True,
+        activations: Activations = Activations.OWN,
         save_to: tuple[Path, str] | None = None,
         profile_dir: Path | None = None,
     ) -> GraphSession:
@@ -76,8 +124,8 @@ class GraphSession(GraphSpec):
         ``dtype``: the export's dtype (named in the error when ONNX Runtime lacks a kernel);
         ``weights``: read the external data from these shared mappings (see
         :mod:`.shared_weights`; None: ONNX Runtime maps and copies it for this session alone);
-        ``arena``: ONNX Runtime's CPU memory arena, which keeps the memory of a run's largest
-        activations for the next run (off: freed after each run); ``save_to``: ``(graph file, data
+        ``activations``: where the activation memory lives between runs (:class:`Activations`; on
+        CPU); ``save_to``: ``(graph file, data
         file name)``: also save the optimized graph there, its pre-packed weights in the data file
         (for :mod:`.prepacked`); ``profile_dir``: profile the session (ONNX Runtime's profiler),
         its file ``<profile_dir>/<name>_<time>.json`` written when the session ends.
@@ -89,7 +137,9 @@ class GraphSession(GraphSpec):
             raise ContractError(f"{name} graph {str(path)!r} not found")
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.enable_cpu_mem_arena = arena
+        if activations == Activations.SHARED and device == "cpu" and shared_arena():
+            options.enable_mem_pattern = False
+            options.add_session_config_entry("session.use_env_allocators", "1")
         if threads:
             options.intra_op_num_threads = threads
         if profile_dir is not None and save_to is None:  # a session made only to save a graph is not profiled
@@ -149,8 +199,9 @@ class OrtGraphSet(GraphSet):
     graph through the pre-packed weights cache (:attr:`prepacked`, see :mod:`.prepacked`;
     ``prepacked_cache``: True for its default folder (``$QWEN35_ONNX_PREPACKED_CACHE``, ``off``
     there turns it off), a folder, or False). ``share_weights=False`` gives each session its own
-    (for comparison). Prefill sessions run without ONNX Runtime's memory arena (with it, each
-    loaded bucket would keep the activation memory of its last run; ``docs/design.md``).
+    (for comparison). Prefill and chunk sessions share one CPU arena (:attr:`Activations.SHARED`;
+    with an arena each, every loaded bucket kept the activation memory of its last run, and without
+    any, each run wrote to freshly mapped memory; ``docs/design.md``).
 
     Loaded prefill sessions are at most ``max_prefill_sessions`` (None: no fixed number; the least
     recently used go first). Where each session holds its own pre-packed weights (the cache off
@@ -240,11 +291,12 @@ class OrtGraphSet(GraphSet):
             release_freed_memory()
 
     def _read(self, key: str, path: Path) -> GraphSession:
-        arena = GraphKind.of(key) in (GraphKind.VISION, GraphKind.DECODE)
+        own = GraphKind.of(key) in (GraphKind.VISION, GraphKind.DECODE)
+        activations = Activations.OWN if own else Activations.SHARED
         if self.prepacked is not None:
             cache = self.prepacked
             try:
-                return self._read_cached(key, path, arena)
+                return self._read_cached(key, path, activations)
             except (PrepackedCacheError, ContractError) as exc:
                 # ContractError: ONNX Runtime failed while saving (e.g. a full disk), a damaged
                 # saved graph (forgotten: made again next time), or a graph that cannot load at
@@ -258,11 +310,11 @@ class OrtGraphSet(GraphSet):
                 return graph
         # each vision graph has its own weights (a static-grid export loads a grid on its first image)
         weights = None if GraphKind.of(key) == GraphKind.VISION else self.weights
-        return self._session(key, path, weights=weights, arena=arena)
+        return self._session(key, path, weights=weights, activations=activations)
 
     def _session(self, key: str, path: Path, **extra) -> GraphSession:
         """:meth:`GraphSession.load` of ``path`` with this set's device, threads, the export's session
-        config and dtype, and ``extra`` (its ``weights``, ``arena``, ``save_to``)."""
+        config and dtype, and ``extra`` (its ``weights``, ``activations``, ``save_to``)."""
         return GraphSession.load(
             key,
             path,
@@ -274,17 +326,17 @@ class OrtGraphSet(GraphSet):
             **extra,
         )
 
-    def _read_cached(self, key: str, path: Path, arena: bool) -> GraphSession:
+    def _read_cached(self, key: str, path: Path, activations: Activations) -> GraphSession:
         """Load ``key`` from the pre-packed weights cache (saving it there first if needed)."""
 
         def save(target: Path, data_name: str) -> None:
-            self._session(key, path, arena=arena, save_to=(target, data_name))
+            self._session(key, path, activations=activations, save_to=(target, data_name))
             trim_heap()  # the packed weights of that session
 
         saved = self.prepacked.graph(key, path, save)
         packed = self.prepacked.path / PACKED
         before = mapped_starts(packed)
-        graph = self._session(key, saved, arena=arena)
+        graph = self._session(key, saved, activations=activations)
         self.prepacked.released += release_new_pages(packed, before)
         trim_heap()  # what loading allocated and freed (4B: about 0.17 GB per graph)
         return graph

@@ -77,6 +77,8 @@ def run_options(tokens: int) -> ort.RunOptions | None:
     options = ort.RunOptions()
     options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return options
+
+
 MISSING_KERNEL = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
 """ONNX Runtime's NOT_IMPLEMENTED message for an operator without a kernel for the graph's types."""
 

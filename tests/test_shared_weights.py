@@ -242,8 +242,9 @@ for _ in range(7):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     pipe.generation(prepared).prefill()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+graphs = pipe.backend.graphs
 options = {key: spec.session.get_session_options() for key, spec in
-           [("decode", pipe.backend.graphs.decode), *pipe.backend.graphs._prefill.items()]}
+           [("decode", graphs.decode), ("vision", graphs.vision(None)), *graphs._prefill.items()]}
 
 def shared(o):
     try:
@@ -267,7 +268,7 @@ def test_prefill_runs_reuse_the_shared_arena(wide_int4_export):
     assert out.returncode == 0, out.stderr
     found = json.loads(out.stdout)
     assert sum(found["faults"]) < 3000, found  # 7 runs: 800-1,100 measured; 7,600-11,700 without an arena
-    assert found["options"] == {"decode": [True, ""], "128": [False, "1"]}, found
+    assert found["options"] == {"decode": [True, ""], "vision": [False, "1"], "128": [False, "1"]}, found
     assert run_options(KEPT_ACTIVATION_TOKENS) is None
     shrink = run_options(KEPT_ACTIVATION_TOKENS + 1)
     assert shrink.get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"

@@ -56,7 +56,8 @@ class OrtBackend(Backend):
         return {}
 
     def _run_vision(self, graph, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        (embeds,) = graph.session.run(None, feeds)
+        tokens = len(feeds["pixel_values"]) // self.contract.spatial_merge_size**2  # image tokens
+        (embeds,) = graph.session.run(None, feeds, run_options(tokens))
         return embeds
 
     def run_prefill(self, bucket: int | None, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:

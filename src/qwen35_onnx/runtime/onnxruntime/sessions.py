@@ -38,38 +38,40 @@ class Activations(StrEnum):
 
     OWN = "own"
     """The session's own CPU arena with ONNX Runtime's memory pattern: what a run needs stays
-    allocated for the next one (vision, decode)."""
+    allocated for the next one (decode: one token's activations)."""
     SHARED = "shared"
     """The process's one shared CPU arena (:func:`shared_arena`), tensor by tensor (no memory
-    pattern): every prefill and chunk session reuses the same memory, so the process holds the
-    largest run's live activations once, not one block per loaded graph, and a run writes to
+    pattern): the vision, prefill and chunk sessions reuse the same memory, so the process holds
+    the largest run's live activations once, not one block per loaded graph, and a run writes to
     pages already mapped (freshly mapped memory cost 0.8B int4 prefill 20-25 %: 111,000 page
     faults, 0.43 GB, per 512-token run; ``docs/design.md``)."""
 
 
 KEPT_ACTIVATION_TOKENS = 512
-"""Prompt positions up to which a prefill or chunk run leaves the shared arena's memory allocated
-for the next run (the default largest chunk); a wider run hands what it added back to the system
-at its end (ONNX Runtime's arena shrinkage), so one long bucketed prompt does not keep its
-activations (0.8B: about 0.2 GB at 512 tokens, growing with the width)."""
+"""Positions (prompt tokens of a prefill or chunk run, image tokens of a vision run) up to which a
+run leaves the shared arena's memory allocated for the next run (the default largest chunk); a
+wider run hands what it added back to the system at its end (ONNX Runtime's arena shrinkage), so
+one long bucketed prompt or one large image does not keep its activations (0.8B: about 0.2 GB
+at 512 prompt tokens, growing with the width)."""
 
 
 @functools.lru_cache(maxsize=1)
 def shared_arena() -> bool:
-    """Register the process's shared ONNX Runtime CPU arena (``create_and_register_allocator``,
-    growing by what is requested rather than in powers of two) once; sessions opt in with the
+    """Register the process's shared ONNX Runtime CPU arena once (``create_and_register_allocator``;
+    growing in powers of two, which at 0.8B held 0.05-0.1 GB less resident memory after a
+    512-token prefill and an image than growing by what is requested); sessions opt in with the
     ``session.use_env_allocators`` config entry. Returns False where this ONNX Runtime cannot (the
     sessions then use their own arenas)."""
     try:
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 0}))
     except (AttributeError, RuntimeError, TypeError):  # an ONNX Runtime build without it
         return False
     return True
 
 
 def run_options(tokens: int) -> ort.RunOptions | None:
-    """The RunOptions of a prefill or chunk run over ``tokens`` prompt positions: None up to
+    """The RunOptions of a run over ``tokens`` positions (:data:`KEPT_ACTIVATION_TOKENS`): None up to
     :data:`KEPT_ACTIVATION_TOKENS`; above it, shrink the CPU arena at the end of the run (ONNX
     Runtime's ``memory.enable_memory_arena_shrinkage``)."""
     if tokens <= KEPT_ACTIVATION_TOKENS:
@@ -201,9 +203,9 @@ class OrtGraphSet(GraphSet):
     graph through the pre-packed weights cache (:attr:`prepacked`, see :mod:`.prepacked`;
     ``prepacked_cache``: True for its default folder (``$QWEN35_ONNX_PREPACKED_CACHE``, ``off``
     there turns it off), a folder, or False). ``share_weights=False`` gives each session its own
-    (for comparison). Prefill and chunk sessions share one CPU arena (:attr:`Activations.SHARED`;
-    with an arena each, every loaded bucket kept the activation memory of its last run, and without
-    any, each run wrote to freshly mapped memory; ``docs/design.md``).
+    (for comparison). Vision, prefill and chunk sessions share one CPU arena
+    (:attr:`Activations.SHARED`; with an arena each, every loaded graph kept the activation memory
+    of its last run, and without any, each run wrote to freshly mapped memory; ``docs/design.md``).
 
     Loaded prefill sessions are at most ``max_prefill_sessions`` (None: no fixed number; the least
     recently used go first). Where each session holds its own pre-packed weights (the cache off
@@ -293,8 +295,7 @@ class OrtGraphSet(GraphSet):
             release_freed_memory()
 
     def _read(self, key: str, path: Path) -> GraphSession:
-        own = GraphKind.of(key) in (GraphKind.VISION, GraphKind.DECODE)
-        activations = Activations.OWN if own else Activations.SHARED
+        activations = Activations.OWN if GraphKind.of(key) == GraphKind.DECODE else Activations.SHARED
         if self.prepacked is not None:
             cache = self.prepacked
             try:

@@ -172,6 +172,10 @@ def bench_export(
     finally:
         del pipe
         release_freed_memory()
+        if runtime == "onnxruntime":  # the activations the rows shared (the next row's peak)
+            from ..runtime.onnxruntime.sessions import shrink_shared_arena
+
+            shrink_shared_arena()
 
 
 def step_graph(pipe, export_dir: Path) -> Path:
@@ -208,6 +212,9 @@ def _constrained(row: str, export_dir: Path, log) -> list[str]:
     finally:
         del pipe
         release_freed_memory()
+        from ..runtime.onnxruntime.sessions import shrink_shared_arena  # an ONNX Runtime pipeline
+
+        shrink_shared_arena()
 
 
 def _is_cached(folder: Path, options) -> bool:

@@ -233,6 +233,21 @@ def encode_node(node: Node) -> bytes:
     return out
 
 
+def identity_model(opset: int = 17) -> bytes:
+    """A ModelProto of one Identity node from input ``x`` to output ``y``, both fp32 ``[1]``
+    (IR version 8, default domain at ``opset``): a graph to run when only a run's side effects
+    matter (:func:`qwen35_onnx.runtime.onnxruntime.sessions.shrink_shared_arena`)."""
+
+    def value_info(name: str) -> bytes:
+        shape = _bytes_field(2, _bytes_field(1, _varint_field(1, 1)))  # TensorShapeProto: one dim of 1
+        tensor = _bytes_field(1, _varint_field(1, 1) + shape)  # TypeProto.tensor_type: FLOAT
+        return _str_field(1, name) + _bytes_field(2, tensor)
+
+    graph = _bytes_field(1, encode_node(Node("Identity", ["x"], ["y"]))) + _str_field(2, "identity")
+    graph += _bytes_field(11, value_info("x")) + _bytes_field(12, value_info("y"))
+    return _varint_field(1, 8) + _bytes_field(7, graph) + _bytes_field(8, _str_field(1, "") + _varint_field(2, opset))
+
+
 def encode_initializer(tensor: Initializer) -> bytes:
     """Serialize an external-data initializer as a TensorProto (dims, type, name, location)."""
     if tensor.location is None:

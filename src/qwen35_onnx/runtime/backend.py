@@ -326,7 +326,8 @@ class Backend(abc.ABC):
 
     def unload_prefill(self) -> None:
         """Drop the loaded prefill and chunk graphs (they load again on next use) and hand their memory
-        back."""
+        back (their weights; ONNX Runtime's shared activation arena stays for the next run, see
+        :class:`~qwen35_onnx.runtime.onnxruntime.sessions.Activations`)."""
         from .host_memory import release_freed_memory
 
         self.graphs.unload_prefill()

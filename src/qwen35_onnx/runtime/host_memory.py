@@ -33,7 +33,8 @@ def trim_heap() -> None:
 
 def release_freed_memory() -> None:
     """Collect garbage, then :func:`trim_heap`: what a dropped session or generation held leaves
-    the process."""
+    the process (ONNX Runtime's shared activation arena stays:
+    :func:`qwen35_onnx.runtime.onnxruntime.sessions.shrink_shared_arena`)."""
     gc.collect()
     trim_heap()
 

@@ -12,7 +12,7 @@ import onnxruntime as ort
 
 from ...contract import ContractError, ShapeContract
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
-from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, run_chunk_bound, run_host
+from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, bind_state_output, run_chunk_bound, run_host
 from .sessions import OrtGraphSet, providers_for, run_options
 
 
@@ -70,8 +70,11 @@ class OrtBackend(Backend):
         binding = session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
-        for name in names:
-            binding.bind_output(name, self.device)  # fresh OrtValues on the device each run
+        for output in session.get_outputs():  # fresh OrtValues on the device each run
+            if output.name == "logits":
+                binding.bind_output(output.name, self.device)
+            else:
+                bind_state_output(binding, output, self.device)  # the generation keeps them
         session.run_with_iobinding(binding, options)
         outputs = dict(zip(names, binding.get_outputs()))
         return outputs.pop("logits").numpy(), outputs

@@ -138,6 +138,26 @@ class BoundDecoder:
         return np.array(self.buffers[parity]["logits"].numpy(), copy=True)
 
 
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+"""numpy dtypes of the ONNX Runtime output types :func:`bind_state_output` allocates itself."""
+
+
+def bind_state_output(binding: ort.IOBinding, output, device: str) -> None:
+    """Bind the graph output ``output`` (a ``NodeArg`` of ``session.get_outputs()``) to a new
+    buffer of its own (``OrtValue.ortvalue_from_shape_and_type``: ONNX Runtime's default allocator
+    on ``device``), not one from the session's arena: a state a generation keeps (``[L, ...]``
+    conv, recurrent, KV) then pins none of the CPU arena that vision, prefill and chunk runs share
+    (:class:`.sessions.Activations`), and freeing it hands its memory back. Outputs with a
+    symbolic dimension (dynamic KV) or another element type are left to the session
+    (``bind_output``)."""
+    shape = output.shape
+    if output.type not in ORT_TYPES or not all(isinstance(d, int) for d in shape):
+        binding.bind_output(output.name, device)
+        return
+    buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, ORT_TYPES[output.type], device, 0)
+    binding.bind_ortvalue_output(output.name, buffer)
+
+
 def bind_entries(
     binding: ort.IOBinding, contract: ShapeContract, device: str, state: str, prefix: str, stacked: ort.OrtValue
 ) -> None:
@@ -168,7 +188,7 @@ def run_chunk_bound(
 ) -> tuple[np.ndarray, dict[str, ort.OrtValue]]:
     """One run of a chunk graph with IOBinding: the host ``feeds``, the past ``states``
     (``present_*`` OrtValues on ``device``) bound as inputs; the conv and recurrent outputs in new
-    buffers; the KV cache written in place in ``states['present_kv_cache']`` with
+    buffers (:func:`bind_state_output`); the KV cache written in place in ``states['present_kv_cache']`` with
     :attr:`ShapeContract.kv_in_place` (a new buffer otherwise); ``options``: the run's RunOptions
     (:func:`.sessions.run_options`). Returns the logits (host) and the new states."""
     binding = session.io_binding()
@@ -176,9 +196,10 @@ def run_chunk_bound(
         binding.bind_cpu_input(name, np.ascontiguousarray(value))
     binding.bind_output("logits", device)
     if not contract.kv_in_place:
+        graph_outputs = {o.name: o for o in session.get_outputs()}
         for state in STATE_NAMES:
             binding.bind_ortvalue_input(f"past_{state}", states[f"present_{state}"])
-            binding.bind_output(f"present_{state}", device)
+            bind_state_output(binding, graph_outputs[f"present_{state}"], device)
         session.run_with_iobinding(binding, options)
         outputs = dict(zip(["logits", *(f"present_{s}" for s in STATE_NAMES)], binding.get_outputs()))
         return outputs.pop("logits").numpy(), outputs

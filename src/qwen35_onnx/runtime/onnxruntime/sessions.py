@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from ...contract import METADATA_KEY, TEXT_WEIGHTS, ContractError, Dtype, GraphKind, Ops, Quantization, ShapeContract
+from ...onnxfile.edit import identity_model
 from ..backend import GraphSet, RuntimeOptions
 from ..checks import GraphSpec
 from ..host_memory import available_memory, release_freed_memory, trim_heap
@@ -44,7 +46,10 @@ class Activations(StrEnum):
     pattern): the vision, prefill and chunk sessions reuse the same memory, so the process holds
     the largest run's live activations once, not one block per loaded graph, and a run writes to
     pages already mapped (freshly mapped memory cost 0.8B int4 prefill 20-25 %: 111,000 page
-    faults, 0.43 GB, per 512-token run; ``docs/design.md``)."""
+    faults, 0.43 GB, per 512-token run; ``docs/design.md``). The arena lives as long as the process:
+    dropping a session or a generation leaves it allocated for the next run; the states a
+    generation keeps are allocated outside it (:func:`.decoders.bind_state_output`). On a GPU the
+    host side of these sessions runs without an arena."""
 
 
 KEPT_ACTIVATION_TOKENS = 512
@@ -60,14 +65,34 @@ def shared_arena() -> bool:
     """Register the process's shared ONNX Runtime CPU arena once (``create_and_register_allocator``;
     growing in powers of two, which at 0.8B held 0.05-0.1 GB less resident memory after a
     512-token prefill and an image than growing by what is requested); sessions opt in with the
-    ``session.use_env_allocators`` config entry. Returns False where this ONNX Runtime cannot (the
-    sessions then use their own arenas)."""
+    ``session.use_env_allocators`` config entry. It replaces a shared CPU allocator registered
+    before in this process (ONNX Runtime keeps the last one registered); sessions that do not opt in
+    are not affected. Returns False where this ONNX Runtime cannot (those sessions then run without
+    an arena, as before it)."""
     try:
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 0}))
-    except (AttributeError, RuntimeError, TypeError):  # an ONNX Runtime build without it
+    except Exception:  # an ONNX Runtime build without it; its own errors derive from Exception only
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def _identity_session() -> ort.InferenceSession:
+    """A one-node session on the shared arena (:func:`shrink_shared_arena`)."""
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.use_env_allocators", "1")
+    return ort.InferenceSession(identity_model(), sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def shrink_shared_arena() -> None:
+    """Hand the memory of the shared arena (:func:`shared_arena`) that no tensor uses back to the
+    system: one run of a one-node graph with ONNX Runtime's arena shrinkage. A no-op where no
+    session registered the arena. For when a process is done with its runs for a while (the
+    bench, between rows); a next run maps its memory again."""
+    if shared_arena.cache_info().currsize == 0 or not shared_arena():
+        return
+    _identity_session().run(None, {"x": np.zeros(1, np.float32)}, run_options(KEPT_ACTIVATION_TOKENS + 1))
 
 
 def run_options(tokens: int) -> ort.RunOptions | None:
@@ -141,9 +166,12 @@ class GraphSession(GraphSpec):
             raise ContractError(f"{name} graph {str(path)!r} not found")
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if activations == Activations.SHARED and device == "cpu" and shared_arena():
-            options.enable_mem_pattern = False
-            options.add_session_config_entry("session.use_env_allocators", "1")
+        if activations == Activations.SHARED:
+            if device == "cpu" and shared_arena():
+                options.enable_mem_pattern = False
+                options.add_session_config_entry("session.use_env_allocators", "1")
+            else:  # no arena that every bucket keeps a block of (the host side of a GPU session)
+                options.enable_cpu_mem_arena = False
         if threads:
             options.intra_op_num_threads = threads
         if profile_dir is not None and save_to is None:  # a session made only to save a graph is not profiled

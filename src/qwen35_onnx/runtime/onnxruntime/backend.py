@@ -62,7 +62,8 @@ class OrtBackend(Backend):
 
     def run_prefill(self, bucket: int | None, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:
         session = self.graphs.prefill(bucket).session
-        names = [o.name for o in session.get_outputs()]
+        graph_outputs = session.get_outputs()
+        names = [o.name for o in graph_outputs]
         options = run_options(feeds["input_ids"].shape[-1])
         if self.host_state_roundtrip:
             outputs = dict(zip(names, session.run(None, feeds, options)))
@@ -70,7 +71,7 @@ class OrtBackend(Backend):
         binding = session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
-        for output in session.get_outputs():  # fresh OrtValues on the device each run
+        for output in graph_outputs:  # fresh OrtValues on the device each run
             if output.name == "logits":
                 binding.bind_output(output.name, self.device)
             else:

@@ -110,3 +110,16 @@ def test_bench_cli_checks_rows_before_building_a_checkpoint(tmp_path: Path):
     result = CliRunner().invoke(app, ["bench", "--prefill-runs", "0", "--work-dir", str(tmp_path)])
     assert result.exit_code != 0 and "--prefill-runs 0 must be at least 1" in result.output
     assert not any(tmp_path.iterdir())
+
+
+def test_image_section_names_why_the_photo_prompt_was_not_timed(small_export):
+    """With a bucket too small for the photo's prompt (the bench's ``--lengths 32``), the vision graph
+    is still timed and the row's time to first token is left out with the reason, instead of the
+    whole bench stopping."""
+    from qwen35_onnx.bench.vision import image_costs, image_lines
+    from qwen35_onnx.pipeline import Pipeline
+
+    cost = image_costs("small", Pipeline.from_exported(small_export), runs=1)
+    assert cost.vision and all(v["ms"] > 0 for v in cost.vision)
+    assert cost.ttft_ms is None and "more than the largest prefill bucket 32" in cost.skipped, cost.skipped
+    assert image_lines([cost])[-1].endswith("| - | - | - | - |")

@@ -162,6 +162,8 @@ def bench_export(
     try:
         result = bench_pipeline(name, pipe, prompts, protocol, decode_weight_bytes(step_graph(pipe, export_dir)))
         result.image = image_costs(name, pipe, protocol.prefill_runs)
+        if result.image.skipped:
+            result.skipped.append(f"{name}: {result.image.skipped}")
         if name in PREFILL_ROWS:
             result.ttft_ms = ttft_by_length(pipe, prefill_prompts(pipe.contract), protocol.prefill_runs)
             if pipe.contract.prefill_chunks:

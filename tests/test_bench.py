@@ -73,6 +73,8 @@ def test_run_bench_refuses_unknown_rows_before_any_export(tmp_path: Path):
         run_bench(tmp_path / "checkpoint", tmp_path / "out", rows=[])
     with pytest.raises(ValueError, match=r"prefill_runs must be an integer >= 1, got 0"):
         run_bench(tmp_path / "checkpoint", tmp_path / "out", prefill_runs=0)
+    with pytest.raises(ValueError, match=r"rounds must be an integer >= 1, got 0"):
+        run_bench(tmp_path / "checkpoint", tmp_path / "out", rounds=0)
     assert not (tmp_path / "out").exists()
 
 
@@ -109,6 +111,8 @@ def test_bench_cli_checks_rows_before_building_a_checkpoint(tmp_path: Path):
     )
     result = CliRunner().invoke(app, ["bench", "--prefill-runs", "0", "--work-dir", str(tmp_path)])
     assert result.exit_code != 0 and "--prefill-runs 0 must be at least 1" in result.output
+    result = CliRunner().invoke(app, ["bench", "--rounds", "0", "--work-dir", str(tmp_path)])
+    assert result.exit_code != 0 and "--rounds 0 must be at least 1" in result.output
     assert not any(tmp_path.iterdir())
 
 
@@ -123,3 +127,61 @@ def test_image_section_names_why_the_photo_prompt_was_not_timed(small_export):
     assert cost.vision and all(v["ms"] > 0 for v in cost.vision)
     assert cost.ttft_ms is None and "more than the largest prefill bucket 32" in cost.skipped, cost.skipped
     assert image_lines([cost])[-1].endswith("| - | - | - | - |")
+
+
+def test_rows_are_measured_in_turn_and_each_figure_is_the_median_over_the_rounds():
+    """``bench --rounds 3``: A B C, A C, A C (B could not run: not tried again), the extras
+    (image, prompts by length) in the first round only; medians per length, the largest peak."""
+    import pytest
+
+    from qwen35_onnx.bench.protocol import merge_rounds
+    from qwen35_onnx.bench.speed import measure_in_rounds
+
+    calls, between = [], []
+    times = {"A": iter([10.0, 30.0, 20.0]), "C": iter([5.0, 7.0, 6.0])}
+
+    def measure(row, first):
+        calls.append((row, first))
+        if row == "B":
+            return None
+        ms = next(times[row])
+        result = PeerResult(row, {32: ms}, {32: ms / 10}, 100 / ms, peak_rss_bytes=int(ms * 1e9))
+        if first:
+            result.image = {"ttft_ms": ms}
+            result.skipped = [f"{row}: a part not measured"]
+        return result
+
+    a, c = measure_in_rounds(["A", "B", "C"], 3, measure, lambda: between.append(len(calls)), log=lambda m: None)
+    assert calls == [("A", True), ("B", True), ("C", True), ("A", False), ("C", False), ("A", False), ("C", False)]
+    assert between == list(range(7))  # before every measurement
+    assert a.name == "A" and a.prefill_ms == {32: 20.0} and a.decode_ms == {32: 2.0} and a.e2e_tokens_per_s == 5.0
+    assert a.peak_rss_bytes == 30 * 10**9 and a.image == {"ttft_ms": 10.0} and a.skipped == ["A: a part not measured"]
+    assert [r["prefill_ms"][32] for r in a.rounds] == [10.0, 30.0, 20.0]
+    assert c.prefill_ms == {32: 6.0} and len(c.rounds) == 3
+    (once,) = measure_in_rounds(["C"], 1, lambda row, first: PeerResult(row, {32: 1.0}, {32: 1.0}), log=print)
+    assert once.rounds == [] and once.peak_rss_bytes  # one round: as measured, the peak from VmHWM
+    with pytest.raises(ValueError, match=r"merge_rounds needs results of one row, got \['A', 'C'\]"):
+        merge_rounds([a, c])
+
+
+def test_targets_show_the_ratio_of_every_round(tmp_path: Path):
+    from qwen35_onnx.bench.protocol import merge_rounds
+    from qwen35_onnx.bench.report import llamacpp_target_lines
+
+    def rounds(name, prefill, decode):
+        return merge_rounds([PeerResult(name, {512: p}, {32: d}) for p, d in zip(prefill, decode)])
+
+    ours = rounds("ort int4", [1000.0, 1100.0, 1000.0], [15.0, 16.0, 15.0])
+    pure = rounds("llama.cpp Q4_0 pure", [1600.0, 1600.0, 1400.0], [15.0, 17.0, 16.0])
+    lines = llamacpp_target_lines([ours, pure])
+    (prefill,) = [line for line in lines if line.startswith("- prefill")]
+    assert "512: 1600.0 / 1000.0 ms = 1.60x (met) [rounds: 1.60x, 1.45x, 1.40x; met in 1 of 3]" in prefill
+    (decode,) = [line for line in lines if line.startswith("- decode, llama.cpp Q4_0 pure")]
+    assert "32: 16.0 / 15.0 ms = 1.06x (met) [rounds: 1.00x, 1.06x, 1.06x; met in 3 of 3]" in decode
+    markdown = report([ours, pure], bandwidths={"probe": 10.0}, out_dir=tmp_path, state_bytes={32: 0})
+    assert markdown.startswith("Read bandwidth") and "Rounds: 3 (`--rounds`)" in markdown
+    # a ratio just under its target reads under it (rounded down), and one round: no per-round list
+    near = llamacpp_target_lines([PeerResult("ort int4", {512: 1000.0}, {}), PeerResult(pure.name, {512: 1499.7}, {})])
+    assert "512: 1499.7 / 1000.0 ms = 1.49x (missed)" in near[-1] and "rounds" not in near[-1]
+    exact = llamacpp_target_lines([PeerResult("ort int4", {512: 1000.0}, {}), PeerResult(pure.name, {512: 1150.0}, {})])
+    assert "= 1.15x (missed)" in exact[-1]  # 1.15 < 1.5, shown as 1.15 (not 1.14 from 114.999...)

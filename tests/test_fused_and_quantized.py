@@ -75,9 +75,11 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
             assert all(shapes[f"{prefix}_{state}.{j}"] == entry for j in range(count))
 
 
-def test_ort_decode_writes_the_kv_cache_in_place(ort_export, photo):
+def test_ort_decode_writes_the_kv_cache_and_recurrent_states_in_place(ort_export, photo):
     """The prefill's stacked KV buffer is the decode's KV buffer: after a step it holds the new
-    token's keys in its slot (and nothing else changed), as the host round trip computes them."""
+    token's keys in its slot (and nothing else changed), as the host round trip computes them. The
+    prefill's recurrent-state buffer is the decode's too (LinearAttention updates it in place), the
+    conv states alternate between two buffers."""
     from qwen35_onnx.runtime.generation import Generation
 
     pipe = Pipeline.from_exported(ort_export)
@@ -88,6 +90,7 @@ def test_ort_decode_writes_the_kv_cache_in_place(ort_export, photo):
     states = bound.states
     before = states["present_kv_cache"].numpy().copy()  # numpy() of a CPU OrtValue is a view
     address = states["present_kv_cache"].data_ptr()
+    recurrent = states["present_recurrent_states"].data_ptr()
     host = Generation(host_pipe.backend, prepared, states={k: v.numpy().copy() for k, v in states.items()})
     slot = bound.length  # the slot the first step writes
     token = int(np.argmax(logits))
@@ -100,16 +103,26 @@ def test_ort_decode_writes_the_kv_cache_in_place(ort_export, photo):
     np.testing.assert_allclose(after, host.decoder.past["kv_cache"], atol=1e-6)
     changed = np.argwhere(np.any(after != before, axis=(0, 1, 2, 4)))
     assert changed.ravel().tolist() == [slot]
-    # conv / recurrent entries were written inside the other stacked buffer (A/B), as the host computes them
-    for name in ("conv_states", "recurrent_states"):
-        np.testing.assert_allclose(
-            bound.decoder.buffers[0][f"present_{name}"].numpy(), host.decoder.past[name], atol=1e-5
-        )
-    # a second step reads those and writes into the prefill's buffers, still equal to the host
-    token = int(np.argmax(got))
-    np.testing.assert_allclose(bound.step(token), host.step(token), atol=1e-5)
-    for name in ("conv_states", "recurrent_states"):
-        np.testing.assert_allclose(states[f"present_{name}"].numpy(), host.decoder.past[name], atol=1e-5)
+    # conv entries were written inside the other stacked buffer (A/B), the recurrent ones over the
+    # prefill's, as the host computes them
+    np.testing.assert_allclose(
+        bound.decoder.buffers[0]["present_conv_states"].numpy(), host.decoder.past["conv_states"], atol=1e-5
+    )
+    assert set(bound.decoder.buffers[0]) == {"logits", "present_conv_states"}
+    np.testing.assert_allclose(
+        states["present_recurrent_states"].numpy(), host.decoder.past["recurrent_states"], atol=1e-5
+    )
+    # more steps: conv back into the prefill's buffer, recurrent still in it, equal to the host's
+    for _ in range(3):
+        token = int(np.argmax(got))
+        got = bound.step(token)
+        np.testing.assert_allclose(got, host.step(token), atol=1e-5)
+        latest = bound.decoder.states()
+        assert latest["present_recurrent_states"].data_ptr() == recurrent
+        assert latest["present_kv_cache"].data_ptr() == address
+        for name in ("conv_states", "recurrent_states"):
+            np.testing.assert_allclose(latest[f"present_{name}"].numpy(), host.decoder.past[name], atol=1e-5)
+    np.testing.assert_allclose(states["present_conv_states"].numpy(), host.decoder.past["conv_states"], atol=1e-5)
 
 
 def test_ort_matches_transformers_and_portable(ort_export, fixed_export, reference_model, reference_tokens, photo):

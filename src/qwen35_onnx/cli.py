@@ -341,6 +341,12 @@ def bench(
         "--prefill-runs",
         help="Timed prefill runs per length, after min(2, N) warm-ups (reference protocol: 5 after 2).",
     ),
+    rounds: int = typer.Option(
+        1,
+        "--rounds",
+        help="Measure the rows N times in turn (A B C A B C) and report the median of each figure over "
+        "the rounds: a slow spell of a shared machine then lands on every row, not on one.",
+    ),
     memory: Optional[Path] = typer.Option(
         None,
         "--memory",
@@ -386,6 +392,8 @@ def bench(
         _fail(ValueError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}"))
     parsed = _lengths(lengths)
     _prefill_runs(prefill_runs)
+    if rounds < 1:
+        _fail(ValueError(f"--rounds {rounds} must be at least 1"))
     try:
         chosen = check_rows(None if rows.strip() == "all" else [r.strip() for r in rows.split(",") if r.strip()])
     except ValueError as exc:
@@ -404,6 +412,7 @@ def bench(
                 log=lambda m: typer.echo(m, err=True),
                 rows=chosen,
                 prefill_runs=prefill_runs,
+                rounds=rounds,
             )
         )
     except USER_ERRORS as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,7 @@ __all__ = [
     "PeerResult",
     "decode_weight_bytes",
     "median_ms",
+    "merge_rounds",
     "read_bandwidth_gbps",
     "read_bandwidths",
     "step_state_bytes",
@@ -80,6 +81,44 @@ class PeerResult:
     """Turn 4 of a conversation (a :class:`~.prefill.ConversationCost`), where measured."""
     skipped: list[str] = field(default_factory=list)
     """Parts of this row that could not be measured, each with its reason (listed under the tables)."""
+    rounds: list[dict] = field(default_factory=list)
+    """With ``bench --rounds N`` (N > 1): each round's ``{"prefill_ms", "decode_ms",
+    "e2e_tokens_per_s"}``, in order; the fields above then hold the medians over them
+    (:func:`merge_rounds`)."""
+
+
+def merge_rounds(rounds: list[PeerResult]) -> PeerResult:
+    """One row measured in several rounds (each row in turn, A B C A B C) as one result: prefill ms,
+    decode ms/token and end-to-end tokens/s are the medians over the rounds at each length, the peak
+    memory the largest; the image, prefill-by-length and conversation figures are the first round's
+    (later rounds time the core figures only). Each round's own figures are kept in ``rounds``.
+
+    Raises:
+        ValueError: ``rounds`` is empty or mixes rows.
+    """
+    if not rounds or len({r.name for r in rounds}) != 1:
+        raise ValueError(f"merge_rounds needs results of one row, got {[r.name for r in rounds]}")
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+
+    def median_by_length(figure: str) -> dict[int, float]:
+        by_length = [getattr(r, figure) for r in rounds]
+        return {n: statistics.median(d[n] for d in by_length if n in d) for n in by_length[0]}
+
+    e2e = [r.e2e_tokens_per_s for r in rounds if r.e2e_tokens_per_s is not None]
+    peaks = [r.peak_rss_bytes for r in rounds if r.peak_rss_bytes is not None]
+    return replace(
+        first,
+        prefill_ms=median_by_length("prefill_ms"),
+        decode_ms=median_by_length("decode_ms"),
+        e2e_tokens_per_s=statistics.median(e2e) if e2e else None,
+        peak_rss_bytes=max(peaks) if peaks else None,
+        rounds=[
+            {"prefill_ms": r.prefill_ms, "decode_ms": r.decode_ms, "e2e_tokens_per_s": r.e2e_tokens_per_s}
+            for r in rounds
+        ],
+    )
 
 
 def median_ms(fn, warmup: int, runs: int) -> float:

@@ -56,7 +56,15 @@ from .llamacpp import LLAMACPP_ROWS, bench_llamacpp_row, prepare_llamacpp
 from .memory import reset_peak, resident
 from .peers import bench_genai, bench_ovgenai, bench_transformers, build_genai, build_optimum, ensure_optimum_venv
 from .prefill import PREFILL_LENGTHS, conversation_cost, genai_ttft, prefill_lines, ttft_by_length
-from .protocol import PeerResult, Protocol, decode_weight_bytes, median_ms, read_bandwidths, step_state_bytes
+from .protocol import (
+    PeerResult,
+    Protocol,
+    decode_weight_bytes,
+    median_ms,
+    merge_rounds,
+    read_bandwidths,
+    step_state_bytes,
+)
 from .report import llamacpp_target_lines, report, target_lines
 from .vision import QUESTION, ImageCost, image_costs, image_lines, photo
 
@@ -153,14 +161,18 @@ def bench_export(
     protocol: Protocol,
     runtime: str = "onnxruntime",
     precision: str = "f32",
+    extras: bool = True,
 ) -> PeerResult:
-    """:func:`bench_pipeline` on the export at ``export_dir`` loaded with ``runtime`` / ``precision``;
-    the pipeline is released before returning (the next row needs the memory)."""
+    """:func:`bench_pipeline` on the export at ``export_dir`` loaded with ``runtime`` / ``precision``,
+    then (with ``extras``) the image prompt, prompts by length and the conversation; the pipeline is
+    released before returning (the next row needs the memory)."""
     from ..pipeline import Pipeline
 
     pipe = Pipeline.from_exported(export_dir, runtime=runtime, precision=precision)
     try:
         result = bench_pipeline(name, pipe, prompts, protocol, decode_weight_bytes(step_graph(pipe, export_dir)))
+        if not extras:
+            return result
         result.image = image_costs(name, pipe, protocol.prefill_runs)
         if result.image.skipped:
             result.skipped.append(f"{name}: {result.image.skipped}")
@@ -291,6 +303,27 @@ def _max_positions(checkpoint: Path) -> int:
     return int(config.get("text_config", config).get("max_position_embeddings") or 2**62)
 
 
+def measure_in_rounds(rows, rounds: int, measure, before_each_row=lambda: None, log=print) -> list[PeerResult]:
+    """Each of ``rows`` measured ``rounds`` times in turn (A B C A B C), merged per row by
+    :func:`~.protocol.merge_rounds`, in ``rows``' order. ``measure(row, first)`` returns a
+    :class:`~.protocol.PeerResult`, or None for a row that cannot run (it is not tried again in
+    later rounds); ``first`` is True in the first round only. A result without a peak gets the
+    process's ``VmHWM`` since ``before_each_row()`` (called before every measurement)."""
+    measured: dict[str, list[PeerResult]] = {}
+    for round_ in range(rounds):
+        if rounds > 1:
+            log(f"[bench] round {round_ + 1} of {rounds}")
+        for row in rows if round_ == 0 else list(measured):
+            before_each_row()
+            result = measure(row, round_ == 0)
+            if result is None:
+                continue
+            if result.peak_rss_bytes is None:
+                result.peak_rss_bytes = resident().get("VmHWM")
+            measured.setdefault(row, []).append(result)
+    return [merge_rounds(each) for each in measured.values()]
+
+
 def run_bench(
     checkpoint: Path,
     work_dir: Path,
@@ -299,19 +332,26 @@ def run_bench(
     log=print,
     rows=None,
     prefill_runs: int = Protocol().prefill_runs,
+    rounds: int = 1,
 ) -> str:
     """Export the variants (cached in ``work_dir``), measure every peer of ``rows`` (names from
     :data:`ROWS`; None: all), write the report. A peer that cannot run (a package missing, a
     failed export of OpenVINO's own pipeline) is skipped with its reason, logged and written
     under the tables. ``prefill_runs``: timed prefill runs per length, after ``min(2, prefill_runs)``
     warm-ups (the reference protocol: 5 after 2; fewer keep a 4B bench at 2048 tokens in reach:
-    onnxruntime-genai's prefill there takes minutes).
+    onnxruntime-genai's prefill there takes minutes). ``rounds``: the rows are measured that many
+    times in turn (A B C A B C), so that a slow spell of the machine lands on every row instead of
+    on one; each prefill, decode and end-to-end figure is the median over the rounds
+    (:func:`~.protocol.merge_rounds`; every round's figures in ``bench.json``). The image, prompts by
+    length, conversation and constrained-decoding figures come from the first round.
 
     Raises:
-        ValueError: ``prefill_runs`` below 1, unknown ``rows``, lengths beyond the model's
-            positions, or ``work_dir`` inside a file.
+        ValueError: ``prefill_runs`` or ``rounds`` below 1, unknown ``rows``, lengths beyond the
+            model's positions, or ``work_dir`` inside a file.
     """
     protocol = Protocol.with_prefill_runs(prefill_runs)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
     from ..export.exporter import export  # needs torch: the export extra
 
     rows = check_rows(rows)
@@ -341,29 +381,30 @@ def run_bench(
     prompts = {n: rng.integers(0, min(contract.vocab_size, 1000), size=(1, n)).astype(np.int64) for n in lengths}
     states = {n: step_state_bytes(contract, n) for n in lengths}
     bandwidths = read_bandwidths()
-    results, skipped, constrained = [], [], []
+    skipped, constrained = [], []
     optimum = llama = None
-    for row in rows:
-        release_freed_memory()  # what the previous row freed leaves the process (and the next row's peak)
-        shrink_shared_arena()  # and ONNX Runtime's activation arena (0.8B: 0.43 GB after 512-token prefills)
-        reset_peak()
-        done = len(results)
+
+    def measure(row: str, first: bool) -> PeerResult | None:
+        """``row`` measured once (None where it cannot run: the reason is in ``skipped``); the
+        first round adds the image, prompts by length and constrained decoding."""
+        nonlocal optimum, llama, constrained
         if row in PIPELINE_ROWS:
             export_name, runtime, precision = PIPELINE_ROWS[row]
             log(f"[bench] {row} ({export_name} export, {runtime}, precision {precision})")
-            results.append(bench_export(row, exports[export_name], prompts, protocol, runtime, precision))
+            result = bench_export(row, exports[export_name], prompts, protocol, runtime, precision, extras=first)
             if not constrained and runtime == "onnxruntime":
                 constrained = _constrained(row, exports[export_name], log)
-        elif row == "transformers eager":
+            return result
+        if row == "transformers eager":
             log("[bench] transformers eager")
-            results.append(bench_transformers(checkpoint, prompts, protocol))
-        elif row.startswith("genai "):
+            return bench_transformers(checkpoint, prompts, protocol)
+        if row.startswith("genai "):
             try:
                 import onnxruntime_genai  # noqa: F401
             except ImportError:
                 skipped.append(f"{row}: onnxruntime-genai is not installed (pip install onnxruntime-genai)")
                 log(f"[bench] {skipped[-1]}")
-                continue
+                return None
             precision = row.split()[1]
             log(f"[bench] onnxruntime-genai {precision}")
             try:
@@ -374,11 +415,12 @@ def run_bench(
                     f"{row}: onnxruntime-genai's model builder exited with {exc.returncode}: {' / '.join(tail)}"
                 )
                 log(f"[bench] skipped {skipped[-1]}")
-                continue
-            results.append(bench_genai(row, folder, prompts, protocol))
-            if row in PREFILL_ROWS:
-                results[-1].ttft_ms = genai_ttft(folder, prefill_prompts(contract), protocol.prefill_runs)
-        elif row in LLAMACPP_ROWS:
+                return None
+            result = bench_genai(row, folder, prompts, protocol)
+            if first and row in PREFILL_ROWS:
+                result.ttft_ms = genai_ttft(folder, prefill_prompts(contract), protocol.prefill_runs)
+            return result
+        if row in LLAMACPP_ROWS:
             try:
                 if llama is None:
                     llama = prepare_llamacpp(checkpoint, work_dir, log)
@@ -388,30 +430,36 @@ def run_bench(
                     "question": QUESTION,
                     "max_image_tokens": contract.image_tokens,
                 }
-                results.append(bench_llamacpp_row(row, llama, lengths, protocol, image, log))
+                return bench_llamacpp_row(row, llama, lengths, protocol, image if first else None, log)
             except (RuntimeError, OSError, ValueError) as exc:
                 skipped.append(f"{row}: {exc}")
                 log(f"[bench] skipped {skipped[-1]}")
-        else:  # OpenVINO's own pipeline
-            log(f"[bench] {row} (optimum-intel + openvino-genai VLMPipeline)")
-            try:
-                if optimum is None:
-                    python = ensure_optimum_venv(work_dir.parent / ".venv-optimum", log)
-                    optimum = (python, build_optimum(python, checkpoint, work_dir / "optimum-int4", log))
-                    picture = work_dir / "photo-640x480.npy"
-                    np.save(picture, np.asarray(photo()))
-                    peer_image_processor(checkpoint, optimum[1], contract)
-                image = {"path": str(picture), "question": QUESTION}
-                results.append(bench_ovgenai(row, *optimum, prompts, OVGENAI_ROWS[row], protocol, image))
-            except (RuntimeError, OSError, ValueError) as exc:
-                skipped.append(f"{row}: {exc}")
-                log(f"[bench] skipped {skipped[-1]}")
-        if len(results) > done:
-            for reason in results[-1].skipped:
-                skipped.append(reason)
-                log(f"[bench] not measured: {reason}")
-        if len(results) > done and results[-1].peak_rss_bytes is None:
-            results[-1].peak_rss_bytes = resident().get("VmHWM")
+                return None
+        # OpenVINO's own pipeline
+        log(f"[bench] {row} (optimum-intel + openvino-genai VLMPipeline)")
+        try:
+            if optimum is None:
+                python = ensure_optimum_venv(work_dir.parent / ".venv-optimum", log)
+                optimum = (python, build_optimum(python, checkpoint, work_dir / "optimum-int4", log))
+                np.save(work_dir / "photo-640x480.npy", np.asarray(photo()))
+                peer_image_processor(checkpoint, optimum[1], contract)
+            image = {"path": str(work_dir / "photo-640x480.npy"), "question": QUESTION}
+            return bench_ovgenai(row, *optimum, prompts, OVGENAI_ROWS[row], protocol, image)
+        except (RuntimeError, OSError, ValueError) as exc:
+            skipped.append(f"{row}: {exc}")
+            log(f"[bench] skipped {skipped[-1]}")
+            return None
+
+    def before_each_row() -> None:
+        release_freed_memory()  # what the previous row freed leaves the process (and the next row's peak)
+        shrink_shared_arena()  # and ONNX Runtime's activation arena (0.8B: 0.43 GB after 512-token prefills)
+        reset_peak()
+
+    results = measure_in_rounds(rows, rounds, measure, before_each_row, log)
+    for result in results:
+        for reason in result.skipped:
+            skipped.append(reason)
+            log(f"[bench] not measured: {reason}")
     markdown = report(results, bandwidths, work_dir, states, protocol)
     extra = (
         target_lines(results)

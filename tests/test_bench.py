@@ -113,6 +113,8 @@ def test_bench_cli_checks_rows_before_building_a_checkpoint(tmp_path: Path):
     assert result.exit_code != 0 and "--prefill-runs 0 must be at least 1" in result.output
     result = CliRunner().invoke(app, ["bench", "--rounds", "0", "--work-dir", str(tmp_path)])
     assert result.exit_code != 0 and "--rounds 0 must be at least 1" in result.output
+    result = CliRunner().invoke(app, ["bench", "--rounds", "2", "--memory", str(tmp_path / "x")])
+    assert result.exit_code != 0 and "--rounds 2: the side-by-side bench's option" in result.output
     assert not any(tmp_path.iterdir())
 
 

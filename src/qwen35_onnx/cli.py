@@ -344,8 +344,8 @@ def bench(
     rounds: int = typer.Option(
         1,
         "--rounds",
-        help="Measure the rows N times in turn (A B C A B C) and report the median of each figure over "
-        "the rounds: a slow spell of a shared machine then lands on every row, not on one.",
+        help="Measure the rows this many times in turn (A B C A B C; at least 1) and report the median of "
+        "each figure over the rounds: a slow spell of a shared machine then lands on every row, not on one.",
     ),
     memory: Optional[Path] = typer.Option(
         None,
@@ -366,6 +366,10 @@ def bench(
     from .paths import demo_checkpoint_dir
     from .presets import PRESETS
 
+    if rounds < 1:
+        _fail(ValueError(f"--rounds {rounds} must be at least 1"))
+    if rounds != 1 and (memory is not None or profile is not None):
+        _fail(ValueError(f"--rounds {rounds}: the side-by-side bench's option, not one of --memory or --profile"))
     if memory is not None:
         from .bench.memory import measure_memory
 
@@ -392,8 +396,6 @@ def bench(
         _fail(ValueError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}"))
     parsed = _lengths(lengths)
     _prefill_runs(prefill_runs)
-    if rounds < 1:
-        _fail(ValueError(f"--rounds {rounds} must be at least 1"))
     try:
         chosen = check_rows(None if rows.strip() == "all" else [r.strip() for r in rows.split(",") if r.strip()])
     except ValueError as exc:

@@ -311,10 +311,10 @@ def _lengths(text: str) -> tuple[int, ...]:
     return parsed
 
 
-def _prefill_runs(runs: int) -> int:
-    if runs < 1:
-        _fail(ValueError(f"--prefill-runs {runs} must be at least 1"))
-    return runs
+def _at_least_one(option: str, value: int) -> int:
+    if value < 1:
+        _fail(ValueError(f"{option} {value} must be at least 1"))
+    return value
 
 
 @app.command()
@@ -366,8 +366,8 @@ def bench(
     from .paths import demo_checkpoint_dir
     from .presets import PRESETS
 
-    if rounds < 1:
-        _fail(ValueError(f"--rounds {rounds} must be at least 1"))
+    _at_least_one("--prefill-runs", prefill_runs)
+    _at_least_one("--rounds", rounds)
     if rounds != 1 and (memory is not None or profile is not None):
         _fail(ValueError(f"--rounds {rounds}: the side-by-side bench's option, not one of --memory or --profile"))
     if memory is not None:
@@ -384,9 +384,7 @@ def bench(
         from .bench.profile import profile_export, profile_lines
 
         try:
-            steps = profile_export(
-                profile, _lengths(lengths), runs=_prefill_runs(prefill_runs), log=lambda m: typer.echo(m, err=True)
-            )
+            steps = profile_export(profile, _lengths(lengths), runs=prefill_runs, log=lambda m: typer.echo(m, err=True))
         except USER_ERRORS as exc:
             _fail(exc)
         typer.echo("\n".join(profile_lines(steps)))
@@ -395,7 +393,6 @@ def bench(
     if preset not in PRESETS:
         _fail(ValueError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}"))
     parsed = _lengths(lengths)
-    _prefill_runs(prefill_runs)
     try:
         chosen = check_rows(None if rows.strip() == "all" else [r.strip() for r in rows.split(",") if r.strip()])
     except ValueError as exc:

@@ -22,6 +22,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract import STATE_NAMES, KvMode, ShapeContract
+from ..checks import ONNX_TYPES
 from .sessions import GraphSession
 
 NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -40,7 +41,7 @@ class BoundDecoder:
     ``present_kv_cache`` buffer: entry ``j`` is bound as both ``past_kv_cache.{j}`` and
     ``present_kv_cache.{j}``, so GroupQueryAttention writes one slot per layer and nothing else.
     On the CPU the recurrent states stay in the prefill's ``present_recurrent_states`` buffer the
-    same way (:attr:`recurrent_in_place`): a step overwrites the states it started from, so the
+    same way (:attr:`updated_in_place`): a step overwrites the states it started from, so the
     states a generation started with are not kept (take a host copy first: ``states_to_host``).
     Dynamic KV rebinds every step (the cache grows).
 
@@ -52,10 +53,6 @@ class BoundDecoder:
             step's past (and, in fixed mode, one of the two A/B buffer sets).
     """
 
-    RECURRENT_IN_PLACE = True
-    """Update the recurrent states in place on the CPU (False: A/B buffers like the conv states;
-    kept to measure one against the other)."""
-
     def __init__(
         self, decode: GraphSession, contract: ShapeContract, states: dict[str, ort.OrtValue], device: str = "cpu"
     ):
@@ -64,12 +61,15 @@ class BoundDecoder:
         self.device = device
         self.fixed = contract.kv_mode == KvMode.FIXED
         self.in_place = contract.kv_in_place
-        self.recurrent_in_place = self.RECURRENT_IN_PLACE and self.in_place and device == "cpu"
-        """The recurrent states are updated in the prefill's buffer (see the class docstring)."""
-        # KV: in place (not double-buffered) with kv_in_place; allocated by ORT in dynamic mode
-        buffered = STATE_NAMES if self.fixed and not self.in_place else STATE_NAMES[:2]
-        if self.recurrent_in_place:
-            buffered = ("conv_states",)
+        # The states each step updates inside the prefill's buffers (not double-buffered): with
+        # kv_in_place the KV cache, and on the CPU the recurrent states too (see the class docstring)
+        kept = ("kv_cache", "recurrent_states") if device == "cpu" else ("kv_cache",)
+        self.updated_in_place = {f"present_{n}": states[f"present_{n}"] for n in kept} if self.in_place else {}
+        """``present_*`` name -> the prefill's stacked buffer that every step reads and writes."""
+        # dynamic mode: the KV output is allocated by ONNX Runtime each step
+        buffered = [n for n in STATE_NAMES if f"present_{n}" not in self.updated_in_place]
+        if not self.fixed:
+            buffered.remove("kv_cache")
         shapes = {"logits": ((contract.batch, 1, contract.vocab_size), np.float32)}
         shapes.update(
             {
@@ -87,7 +87,6 @@ class BoundDecoder:
         first["logits"] = new()["logits"]
         self.buffers = [new(), first]
         self.kv = states["present_kv_cache"]
-        self.recurrent = states["present_recurrent_states"]
         self.steps = 0
         batch = contract.batch
         self.host = {
@@ -106,15 +105,11 @@ class BoundDecoder:
         past, out = self.buffers[1 - parity], self.buffers[parity]
         if self.in_place:
             binding.bind_ortvalue_output("logits", out["logits"])
-            for name in ("conv_states", "recurrent_states"):
-                if name == "recurrent_states" and self.recurrent_in_place:
-                    self._bind_entries(binding, name, "past", self.recurrent)
-                    self._bind_entries(binding, name, "present", self.recurrent)  # in place
-                    continue
-                self._bind_entries(binding, name, "past", past[f"present_{name}"])
-                self._bind_entries(binding, name, "present", out[f"present_{name}"])
-            self._bind_entries(binding, "kv_cache", "past", self.kv)
-            self._bind_entries(binding, "kv_cache", "present", self.kv)  # in place
+            for name in STATE_NAMES:
+                key = f"present_{name}"
+                kept = self.updated_in_place.get(key)  # past and present: the same entry
+                self._bind_entries(binding, name, "past", past[key] if kept is None else kept)
+                self._bind_entries(binding, name, "present", out[key] if kept is None else kept)
             return binding
         for name in ("conv_states", "recurrent_states"):
             binding.bind_ortvalue_input(f"past_{name}", past[f"present_{name}"])
@@ -134,8 +129,8 @@ class BoundDecoder:
         """The states after the last step (the prefill's before the first), this decoder's buffers."""
         latest = self.buffers[(self.steps - 1) % 2 if self.steps else 1]
         states = {name: value for name, value in latest.items() if name != "logits"}
-        states.setdefault("present_recurrent_states", self.recurrent)
-        states.setdefault("present_kv_cache", self.kv)
+        states.update(self.updated_in_place)
+        states.setdefault("present_kv_cache", self.kv)  # dynamic mode: ONNX Runtime's latest output
         return states
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
@@ -157,7 +152,7 @@ class BoundDecoder:
         return np.array(self.buffers[parity]["logits"].numpy(), copy=True)
 
 
-ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+ORT_TYPES = {ONNX_TYPES[dtype]: np_dtype for dtype, np_dtype in NP_DTYPES.items()}
 """numpy dtypes of the ONNX Runtime output types :func:`bind_state_output` allocates itself."""
 
 

@@ -525,8 +525,10 @@ class ShapeContract:
         one entry at a time (see :meth:`decode_state_names`), so the runtime binds each entry by
         address inside the stacked buffers the prefill returned and nothing is split or
         concatenated per step. The KV entries are updated in place (GroupQueryAttention writes
-        the new token's slot and nothing else); conv and recurrent entries alternate between
-        two stacked buffers (A/B)."""
+        the new token's slot and nothing else); on the CPU so are the recurrent entries (ONNX
+        Runtime's LinearAttention reads its past state only to copy it into its present output),
+        elsewhere they alternate between two stacked buffers (A/B) like the conv entries
+        (``runtime.onnxruntime.decoders.BoundDecoder.updated_in_place``)."""
         return self.ops == Ops.ORT and self.kv_mode == KvMode.FIXED
 
     def state_shape(self, state: str) -> tuple[int, ...]:

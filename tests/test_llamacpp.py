@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from qwen35_onnx.bench import llamacpp_convert
-from qwen35_onnx.bench.llamacpp import LlamaCpp, bench_llamacpp, gguf_for, image_ttft
+from qwen35_onnx.bench.llamacpp import CMAKE_FLAGS, LlamaCpp, bench_llamacpp, gguf_for, image_ttft
 from qwen35_onnx.bench.protocol import PeerResult, Protocol
 from qwen35_onnx.bench.report import llamacpp_target_lines
 
@@ -97,6 +97,23 @@ print("0.07.320.838 I llama_perf_context_print: prompt eval time =    1742.26 ms
       file=sys.stderr)
 assert "--image-max-tokens" in sys.argv and sys.argv[sys.argv.index("--image-max-tokens") + 1] == "256"
 """
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_the_llama_cpp_build_leaves_its_amx_path_out_on_a_cpu_that_has_amx():
+    """llama.cpp compiles its AMX kernels when the compiler defines ``__AMX_INT8__``; the vendored
+    version's crash on the first product (llama.cpp#20824) is kept out by the build's C and C++
+    flags, which must win over the native ``-march`` of an AMX CPU (Sapphire Rapids here)."""
+    for lang, key in (("c", "-DCMAKE_C_FLAGS="), ("c++", "-DCMAKE_CXX_FLAGS=")):
+        (flags,) = [f.removeprefix(key).split() for f in CMAKE_FLAGS if f.startswith(key)]
+        cmd = ["gcc", "-x", lang, *flags, "-march=sapphirerapids", "-dM", "-E", "-"]
+        macros = subprocess.run(cmd, input="", capture_output=True, text=True, check=True).stdout
+        assert "__AVX512VNNI__" in macros  # the rest of the native instruction set stays
+        assert "__AMX_INT8__" not in macros and "__AMX_TILE__" not in macros and "__AMX_BF16__" not in macros
+    baseline = subprocess.run(
+        ["gcc", "-march=sapphirerapids", "-dM", "-E", "-"], input="", capture_output=True, text=True, check=True
+    ).stdout
+    assert "__AMX_INT8__" in baseline  # without the flags that -march would compile them in
 
 
 def test_bench_llamacpp_reads_llama_bench_medians_and_peak_memory(tmp_path):

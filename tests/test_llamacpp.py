@@ -135,6 +135,14 @@ def test_a_failing_llama_cpp_tool_is_named_with_its_output(tmp_path):
         bench_llamacpp("x", LlamaCpp(tmp_path, tmp_path), tmp_path / "m.gguf", (32,), Protocol(), threads=2)
 
 
+def test_a_llama_cpp_tool_killed_by_a_signal_is_named_with_the_signal(tmp_path):
+    """A crash (llama.cpp's AMX path segfaulted silently on an AMX CPU) names the signal and says the
+    tool printed nothing, instead of an empty tail after 'exit -11'."""
+    _tool(tmp_path, "llama-bench", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(RuntimeError, match=r"llama-bench failed \(exit -11, killed by SIGSEGV\): \(no output\)$"):
+        bench_llamacpp("x", LlamaCpp(tmp_path, tmp_path), tmp_path / "m.gguf", (32,), Protocol(), threads=2)
+
+
 def test_image_ttft_reads_the_prompt_evaluation_and_image_tokens(tmp_path):
     _tool(tmp_path, "llama-mtmd-cli", MTMD_CLI)
     llama = LlamaCpp(tmp_path, tmp_path)

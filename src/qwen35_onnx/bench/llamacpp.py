@@ -39,7 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .protocol import PeerResult, Protocol, run_tool
+from .protocol import PeerResult, Protocol, run_tool, tool_failure
 
 __all__ = [
     "LLAMACPP_ROWS",
@@ -119,8 +119,7 @@ def _run_measured(cmd: list[str], what: str) -> tuple[str, str, int]:
         stderr.seek(0)
         err = stderr.read().decode(errors="replace")
     if proc.returncode:
-        tail = "\n".join((err or out or "").strip().splitlines()[-15:])
-        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {tail}")
+        raise RuntimeError(tool_failure(what, proc.returncode, err or out))
     return out, err, usage.ru_maxrss * 1024
 
 

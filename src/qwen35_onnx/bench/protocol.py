@@ -8,6 +8,7 @@ milliseconds.
 
 from __future__ import annotations
 
+import signal
 import statistics
 import subprocess
 import time
@@ -273,6 +274,19 @@ def run_tool(cmd: list[str], what: str, **kwargs) -> subprocess.CompletedProcess
     """
     done = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
     if done.returncode:
-        tail = "\n".join((done.stderr or done.stdout or "").strip().splitlines()[-15:])
-        raise RuntimeError(f"{what} failed (exit {done.returncode}): {tail}")
+        raise RuntimeError(tool_failure(what, done.returncode, done.stderr or done.stdout))
     return done
+
+
+def tool_failure(what: str, returncode: int, output: str | None) -> str:
+    """The message of a peer's tool that failed: ``what``, its exit status (a signal by name: a
+    negative ``returncode`` is the signal that killed it, as :mod:`subprocess` reports it) and the
+    last 15 lines of ``output``, or that it printed nothing (a crash often prints nothing)."""
+    status = f"exit {returncode}"
+    if returncode < 0:
+        try:
+            status += f", killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            pass
+    tail = "\n".join((output or "").strip().splitlines()[-15:])
+    return f"{what} failed ({status}): {tail or '(no output)'}"

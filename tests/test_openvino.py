@@ -449,15 +449,24 @@ def test_bf16_token_agreement_with_f32(trained_export, photo):
     if "BF16" not in capabilities:
         pytest.skip("this CPU has no bf16")
     out = trained_export("portable", vision_grids=(GRID,))  # as test_dtypes' portable fp32 export
-    f32 = Pipeline.from_exported(out, runtime="openvino").generate(photo, PROMPT, max_new_tokens=64)
-    bf16 = Pipeline.from_exported(out, runtime="openvino", precision="bf16").generate(photo, PROMPT, max_new_tokens=64)
+    pipes = {p: Pipeline.from_exported(out, runtime="openvino", precision=p) for p in ("f32", "bf16")}
+    first = {
+        p: np.asarray(pipe.generation(pipe.prepare(photo, PROMPT)).prefill(), dtype=np.float64).ravel()
+        for p, pipe in pipes.items()
+    }
+    cosine = float(first["f32"] @ first["bf16"] / np.linalg.norm(first["f32"]) / np.linalg.norm(first["bf16"]))
+    f32, bf16 = (pipes[p].generate(photo, PROMPT, max_new_tokens=64) for p in ("f32", "bf16"))
     n = min(len(f32.token_ids), len(bf16.token_ids))  # up to 64: either may end at its end-of-turn token
     assert n >= 16, (f32.token_ids, bf16.token_ids)
     agree = next((i for i, (a, b) in enumerate(zip(f32.token_ids, bf16.token_ids)) if a != b), n)
     same = sum(a == b for a, b in zip(f32.token_ids, bf16.token_ids))
     print(
-        f"bf16 vs f32 (OpenVINO, trained demo checkpoint): first {agree}/{n} tokens identical, "
-        f"{same}/{n} equal position by position; decode {f32.timings.decode_ms_per_token:.2f} ms/token f32, "
-        f"{bf16.timings.decode_ms_per_token:.2f} ms/token bf16"
+        f"bf16 vs f32 (OpenVINO, trained demo checkpoint): first-token logits cosine {cosine:.5f}, first "
+        f"{agree}/{n} tokens identical, {same}/{n} equal position by position; decode "
+        f"{f32.timings.decode_ms_per_token:.2f} ms/token f32, {bf16.timings.decode_ms_per_token:.2f} ms/token bf16"
     )
-    assert agree >= 1
+    # measured: cosine 0.99999 and 64 of 64 tokens on a CPU with AVX-512 BF16 only; 0.991 and 0 of 51 on
+    # one with AMX (2026-12-03), where OpenVINO runs the matrix products in bf16 tiles: the trained demo's
+    # first token is a near call there (fp32's top three logits within 0.07), so bf16 is a fast mode,
+    # not a parity mode, and only the logits are bounded here
+    assert cosine >= 0.98

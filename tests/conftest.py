@@ -285,6 +285,13 @@ def forced_logits(pipe, prepared, tokens: list[int]) -> list:
     return seen
 
 
+def logit_cosine(a, b) -> float:
+    """Cosine similarity of two logit vectors (1-D float arrays)."""
+    import numpy as np
+
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
 def split_margin(pipe, prepared, tokens: list[int], other: list[int]) -> tuple[int, float]:
     """Where two greedy runs part and how close a call it was for ``pipe``: ``(i, margin)`` with
     ``i`` the first index where ``tokens`` (``pipe``'s greedy tokens) and ``other`` differ and

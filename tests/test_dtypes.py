@@ -13,7 +13,7 @@ import pytest
 from qwen35_onnx.contract import ContractError, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import PROMPT, split_margin
+from .conftest import PROMPT, logit_cosine, split_margin
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +47,6 @@ def _last_logits(pipe, photo) -> np.ndarray:
     return np.asarray(logits, dtype=np.float64).reshape(-1)
 
 
-def _cosine(a, b) -> float:
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
-
-
 def _io_types(path) -> dict[str, int]:
     graph = onnx.load(str(path), load_external_data=False).graph
     return {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
@@ -75,7 +71,7 @@ def test_fp16_matches_fp32(ops, exports, photo):
             else:  # conv states, KV cache
                 assert elem == ONNX_TYPE["fp16"], (key, name)
     fp16, fp32 = Pipeline.from_exported(out), Pipeline.from_exported(reference)
-    cosine = _cosine(_last_logits(fp16, photo), _last_logits(fp32, photo))
+    cosine = logit_cosine(_last_logits(fp16, photo), _last_logits(fp32, photo))
     tokens = fp16.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
     fp32_tokens = fp32.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
     split, margin = split_margin(fp32, fp32.prepare(photo, PROMPT), fp32_tokens, tokens)
@@ -96,7 +92,8 @@ def test_fp16_int4(ops, trained_export, exports, photo):
     contract = read_manifest(out)
     assert (contract.dtype, contract.quantize) == ("fp16", "int4")
     pipe = Pipeline.from_exported(out)
-    cosine = _cosine(_last_logits(pipe, photo), _last_logits(Pipeline.from_exported(exports[(ops, "fp32")]), photo))
+    reference = _last_logits(Pipeline.from_exported(exports[(ops, "fp32")]), photo)
+    cosine = logit_cosine(_last_logits(pipe, photo), reference)
     print(f"--ops {ops} fp16 int4: last-logit cosine {cosine:.5f} against fp32")
     # measured with the photo's 64 image tokens (the checkpoint's own resolution; its vision tower is
     # untrained): ort 0.96975 (its int4 embedding table; 0.9966 on the text alone), portable 0.99527
@@ -134,7 +131,7 @@ def test_bf16_runs_on_openvino_and_is_refused_clearly_by_onnxruntime_cpu(trained
         ):
             ort_backend.OrtBackend(out, contract)
     pipe = Pipeline.from_exported(out, runtime="openvino")
-    cosine = _cosine(
+    cosine = logit_cosine(
         _last_logits(pipe, photo), _last_logits(Pipeline.from_exported(exports[("portable", "fp32")]), photo)
     )
     tokens = pipe.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qwen35_onnx.contract import DEFAULT_QUANT_BLOCK_SIZE, read_manifest
 from qwen35_onnx.export.quantize import DQ_OPSET, quantize_blocks, quantize_model
 
-from .conftest import CAPACITY, PROMPT, split_margin
+from .conftest import CAPACITY, PROMPT, logit_cosine, split_margin
 from .onnx_graphs import all_nodes
 
 BLOCK = 32
@@ -276,10 +276,6 @@ def _last_logits(out, photo) -> np.ndarray:
     return np.asarray(logits, dtype=np.float64).reshape(-1)
 
 
-def _cosine(a, b) -> float:
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
-
-
 def _storage(tensor) -> tuple:
     """Where a tensor's bytes are: its offset in the external-data file, or its inline bytes."""
     external = {e.key: e.value for e in tensor.external_data}
@@ -367,7 +363,7 @@ def test_portable_quantized_runs_on_onnxruntime(portable_export, trained_export,
     logits = _last_logits(out, photo)
     assert np.isfinite(logits).all()
     reference = _last_logits(fp32_export, photo)
-    cosine = _cosine(logits, reference)
+    cosine = logit_cosine(logits, reference)
     tokens = Pipeline.from_exported(out).generate(photo, PROMPT, max_new_tokens=32).token_ids
     fp32_pipe = Pipeline.from_exported(fp32_export)
     fp32_tokens = fp32_pipe.generate(photo, PROMPT, max_new_tokens=32).token_ids
@@ -513,14 +509,15 @@ def test_quant_accuracy_levels_against_fp32(scheme, trained_export, fp32_export,
         same = sum(a == b for a, b in zip(tokens, fp32_tokens))
         split, margin = split_margin(fp32_pipe, fp32_pipe.prepare(photo, PROMPT), fp32_tokens, tokens)
         print(
-            f"{scheme} accuracy level {level}: last-logit cosine {_cosine(logits[level], reference):.5f} against fp32, "
+            f"{scheme} accuracy level {level}: last-logit cosine "
+            f"{logit_cosine(logits[level], reference):.5f} against fp32, "
             f"greedy: first {split} of {len(fp32_tokens)} equal to fp32 (fp32's margin there {margin:.3f}), "
             f"{same} of {len(fp32_tokens)} in place"  # 64, or what fits the capacity after the photo's prompt
         )
         # int4 measured 0.990-0.998 (level 0 on an AVX-512 VNNI CPU 0.98997) with the former 128-pixel
         # image (16 image tokens); with the photo's 64 (the checkpoint's own resolution, an untrained
         # vision tower) level 0 0.96819, level 4 0.97040 (the int4 embedding table: 0.992 without it)
-        assert _cosine(logits[level], reference) >= {"int4": 0.95, "int8": 0.999}[scheme]
+        assert logit_cosine(logits[level], reference) >= {"int4": 0.95, "int8": 0.999}[scheme]
     assert not np.array_equal(logits[0], logits[4])  # the level changes the computation
 
 
@@ -538,4 +535,4 @@ def test_portable_export_takes_its_accuracy_level_to_onnxruntime(trained_export,
     assert session_config(read_manifest(level4)) == {"session.qdq_matmulnbits_accuracy_level": "4"}
     a, b = _last_logits(level1, photo), _last_logits(level4, photo)
     assert not np.array_equal(a, b)
-    assert _cosine(a, b) >= 0.999
+    assert logit_cosine(a, b) >= 0.999

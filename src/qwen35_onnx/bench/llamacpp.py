@@ -8,7 +8,7 @@ What is cached where (``root`` is the bench's work folder's parent, shared by ev
 - ``root/.llama.cpp/``: the source distribution (:data:`LLAMA_CPP_PYTHON_PIN`), its vendored
   llama.cpp and the CMake build of :data:`TOOLS` (``-DGGML_NATIVE=ON``: the build machine's
   instruction set, AVX-512 / VNNI where present, less AMX, whose path in this llama.cpp crashes:
-  see :data:`CMAKE_FLAGS`), marked finished by a stamp holding the pin and the CMake flags;
+  see :data:`NO_AMX`), marked finished by a stamp holding the pin and the CMake flags;
 - ``root/.venv-llamacpp/``: the converter's environment (:data:`CONVERTER_PINS` and the vendored
   gguf-py): the converter's own requirements pin a transformers too old for ``qwen3_5``;
 - ``WORK_DIR/llama.cpp/``: the GGUF files of the preset: ``model-BF16.gguf`` (the converter's
@@ -58,15 +58,17 @@ __all__ = [
 
 LLAMA_CPP_PYTHON_PIN = "llama-cpp-python==0.3.36"
 """The source distribution that vendors the llama.cpp measured (0.3.36: llama.cpp 0c1e570)."""
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+"""Compiler flags that leave llama.cpp's AMX path out: on CPUs with AMX (the development machine of
+2026-12-03) this vendored llama.cpp's ``ggml_backend_amx_mul_mat`` crashes on the first matrix product
+(SIGSEGV in llama-bench; upstream issue ggml-org/llama.cpp#20824, closed unfixed). GCC's explicit
+``-mno-amx-*`` win over ``-march=native``; elsewhere they change nothing. Q4_0 keeps its AVX-512
+repacked kernels."""
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
-    # Without llama.cpp's AMX path: on CPUs with AMX (this machine's kind since 2026-12), this vendored
-    # llama.cpp's ggml_backend_amx_mul_mat crashes on the first matrix product (SIGSEGV in llama-bench;
-    # upstream issue ggml-org/llama.cpp#20824, closed unfixed). GCC's explicit -mno-amx-* win over
-    # -march=native; elsewhere they change nothing. Q4_0 keeps its AVX-512 repacked kernels.
-    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
-    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    f"-DCMAKE_C_FLAGS={NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={NO_AMX}",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",

@@ -109,7 +109,7 @@ def test_manifest_and_metadata_round_trip(fixed_export):
     assert ShapeContract.from_json(contract.to_json()) == contract
     raw = json.loads((fixed_export / "manifest.json").read_text())
     assert raw["capacity"] == CAPACITY and raw["kv_mode"] == "fixed"
-    assert raw["format_version"] == FORMAT_VERSION == 2 and "image_size" not in raw
+    assert raw["format_version"] == FORMAT_VERSION == 3 and "image_size" not in raw
     # the image-token budget, the checkpoint processor's range, any grid
     assert raw["image_tokens"] == IMAGE_TOKENS and raw["vision_grids"] == []
     assert (raw["min_pixels"], raw["max_pixels"]) == (65536, 16777216)

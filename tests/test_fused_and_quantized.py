@@ -65,7 +65,7 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
             2 * contract.n_full,
             [contract.batch, contract.num_key_value_heads, contract.capacity, contract.head_dim],
         ),
-        "conv_states": (contract.n_linear, [contract.batch, contract.conv_dim, contract.conv_kernel - 1]),
+        "conv_states": (contract.n_linear, [contract.batch, contract.conv_kernel - 1, contract.conv_dim]),
         "recurrent_states": (contract.n_linear, list(contract.recurrent_state_shape[1:])),
     }
     for io, prefix in ((decode.graph.input, "past"), (decode.graph.output, "present")):

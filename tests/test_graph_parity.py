@@ -21,12 +21,12 @@ def _maxabs(a, b) -> float:
 
 
 def _reference_states(cache, contract):
-    """transformers cache -> our stacked layouts (conv state keeps its last K-1 columns)."""
+    """transformers cache -> our stacked layouts (conv state: its last K-1 columns, time-major)."""
     conv, rec, kv = [], [], []
     for i, kind in enumerate(contract.layer_types):
         layer = cache.layers[i]
         if kind == "linear_attention":
-            conv.append(layer.conv_states[0][..., -(contract.conv_kernel - 1) :].numpy())
+            conv.append(layer.conv_states[0][..., -(contract.conv_kernel - 1) :].transpose(-1, -2).numpy())
             rec.append(layer.recurrent_states[0].float().numpy())
         else:
             kv.extend([layer.keys.numpy(), layer.values.numpy()])

@@ -16,9 +16,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the manifest layout; bumped when a field changes meaning (2: image-token budget and
-vision grids instead of one image size)."""
+vision grids instead of one image size; 3: the conv state time-major, ``[.., K-1, conv_dim]``)."""
 
 METADATA_KEY = "qwen35_onnx.contract"
 """Key of the contract JSON in each graph's ``metadata_props``."""
@@ -324,7 +324,9 @@ class ShapeContract:
 
     State layouts (batch ``B`` is always :attr:`batch`):
 
-    - conv state: ``[n_linear, B, conv_dim, conv_kernel - 1]`` in :attr:`dtype`
+    - conv state: ``[n_linear, B, conv_kernel - 1, conv_dim]`` in :attr:`dtype`: the inputs of the
+      last ``K-1`` tokens, oldest first, one row per token (time-major; transformers holds it
+      channel-major, ``[B, conv_dim, K]``)
     - recurrent state: ``[n_linear, B, linear_num_value_heads, linear_key_head_dim,
       linear_value_head_dim]`` always fp32
     - KV cache: ``[2 * n_full, B, num_key_value_heads, capacity, head_dim]`` in fixed mode
@@ -479,7 +481,7 @@ class ShapeContract:
 
     @property
     def conv_state_shape(self) -> tuple[int, ...]:
-        return (self.n_linear, self.batch, self.conv_dim, self.conv_kernel - 1)
+        return (self.n_linear, self.batch, self.conv_kernel - 1, self.conv_dim)
 
     @property
     def recurrent_state_shape(self) -> tuple[int, ...]:

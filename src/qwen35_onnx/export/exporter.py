@@ -441,6 +441,18 @@ def io_names(kind: GraphKind, contract: ShapeContract) -> tuple[list[str], list[
     return inputs[: -len(STATE_NAMES)] + past, TEXT_OUTPUTS[: -len(STATE_NAMES)] + present
 
 
+def collapse_reshapes(model) -> None:
+    """Replace each ``Reshape(Reshape(x))`` of ``model`` (an ``onnx_ir`` model, in place) by one
+    Reshape (onnxscript's ``reshape_reshape_rule``): after the optimizer has turned the one-token
+    transposes into reshapes, the decode graph's q, k and v go ``[B, 1, H*D] -> [B, H, 1, D] ->
+    [B, 1, H*D]`` around mRoPE and GroupQueryAttention (3 nodes per full-attention layer, each a
+    kernel launch at every step)."""
+    from onnxscript.rewriter import rewrite
+    from onnxscript.rewriter.rules.common import reshape_reshape_rule
+
+    rewrite(model, pattern_rewrite_rules=[reshape_reshape_rule])
+
+
 def export_graph(
     job: GraphJob,
     model,
@@ -454,7 +466,7 @@ def export_graph(
     ``torch.onnx.export`` (dynamo) and write it to ``root / job.path`` with the contract in its
     ``metadata_props``, its weights read from ``source`` one tensor at a time into
     ``writer``'s file: lazy initializers (:mod:`.lazy_weights`), weight transposes folded
-    lazily, onnxscript's optimizer, weight-only quantization of the text graphs
+    lazily, onnxscript's optimizer (and :func:`collapse_reshapes`), weight-only quantization of the text graphs
     (:func:`.quantize.quantize_model`). Returns the ONNX file path."""
     import torch
 
@@ -484,6 +496,7 @@ def export_graph(
         attach_weights(program.model, module, source, model)
         fold_weight_transposes(program.model)
         program.optimize()
+        collapse_reshapes(program.model)
     ir_model = program.model
     ir_model.metadata_props[METADATA_KEY] = contract.to_json()
     ir_model.metadata_props["qwen35_onnx.graph"] = job.key

@@ -11,7 +11,7 @@ vision     pixel_values [N, patch_dim], pos_embed_indices [N, 4], pos_embed_weig
            rotary_position_ids [N, 2] -> image_embeds [N / merge**2, hidden] (N: one image's patches)
 prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_embeds [N,hidden]
            -> logits [B,1,V] (last real token; [B,S,V] with prefill_logits='all'),
-              present_conv_states [n_linear,B,conv_dim,K-1],
+              present_conv_states [n_linear,B,K-1,conv_dim],
            present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
 chunk      input_ids [B,C], chunk_mask [B,C], attention_mask [B,L], position_ids [4,B,C],
            image_embeds [C,hidden] and the past states as decode -> as decode (see ChunkGraph)
@@ -217,10 +217,9 @@ class _TextGraph(nn.Module):
         return layers.mrope_cos_sin(self.text.rotary_emb, hidden, position_ids[1:])
 
     def gdn_projections(self, i: int, attn: nn.Module, hidden: torch.Tensor):
-        """in_proj_* of Gated DeltaNet layer ``i``: packed qkv ``[B, D, S]`` and z in the export's dtype, g/beta
+        """in_proj_* of Gated DeltaNet layer ``i``: packed qkv ``[B, S, D]`` and z in the export's dtype, g/beta
         ``[B, S, Hv]`` fp32 (the gates compute in fp32 whatever the dtype)."""
         qkv, z, b, a = self.projections(i, "gdn_in", hidden)
-        qkv = qkv.transpose(1, 2)
         decay_scale = -attn.A_log.float().exp()
         if self.fused:
             g, beta = fused.linear_attention_gate(a.float(), attn.dt_bias.float(), decay_scale, b.float())
@@ -257,17 +256,18 @@ class _TextGraph(nn.Module):
     @staticmethod
     def conv_prefill(attn: nn.Module, qkv: torch.Tensor, n_valid: torch.Tensor, past=None):
         """Causal conv + SiLU over the prompt (or a chunk of it after the conv state ``past``
-        ``[B, D, K-1]``) ``[B, D, S]`` -> (output, state of the last real tokens). Standard ONNX
-        (Concat, a depthwise Conv, Sigmoid * x, GatherElements) with either ``--ops``: ONNX Runtime's
-        fused ``CausalConvWithState`` measured 13-15x slower at 512 tokens (0.8B, 18 layers: 132-152 ms
-        against 10 ms) and no faster at one token (``benchmarks/README.md``, issue 19)."""
-        return layers.causal_conv_prefill(qkv, attn.conv1d.weight.squeeze(1), n_valid, past)
+        ``[B, K-1, D]``) ``[B, D, S]`` -> (output ``[B, S, D]``, state of the last real tokens
+        ``[B, K-1, D]``). Standard ONNX (Concat, a depthwise Conv, Sigmoid * x, GatherElements) with
+        either ``--ops``: ONNX Runtime's fused ``CausalConvWithState`` measured 13-15x slower at 512
+        tokens (0.8B, 18 layers: 132-152 ms against 10 ms) and no faster at one token
+        (``benchmarks/README.md``, issue 19)."""
+        mixed, state = layers.causal_conv_prefill(qkv.transpose(1, 2), attn.conv1d.weight, n_valid, past)
+        return mixed.transpose(1, 2), state
 
-    @staticmethod
-    def conv_step(attn: nn.Module, qkv: torch.Tensor, past: torch.Tensor):
-        """One decode step of the causal conv: ``[B, D, 1]`` and state ``[B, D, K-1]`` (standard ONNX,
-        see :meth:`conv_prefill`)."""
-        return layers.causal_conv_step(qkv, past, attn.conv1d.weight.squeeze(1))
+    def conv_step(self, i: int, qkv: torch.Tensor, past: torch.Tensor):
+        """One decode step of the causal conv of layer ``i``: ``[B, 1, D]`` and state ``[B, K-1, D]``
+        (standard ONNX, see :meth:`conv_prefill`), with the kernel ``[K, D]`` a constant of its own."""
+        return layers.causal_conv_step(qkv, past, getattr(self, f"conv_kernel_t_{i}"))
 
     def recurrence(self, q, k, v, g, beta, state, prompt: bool):
         """Gated delta rule: q, k ``[B, S, Hk, Dk]``, v ``[B, S, Hv, Dv]``, g/beta ``[B, S, Hv]``,
@@ -288,9 +288,8 @@ class _TextGraph(nn.Module):
 
     @staticmethod
     def split_qkv(attn: nn.Module, mixed: torch.Tensor):
-        """``[B, D, S]`` conv output -> q, k ``[B, S, Hk, Dk]`` and v ``[B, S, Hv, Dv]``."""
-        batch, _, seq_len = mixed.shape
-        mixed = mixed.transpose(1, 2)
+        """``[B, S, D]`` conv output -> q, k ``[B, S, Hk, Dk]`` and v ``[B, S, Hv, Dv]``."""
+        batch, seq_len, _ = mixed.shape
         q, k, v = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
         return (
             q.reshape(batch, seq_len, -1, attn.head_k_dim),
@@ -468,6 +467,16 @@ class DecodeGraph(_TextGraph):
     ``slot <= cache_pos``), whose present KV entries the runtime binds to the past buffers.
     """
 
+    def __init__(self, model: nn.Module, contract: ShapeContract):
+        super().__init__(model, contract)
+        for i in self.linear_ids:
+            conv = self.text.layers[i].linear_attn.conv1d
+            # the depthwise kernel [D, 1, K] as the time-major step reads it, [K, D]: one constant,
+            # not a Squeeze and a Transpose of the weight at every step
+            register_derived(
+                self, f"conv_kernel_t_{i}", lambda load, conv=conv: load(conv.weight)[:, 0, :].t().contiguous()
+            )
+
     def forward(self, input_ids, attention_mask, position_ids, past_conv, past_rec, past_kv):
         contract = self.contract
         hidden = self.text.embed_tokens(input_ids)
@@ -493,7 +502,7 @@ class DecodeGraph(_TextGraph):
             attn = layer.linear_attn
             n = self.linear_slot[i]
             qkv, z, g, beta = self.gdn_projections(i, attn, h)
-            mixed, conv_state = self.conv_step(attn, qkv, past_conv[n])
+            mixed, conv_state = self.conv_step(i, qkv, past_conv[n])
             q, k, v = self.split_qkv(attn, mixed)
             core, state = self.recurrence(q, k, v, g, beta, past_rec[n], prompt=False)
             conv_states.append(conv_state)

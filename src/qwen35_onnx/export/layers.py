@@ -47,25 +47,30 @@ def causal_conv_prefill(
     """Depthwise causal conv1d + SiLU over a whole prompt or one chunk of it, and the conv state it
     leaves.
 
-    Mirrors ``causal_conv1d_fn`` and the prefill branch of the transformers cache.
+    Mirrors ``causal_conv1d_fn`` and the prefill branch of the transformers cache; the state is
+    held time-major (transformers holds it ``[B, D, K]``, channel-major), see
+    :attr:`~qwen35_onnx.contract.ShapeContract.conv_state_shape`.
 
     Args:
         x: ``[B, D, S]`` packed q/k/v projections (padded tokens already zeroed).
-        weight: ``[D, K]`` depthwise kernel.
+        weight: ``[D, 1, K]`` depthwise kernel (``nn.Conv1d.weight``).
         n_valid: ``[B]`` int64, number of real tokens (a contiguous prefix).
-        past: ``[B, D, K-1]`` the conv state of the tokens before ``x`` (a chunk continuing a
+        past: ``[B, K-1, D]`` the conv state of the tokens before ``x`` (a chunk continuing a
             prompt); None: a prompt's start (zeros).
 
     Returns:
-        ``(y [B, D, S], conv_state [B, D, K-1])``; the state holds the inputs of the last
-        ``K-1`` real tokens (from ``past`` where fewer are new), so right padding does not
-        leak into it.
+        ``(y [B, D, S], conv_state [B, K-1, D])``; the state holds the inputs of the last
+        ``K-1`` real tokens, oldest first (from ``past`` where fewer are new), so right padding
+        does not leak into it.
     """
     kernel = weight.shape[-1]
     seq_len = x.shape[-1]
-    padded = F.pad(x, (kernel - 1, 0)) if past is None else torch.cat([past.to(x.dtype), x], dim=-1)  # [B, D, K-1+S]
-    y = F.conv1d(padded, weight.unsqueeze(1), groups=x.shape[1])[..., :seq_len]
-    return F.silu(y), conv_state_of_prompt(padded, n_valid, kernel)
+    if past is None:
+        padded = F.pad(x, (kernel - 1, 0))  # [B, D, K-1+S]
+    else:
+        padded = torch.cat([past.to(x.dtype).transpose(1, 2), x], dim=-1)
+    y = F.conv1d(padded, weight, groups=x.shape[1])[..., :seq_len]
+    return F.silu(y), conv_state_of_prompt(padded, n_valid, kernel).transpose(1, 2)
 
 
 def conv_state_of_prompt(padded: torch.Tensor, n_valid: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -76,7 +81,7 @@ def conv_state_of_prompt(padded: torch.Tensor, n_valid: torch.Tensor, kernel: in
         n_valid: ``[B]`` int64, real tokens (a contiguous prefix).
 
     Returns:
-        ``[B, D, K-1]``; they sit at padded positions ``n_valid .. n_valid + K - 2``.
+        ``[B, D, K-1]`` (channel-major); they sit at padded positions ``n_valid .. n_valid + K - 2``.
     """
     idx = n_valid.view(-1, 1) + torch.arange(kernel - 1, device=padded.device).view(1, -1)  # [B, K-1]
     idx = idx.unsqueeze(1).expand(padded.shape[0], padded.shape[1], kernel - 1)
@@ -86,17 +91,21 @@ def conv_state_of_prompt(padded: torch.Tensor, n_valid: torch.Tensor, kernel: in
 def causal_conv_step(
     x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of the causal conv (mirrors ``causal_conv1d_update``).
+    """One decode step of the causal conv (mirrors ``causal_conv1d_update``), time-major: the
+    window is two contiguous blocks (state, then the new token) and the new state one contiguous
+    slice of it, where the channel-major layout of transformers needs strided copies and two
+    transposes per layer (0.8B decode: 0.5-0.9 ms a step, ``benchmarks/README.md``, issue 19).
 
     Args:
-        x: ``[B, D, 1]``; conv_state: ``[B, D, K-1]``; weight: ``[D, K]``.
+        x: ``[B, 1, D]``; conv_state: ``[B, K-1, D]``; weight: ``[K, D]`` (the depthwise kernel
+            transposed).
 
     Returns:
-        ``(y [B, D, 1] after SiLU, new conv_state [B, D, K-1])``.
+        ``(y [B, 1, D] after SiLU, new conv_state [B, K-1, D])``.
     """
-    window = torch.cat([conv_state, x], dim=-1)  # [B, D, K]
-    y = (window * weight.unsqueeze(0)).sum(dim=-1, keepdim=True)
-    return F.silu(y), window[..., 1:]
+    window = torch.cat([conv_state, x], dim=1)  # [B, K, D]
+    y = (window * weight).sum(dim=1, keepdim=True)
+    return F.silu(y), window[:, 1:]
 
 
 # ----------------------------------------------------------------------------------------

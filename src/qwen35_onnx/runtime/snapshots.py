@@ -63,7 +63,7 @@ class StateSnapshot:
         capacity: that export's capacity (tokens).
         token_ids: ``[length]`` int64, the tokens the state holds.
         images: digests (:func:`image_digests`) of the images whose tokens lie among them.
-        conv_states: ``[n_linear, 1, conv_dim, K-1]``; recurrent_states: ``[n_linear, 1, Hv, Dk,
+        conv_states: ``[n_linear, 1, K-1, conv_dim]``; recurrent_states: ``[n_linear, 1, Hv, Dk,
             Dv]`` fp32; kv_cache: ``[2 * n_full, 1, Hkv, length, D]`` (the used slots only).
         reply: taken after generated tokens (a reply), not inside a prompt.
     """

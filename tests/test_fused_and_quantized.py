@@ -59,6 +59,17 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
     assert "ScatterElements" not in ops and "ScatterND" not in ops
     # projections of one input merged: per layer mixer-in, mixer-out, gate|up, down; plus lm_head
     assert ops.count("MatMul") == 4 * len(contract.layer_types) + 1
+    # the conv state is time-major: the step needs no Transpose, its kernel is one [K, D] constant
+    # (no Squeeze / Unsqueeze of the weight), and no Reshape reshapes a Reshape's output
+    assert "Transpose" not in ops
+    weights = {t.name for t in decode.graph.initializer}
+    assert not [
+        n.name for n in all_nodes(decode.graph) if n.op_type in ("Squeeze", "Unsqueeze") and n.input[0] in weights
+    ]
+    producers = {out: n.op_type for n in all_nodes(decode.graph) for out in n.output}
+    assert not [
+        n.name for n in all_nodes(decode.graph) if n.op_type == "Reshape" and producers.get(n.input[0]) == "Reshape"
+    ]
     # every state one entry at a time, so that the runtime binds them inside stacked buffers
     entries = {
         "kv_cache": (

@@ -136,6 +136,43 @@ def test_ort_decode_writes_the_kv_cache_and_recurrent_states_in_place(ort_export
     np.testing.assert_allclose(states["present_conv_states"].numpy(), host.decoder.past["conv_states"], atol=1e-5)
 
 
+def test_decode_logits_are_the_step_output_and_never_overwritten_while_held(ort_export, photo):
+    """A CPU decode step returns the array ONNX Runtime wrote its logits into (no copy). A later step
+    never writes into an array a caller still holds (or a view of it): it gets a new one, rebound
+    as its output. Once the caller drops it, the step two later writes into it again."""
+    pipe = Pipeline.from_exported(ort_export)
+    host_pipe = Pipeline.from_exported(ort_export, host_state_roundtrip=True)
+    prepared = pipe.prepare(photo, PROMPT)
+    bound, host = pipe.generation(prepared), host_pipe.generation(prepared)
+    token = int(np.argmax(bound.prefill()))
+    host.prefill()
+
+    held = bound.step(token)  # a view of the array the step's logits were written into
+    assert np.shares_memory(held, bound.decoder.logits[0])
+    kept = held.copy()
+    expected = host.step(token)
+    np.testing.assert_allclose(held, expected, atol=1e-5)
+    for _ in range(3):  # steps of both parities while `held` is alive
+        token = int(np.argmax(expected))
+        got = bound.step(token)
+        expected = host.step(token)
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        assert not np.shares_memory(got, held)
+    np.testing.assert_array_equal(held, kept)
+
+    # dropped logits are written again two steps later: a sampling loop allocates nothing
+    del held, kept, got
+    addresses = []
+    for _ in range(4):
+        token = int(np.argmax(expected))
+        got = bound.step(token)
+        expected = host.step(token)
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        addresses.append(got.ctypes.data)
+        del got
+    assert addresses[0] == addresses[2] and addresses[1] == addresses[3] and addresses[0] != addresses[1]
+
+
 def test_ort_matches_transformers_and_portable(ort_export, fixed_export, reference_model, reference_tokens, photo):
     import torch
 

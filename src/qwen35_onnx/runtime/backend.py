@@ -176,7 +176,9 @@ class Decoder(Protocol):
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one decode step on ``input_ids`` ``[1, 1]``, ``attention_mask`` ``[1, capacity]``
         (fixed KV; one column more per step in dynamic mode) and ``position_ids`` ``[4, 1, 1]``
-        (int64); returns the logits ``[1, 1, V]`` fp32 as a host array the caller owns."""
+        (int64); returns the logits ``[1, 1, V]`` fp32 as a host array the caller owns: the decoder
+        does not write into it again while it, or a view of it, is referenced (it may reuse it
+        once it is dropped)."""
         ...
 
     def states(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def test_report_has_ratios_flatness_and_floor(tmp_path: Path):
         if line.startswith(("| fast", "| slow")):
             rows.setdefault(line.split("|")[1].strip(), [c.strip() for c in line.split("|")[2:-1]])
     # prefill x2, decode x2, flatness, e2e, floor (1 GB at 10 GB/s = 100 ms), x floor, peak RSS GB
-    assert rows["slow"] == ["2.0", "16.0", "4.00", "8.00", "2.00", "200.0", "100.000", "0.0", "-"]
+    assert rows["slow"] == ["2.0", "16.0", "4.00", "8.00", "2.00", "200.0", "100.000", "0.04", "-"]
     assert rows["fast"][-1] == "2.50"
     assert "Prefill: median of" not in markdown  # the reference protocol: not restated
     assert "Read bandwidth: 10.0 GB/s (measured in this run, the best of: probe 10.0, slower 5.0)" in markdown
@@ -43,6 +43,24 @@ def test_report_has_ratios_flatness_and_floor(tmp_path: Path):
         "ort int4", {32: 1.0}, {32: 1.0}, 9.0, decode_bytes=10**9, peak_rss_bytes=3 * 10**9, peak_sampled=True
     )
     assert "| 3.00* |" in report([sampled], bandwidths={"probe": 10.0}, out_dir=tmp_path, state_bytes={32: 0})
+
+
+def test_floor_target_reads_each_length_and_round_against_the_bytes_a_step_reads():
+    from qwen35_onnx.bench.protocol import merge_rounds
+    from qwen35_onnx.bench.report import floor_target_lines
+
+    # 1 GB of weights at 10 GB/s: 100 ms; the states add 0.1 GB at 512 tokens (110 ms)
+    ours = merge_rounds(
+        [PeerResult("ort int4", {}, {32: d32, 512: d512}, decode_bytes=10**9) for d32, d512 in [(110, 130), (120, 125)]]
+    )
+    (line,) = [line for line in floor_target_lines([ours], 10.0, {32: 0, 512: 10**8}) if line.startswith("- ")]
+    assert "32: 115.00 / 100.00 ms = 1.15x (met) [rounds: 1.10x, 1.20x; met in 1 of 2]" in line
+    assert "512: 127.50 / 110.00 ms = 1.16x (missed) [rounds: 1.19x, 1.14x; met in 1 of 2]" in line
+    # just over the target reads over it (rounded up); a row without step bytes, or none: no line
+    (near,) = floor_target_lines([PeerResult("ort int4", {}, {32: 115.01}, decode_bytes=10**9)], 10.0, {})[-1:]
+    assert near.endswith("32: 115.01 / 100.00 ms = 1.16x (missed)")
+    assert floor_target_lines([PeerResult("ort int4", {}, {32: 1.0})], 10.0, {}) == []
+    assert floor_target_lines([PeerResult("llama.cpp Q4_0", {}, {32: 1.0}, decode_bytes=1)], 10.0, {}) == []
 
 
 def test_target_lines_compare_our_openvino_int4_with_the_peer():

@@ -65,7 +65,7 @@ from .protocol import (
     read_bandwidths,
     step_state_bytes,
 )
-from .report import llamacpp_target_lines, report, target_lines
+from .report import floor_target_lines, llamacpp_target_lines, report, target_lines
 from .vision import QUESTION, ImageCost, image_costs, image_lines, photo
 
 LENGTHS = (32, 512, 1024, 2048)
@@ -464,6 +464,7 @@ def run_bench(
     extra = (
         target_lines(results)
         + llamacpp_target_lines(results)
+        + floor_target_lines(results, max(bandwidths.values()), states)
         + constrained
         + image_lines([_image_cost(r) for r in results if r.image])
     )

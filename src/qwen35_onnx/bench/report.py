@@ -138,14 +138,9 @@ def floor_target_lines(results: list[PeerResult], bandwidth_gbps: float, state_b
     cells = []
     for n in sorted(row.decode_ms):
         floor = floor_ms(row, bandwidth_gbps, state_bytes, n)
-        ratio = row.decode_ms[n] / floor
-        cell = f"{n}: {row.decode_ms[n]:.2f} / {floor:.2f} ms = {_ratio(ratio, up=True)} "
-        cell += f"({'met' if ratio <= target else 'missed'})"
         ratios = [r["decode_ms"][n] / floor for r in row.rounds if n in r["decode_ms"]]
-        if len(ratios) > 1:
-            met = sum(r <= target for r in ratios)
-            cell += f" [rounds: {', '.join(_ratio(r, up=True) for r in ratios)}; met in {met} of {len(ratios)}]"
-        cells.append(cell)
+        text = f"{n}: {row.decode_ms[n]:.2f} / {floor:.2f} ms"
+        cells.append(_target_cell(text, row.decode_ms[n] / floor, ratios, lambda r: r <= target, up=True))
     return [
         "",
         f"Target against the floor (issue 19), read bandwidth {bandwidth_gbps:.1f} GB/s in this run:",
@@ -172,6 +167,16 @@ def _ratio(ratio: float, up: bool = False) -> str:
     return f"{math.floor(ratio * 100 + 1e-9) / 100:.2f}x"
 
 
+def _target_cell(text: str, ratio: float, rounds: list[float], meets, up: bool = False) -> str:
+    """One length's cell of a target line: ``text`` (the figures), ``= ratio`` (:func:`_ratio`), met or
+    missed by ``meets(ratio)``, and with more than one round each round's ratio and how many met."""
+    cell = f"{text} = {_ratio(ratio, up)} ({'met' if meets(ratio) else 'missed'})"
+    if len(rounds) > 1:
+        met = sum(meets(r) for r in rounds)
+        cell += f" [rounds: {', '.join(_ratio(r, up) for r in rounds)}; met in {met} of {len(rounds)}]"
+    return cell
+
+
 def llamacpp_target_lines(results: list[PeerResult]) -> list[str]:
     """Markdown lines reading each :data:`LLAMACPP_TARGETS` off ``results`` at every length both have."""
     by_name = {r.name: r for r in results}
@@ -183,17 +188,13 @@ def llamacpp_target_lines(results: list[PeerResult]) -> list[str]:
         per_round = list(zip(by_name[ours].rounds, by_name[peer].rounds))
         cells = []
         for n in sorted(set(a) & set(b)):
-            ratio = b[n] / a[n]
-            cell = f"{n}: {b[n]:.1f} / {a[n]:.1f} ms = {_ratio(ratio)} ({'met' if ratio >= target else 'missed'})"
             ratios = [
                 theirs[f"{figure}_ms"][n] / mine[f"{figure}_ms"][n]
                 for mine, theirs in per_round
                 if n in mine[f"{figure}_ms"] and n in theirs[f"{figure}_ms"]
             ]
-            if len(ratios) > 1:
-                met = sum(r >= target for r in ratios)
-                cell += f" [rounds: {', '.join(_ratio(r) for r in ratios)}; met in {met} of {len(ratios)}]"
-            cells.append(cell)
+            text = f"{n}: {b[n]:.1f} / {a[n]:.1f} ms"
+            cells.append(_target_cell(text, b[n] / a[n], ratios, lambda r, t=target: r >= t))
         lines.append(f"- {figure}, {peer} / {ours}, target >= {target}x: " + "; ".join(cells))
     if lines:
         lines = ["", "Targets against llama.cpp (issue 19), side by side in this run:", ""] + lines

@@ -73,32 +73,29 @@ class BoundDecoder:
         buffered = [n for n in STATE_NAMES if f"present_{n}" not in self.updated_in_place]
         if not self.fixed:
             buffered.remove("kv_cache")
-        shapes = {"logits": ((contract.batch, 1, contract.vocab_size), np.float32)}
-        shapes.update(
-            {
-                f"present_{name}": (contract.state_shape(name), NP_DTYPES[contract.state_dtype(name)])
-                for name in buffered
-            }
-        )
-        new = lambda: {  # noqa: E731
-            name: ort.OrtValue.ortvalue_from_shape_and_type(shape, dt, device, 0)
-            for name, (shape, dt) in shapes.items()
+        shapes = {
+            f"present_{name}": (contract.state_shape(name), NP_DTYPES[contract.state_dtype(name)]) for name in buffered
         }
         # Two complete sets of output buffers: set p is written at steps of parity p; the
         # prefill's states serve as set 1 (read by step 0).
-        first = {name: states[name] for name in shapes if name != "logits"}
-        first["logits"] = new()["logits"]
-        self.buffers = [new(), first]
+        new = ort.OrtValue.ortvalue_from_shape_and_type
+        self.buffers = [
+            {name: new(shape, dt, device, 0) for name, (shape, dt) in shapes.items()},
+            {name: states[name] for name in shapes},
+        ]
         # On the CPU the logits are written into numpy arrays that step() returns as they are: no
         # copy of V floats (1 MB at 0.8B, read back from the last-level cache; with the cheaper
         # finiteness check the host's time per 0.8B step went from 0.60 to 0.40 ms); a step only
         # writes into an array nobody else holds (see _claim_logits)
-        self.logits_shape = shapes["logits"][0]
+        self.logits_shape = (contract.batch, 1, contract.vocab_size)
         self.logits: list[np.ndarray] | None = None
         if device == "cpu":
             self.logits = [self._new_logits(p) for p in (0, 1)]
             self.free_refs = sys.getrefcount(self.logits[0])
             """References to an entry of :attr:`logits` that this decoder holds itself."""
+        else:
+            for buffers in self.buffers:
+                buffers["logits"] = new(self.logits_shape, np.float32, device, 0)
         self.kv = states["present_kv_cache"]
         self.steps = 0
         batch = contract.batch

@@ -51,6 +51,9 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
         assert ops.count("Conv") + ops.count("ReduceSum") >= contract.n_linear, key
         assert "CausalConvWithState" not in ops and "GatedRMSNorm" not in ops, key
         assert "Scan" not in ops, key
+        # every text graph attends with one GroupQueryAttention per full-attention layer (the prompt's
+        # too: no MatMul / Softmax chain over expanded KV heads)
+        assert ops.count("GroupQueryAttention") == contract.n_full and "Softmax" not in ops, key
         assert symbolic_dims(model) == [], key
     decode = onnx.load(str(ort_export / contract.graphs["decode"]))
     ops = [n.op_type for n in all_nodes(decode.graph)]

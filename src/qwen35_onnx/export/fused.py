@@ -14,7 +14,8 @@ one contrib node:
 - ``qwen35::mrotary_embedding`` -> ``MRotaryEmbedding`` (interleaved mRoPE, partial rotary).
 - ``qwen35::group_query_attention`` -> ``GroupQueryAttention`` over the fixed-width KV
   cache: the decode graph's KV write and attention in one node, in place when the runtime
-  binds past and present to one buffer.
+  binds past and present to one buffer; ``qwen35::prompt_attention`` -> the same node without a
+  past, for a whole right-padded prompt (the prefill graph).
 
 The schemas follow the operator documentation shipped with onnxruntime (>= 1.31,
 ``onnxruntime.capi.onnxruntime_pybind11_state.get_all_operator_schema()``). The eager
@@ -330,7 +331,58 @@ def _(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
+@torch.library.custom_op("qwen35::prompt_attention", mutates_args=())
+def prompt_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total_sequence_length: torch.Tensor,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal grouped-query attention over a right-padded prompt with no past (reference):
+    ONNX Runtime's ``GroupQueryAttention`` without ``past_key`` / ``past_value``.
+
+    Token ``t`` attends to tokens ``<= min(t, seqlens_k)``; query head ``h`` uses KV head
+    ``h // (num_heads / kv_num_heads)`` (Ainslie et al. 2023). Rows past ``seqlens_k`` (padding)
+    are finite and meaningless (ONNX Runtime computes them differently).
+
+    Args:
+        query: ``[B, T, num_heads*D]``; key, value: ``[B, T, kv_num_heads*D]``; seqlens_k:
+            ``[B]`` int32, the index of the last real token; total_sequence_length: ``[]`` int32 (T).
+
+    Returns:
+        ``output [B, T, num_heads*D]``.
+    """
+    batch, steps, _ = query.shape
+    dim = key.shape[-1] // kv_num_heads
+    q = query.view(batch, steps, num_heads, dim).transpose(1, 2)
+    k, v = (t.view(batch, steps, kv_num_heads, dim).transpose(1, 2) for t in (key, value))
+    group = num_heads // kv_num_heads
+    keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    pos = torch.arange(steps, device=query.device)
+    last = torch.minimum(pos.view(1, -1), seqlens_k.long().view(-1, 1))  # [B, T]
+    allowed = pos.view(1, 1, 1, -1) <= last.view(batch, 1, steps, 1)
+    scores = (q @ keys.transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
+    return (probs @ values).transpose(1, 2).reshape(batch, steps, -1)
+
+
+@prompt_attention.register_fake
+def _(query, key, value, seqlens_k, total_sequence_length, num_heads, kv_num_heads, scale):
+    return torch.empty_like(query)
+
+
 # fmt: off
+def _prompt_attention_onnx(query, key, value, seqlens_k, total_sequence_length, num_heads: int, kv_num_heads: int,
+                           scale: float):
+    output, _, _ = _ms.GroupQueryAttention(query, key, value, None, None, seqlens_k, total_sequence_length,
+                                           num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, _outputs=3)
+    return output
+
+
 def _group_query_attention_onnx(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                                 num_heads: int, kv_num_heads: int, scale: float):
     return _ms.GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
@@ -344,6 +396,7 @@ TRANSLATIONS = {
     torch.ops.qwen35.mrotary_embedding.default: _mrotary_embedding_onnx,
     torch.ops.qwen35.linear_attention_gate.default: _linear_attention_gate_onnx,
     torch.ops.qwen35.group_query_attention.default: _group_query_attention_onnx,
+    torch.ops.qwen35.prompt_attention.default: _prompt_attention_onnx,
     torch.ops.qwen35.linear_attention.default: _linear_attention_onnx,
 }
 """``custom_translation_table`` for ``torch.onnx.export``."""

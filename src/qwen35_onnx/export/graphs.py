@@ -370,6 +370,18 @@ class _TextGraph(nn.Module):
         return fused.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, heads, kv_heads, attn.scaling)
 
     @staticmethod
+    def prompt_attention(attn: nn.Module, q, k, v, seqlens_k):
+        """``--ops ort``: one GroupQueryAttention (no past) of a whole right-padded prompt: q ``[B, Hq,
+        S, D]``, k / v ``[B, Hkv, S, D]`` (zero at padded positions), ``seqlens_k [B]`` int32 the last
+        real token -> ``[B, S, Hq*D]``. On the 0.8B prefill of 512 tokens it replaced the
+        MatMul / Where / Softmax / MatMul chain with its expanded KV heads (``benchmarks/README.md``)."""
+        batch, steps = q.shape[0], q.shape[2]
+        q, k, v = (t.transpose(1, 2).reshape(batch, steps, -1) for t in (q, k, v))
+        heads, kv_heads = q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim
+        total = torch.full((), steps, dtype=torch.int32, device=q.device)
+        return fused.prompt_attention(q, k, v, seqlens_k, total, heads, kv_heads, attn.scaling)
+
+    @staticmethod
     def attention_output(attn: nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         batch, seq_len = out.shape[:2]
         out = out.reshape(batch, seq_len, -1) * torch.sigmoid(gate)
@@ -418,11 +430,13 @@ class PrefillGraph(_TextGraph):
         hidden = self.text.embed_tokens(input_ids)
         hidden = layers.inject_image_embeds(hidden, input_ids, image_embeds, contract.image_token_id)
         rope = self.rotary(hidden, position_ids)
-        # Causal mask from the running count of real tokens rather than from arange(S): the
-        # latter is constant-folded for small static S only, which would make the node count
-        # depend on the bucket. For real queries i and keys j, count_j <= count_i iff j <= i.
-        count = attention_mask.cumsum(dim=-1)
-        causal = (count.unsqueeze(1) <= count.unsqueeze(2)) & valid.unsqueeze(1)  # [B, S(query), S(key)]
+        causal = None
+        if not self.fused:  # (GroupQueryAttention masks by position and seqlens_k itself)
+            # Causal mask from the running count of real tokens rather than from arange(S): the
+            # latter is constant-folded for small static S only, which would make the node count
+            # depend on the bucket. For real queries i and keys j, count_j <= count_i iff j <= i.
+            count = attention_mask.cumsum(dim=-1)
+            causal = (count.unsqueeze(1) <= count.unsqueeze(2)) & valid.unsqueeze(1)  # [B, S(query), S(key)]
         conv_states, rec_states, kv = [], [], []
 
         def linear_mixer(i, layer, h):
@@ -435,9 +449,12 @@ class PrefillGraph(_TextGraph):
         def full_mixer(i, layer, h):
             attn = layer.self_attn
             q, k, v, gate = self.attention_qkv(i, attn, h, rope)
-            out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
             keep = valid.view(valid.shape[0], 1, -1, 1).to(k.dtype)
             k, v = k * keep, v * keep
+            if self.fused:
+                out = self.prompt_attention(attn, q, k, v, (n_valid - 1).to(torch.int32))
+            else:
+                out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
             if contract.kv_mode == KvMode.FIXED:
                 k, v = (F.pad(t, (0, 0, 0, contract.capacity - seq_len)) for t in (k, v))
             kv.extend([k, v])

@@ -296,7 +296,8 @@ def masked_attention(
     KV head in its stored ``[L, D]`` layout and never expanded to ``Hq`` heads. Measured on the
     Qwen3.5-0.8B decode sizes (6 layers, ``Hq`` 8, ``Hkv`` 2, D 256, L 1280): 56 -> 6.6 ms on
     OpenVINO CPU and 16.6 -> 6.2 ms on ONNX Runtime, bit-identical outputs. Several query tokens
-    (prefill) keep the expanded form, which measured 8-11 % faster there (S 1024 and 2048).
+    (the portable prefill) keep the expanded form, which measured 8-11 % faster there (S 1024 and
+    2048); ``--ops ort`` prefills with GroupQueryAttention instead (``_TextGraph.prompt_attention``).
 
     Args:
         query: ``[B, Hq, Sq, D]``; key, value: ``[B, Hkv, Sk, D]``;

@@ -359,27 +359,31 @@ class _TextGraph(nn.Module):
         return q, k, v, gate
 
     @staticmethod
-    def attention_in_place(attn: nn.Module, q, k, v, past_k, past_v, seqlens_k, total):
+    def _packed_heads(attn: nn.Module, q, k, v):
+        """q ``[B, Hq, T, D]``, k / v ``[B, Hkv, T, D]`` -> GroupQueryAttention's packed
+        ``[B, T, H*D]`` q, k, v and its ``(num_heads, kv_num_heads)``."""
+        batch, steps = q.shape[0], q.shape[2]
+        q, k, v = (t.transpose(1, 2).reshape(batch, steps, -1) for t in (q, k, v))
+        return q, k, v, (q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim)
+
+    def attention_in_place(self, attn: nn.Module, q, k, v, past_k, past_v, seqlens_k, total):
         """``--ops ort``: one GroupQueryAttention of q ``[B, Hq, T, D]`` and the new k, v ``[B, Hkv, T,
         D]`` over the capacity-wide entries ``past_k`` / ``past_v`` ``[B, Hkv, L, D]``, the new tokens
         at slots ``seqlens_k - T + 1 .. seqlens_k`` (written in place when the runtime binds present
         to past); returns ``(out [B, T, Hq*D], k_all, v_all)``."""
-        batch, steps = q.shape[0], q.shape[2]
-        q, k, v = (t.transpose(1, 2).reshape(batch, steps, -1) for t in (q, k, v))
-        heads, kv_heads = q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim
-        return fused.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, heads, kv_heads, attn.scaling)
+        q, k, v, heads = self._packed_heads(attn, q, k, v)
+        return fused.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, *heads, attn.scaling)
 
-    @staticmethod
-    def prompt_attention(attn: nn.Module, q, k, v, seqlens_k):
+    def prompt_attention(self, attn: nn.Module, q, k, v, seqlens_k):
         """``--ops ort``: one GroupQueryAttention (no past) of a whole right-padded prompt: q ``[B, Hq,
         S, D]``, k / v ``[B, Hkv, S, D]`` (zero at padded positions), ``seqlens_k [B]`` int32 the last
         real token -> ``[B, S, Hq*D]``. On the 0.8B prefill of 512 tokens it replaced the
-        MatMul / Where / Softmax / MatMul chain with its expanded KV heads (``benchmarks/README.md``)."""
-        batch, steps = q.shape[0], q.shape[2]
-        q, k, v = (t.transpose(1, 2).reshape(batch, steps, -1) for t in (q, k, v))
-        heads, kv_heads = q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim
+        MatMul / Where / Softmax / MatMul chain over the expanded KV heads: 61 against 89 ms for the
+        6 layers (``benchmarks/README.md``)."""
+        steps = q.shape[2]
+        q, k, v, heads = self._packed_heads(attn, q, k, v)
         total = torch.full((), steps, dtype=torch.int32, device=q.device)
-        return fused.prompt_attention(q, k, v, seqlens_k, total, heads, kv_heads, attn.scaling)
+        return fused.prompt_attention(q, k, v, seqlens_k, total, *heads, attn.scaling)
 
     @staticmethod
     def attention_output(attn: nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

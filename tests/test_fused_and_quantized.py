@@ -54,6 +54,13 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
         # every text graph attends with one GroupQueryAttention per full-attention layer (the prompt's
         # too: no MatMul / Softmax chain over expanded KV heads)
         assert ops.count("GroupQueryAttention") == contract.n_full and "Softmax" not in ops, key
+        if GraphKind.of(key) == GraphKind.PREFILL:  # its padded query rows, unspecified, are zeroed first
+            users = {}
+            for node in all_nodes(model.graph):
+                for name in node.input:
+                    users.setdefault(name, []).append(node.op_type)
+            outputs = [n.output[0] for n in all_nodes(model.graph) if n.op_type == "GroupQueryAttention"]
+            assert all(users.get(out) == ["Where"] for out in outputs), key
         assert symbolic_dims(model) == [], key
     decode = onnx.load(str(ort_export / contract.graphs["decode"]))
     ops = [n.op_type for n in all_nodes(decode.graph)]

@@ -347,7 +347,7 @@ def prompt_attention(
 
     Token ``t`` attends to tokens ``<= min(t, seqlens_k)``; query head ``h`` uses KV head
     ``h // (num_heads / kv_num_heads)`` (Ainslie et al. 2023). Rows past ``seqlens_k`` (padding)
-    are finite and meaningless (ONNX Runtime computes them differently).
+    are meaningless: finite here, unspecified in ONNX Runtime (the caller masks them).
 
     Args:
         query: ``[B, T, num_heads*D]``; key, value: ``[B, T, kv_num_heads*D]``; seqlens_k:

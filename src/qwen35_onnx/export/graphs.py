@@ -457,6 +457,9 @@ class PrefillGraph(_TextGraph):
             k, v = k * keep, v * keep
             if self.fused:
                 out = self.prompt_attention(attn, q, k, v, (n_valid - 1).to(torch.int32))
+                # ONNX Runtime leaves the padded query rows unspecified (its documentation; its fp16
+                # kernel reads scratch memory there): zeros, so that no NaN reaches the states
+                out = torch.where(valid.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
             else:
                 out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
             if contract.kv_mode == KvMode.FIXED:

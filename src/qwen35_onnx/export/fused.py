@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from onnx.defs import OpSchema
 
+from . import layers
+
 MS_DOMAIN = "com.microsoft"
 
 
@@ -316,13 +318,8 @@ def group_query_attention(
     index = pos.view(batch, 1, steps, 1).expand(batch, kv_num_heads, steps, dim)
     present_key = past_key.scatter(2, index, k)
     present_value = past_value.scatter(2, index, v)
-    group = num_heads // kv_num_heads
-    keys = present_key.repeat_interleave(group, dim=1)
-    values = present_value.repeat_interleave(group, dim=1)
     allowed = torch.arange(width, device=query.device).view(1, 1, 1, -1) <= pos.view(batch, 1, steps, 1)
-    scores = (q @ keys.transpose(-1, -2)) * scale
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
-    out = (probs @ values).transpose(1, 2).reshape(batch, steps, -1)
+    out = layers.masked_attention(q, present_key, present_value, allowed, scale).reshape(batch, steps, -1)
     return out, present_key, present_value
 
 
@@ -360,14 +357,10 @@ def prompt_attention(
     dim = key.shape[-1] // kv_num_heads
     q = query.view(batch, steps, num_heads, dim).transpose(1, 2)
     k, v = (t.view(batch, steps, kv_num_heads, dim).transpose(1, 2) for t in (key, value))
-    group = num_heads // kv_num_heads
-    keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     pos = torch.arange(steps, device=query.device)
     last = torch.minimum(pos.view(1, -1), seqlens_k.long().view(-1, 1))  # [B, T]
     allowed = pos.view(1, 1, 1, -1) <= last.view(batch, 1, steps, 1)
-    scores = (q @ keys.transpose(-1, -2)) * scale
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(q.dtype)
-    return (probs @ values).transpose(1, 2).reshape(batch, steps, -1)
+    return layers.masked_attention(q, k, v, allowed, scale).reshape(batch, steps, -1)
 
 
 @prompt_attention.register_fake

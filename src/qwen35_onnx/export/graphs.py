@@ -374,16 +374,20 @@ class _TextGraph(nn.Module):
         q, k, v, heads = self._packed_heads(attn, q, k, v)
         return fused.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, *heads, attn.scaling)
 
-    def prompt_attention(self, attn: nn.Module, q, k, v, seqlens_k):
+    def prompt_attention(self, attn: nn.Module, q, k, v, valid):
         """``--ops ort``: one GroupQueryAttention (no past) of a whole right-padded prompt: q ``[B, Hq,
-        S, D]``, k / v ``[B, Hkv, S, D]`` (zero at padded positions), ``seqlens_k [B]`` int32 the last
-        real token -> ``[B, S, Hq*D]``. On the 0.8B prefill of 512 tokens it replaced the
-        MatMul / Where / Softmax / MatMul chain over the expanded KV heads: 61 against 89 ms for the
-        6 layers (``benchmarks/README.md``)."""
+        S, D]``, k / v ``[B, Hkv, S, D]`` (zero at padded positions), ``valid [B, S]`` bool (a prefix of
+        real tokens) -> ``[B, S, Hq*D]``, zero at padded positions: ONNX Runtime leaves those rows
+        unspecified (its documentation; its fp16 kernel reads scratch memory there) and a NaN would
+        reach the states through the masks' products. On the 0.8B prefill of 512 tokens it replaced
+        the MatMul / Where / Softmax / MatMul chain over the expanded KV heads: 61 against 89 ms for
+        the 6 layers (``benchmarks/README.md``)."""
         steps = q.shape[2]
         q, k, v, heads = self._packed_heads(attn, q, k, v)
+        seqlens_k = (valid.sum(dim=-1) - 1).to(torch.int32)  # the last real token
         total = torch.full((), steps, dtype=torch.int32, device=q.device)
-        return fused.prompt_attention(q, k, v, seqlens_k, total, *heads, attn.scaling)
+        out = fused.prompt_attention(q, k, v, seqlens_k, total, *heads, attn.scaling)
+        return out.masked_fill(~valid.unsqueeze(-1), 0)
 
     @staticmethod
     def attention_output(attn: nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -456,10 +460,7 @@ class PrefillGraph(_TextGraph):
             keep = valid.view(valid.shape[0], 1, -1, 1).to(k.dtype)
             k, v = k * keep, v * keep
             if self.fused:
-                out = self.prompt_attention(attn, q, k, v, (n_valid - 1).to(torch.int32))
-                # ONNX Runtime leaves the padded query rows unspecified (its documentation; its fp16
-                # kernel reads scratch memory there): zeros, so that no NaN reaches the states
-                out = torch.where(valid.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+                out = self.prompt_attention(attn, q, k, v, valid)
             else:
                 out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
             if contract.kv_mode == KvMode.FIXED:

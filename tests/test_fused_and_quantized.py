@@ -49,6 +49,15 @@ def test_ort_graphs_use_the_fused_operators(ort_export):
         # the causal conv and the gated norm stay standard ONNX: ONNX Runtime's CausalConvWithState
         # and GatedRMSNorm measured slower than the standard operators (graphs.conv_prefill, gdn_output)
         assert ops.count("Conv") + ops.count("ReduceSum") >= contract.n_linear, key
+        if GraphKind.of(key) != GraphKind.DECODE:
+            # the prompt's conv runs per q / k / v part, straight from the projections' Split
+            assert ops.count("Conv") == 3 * contract.n_linear, key
+            producers = {out: n.op_type for n in all_nodes(model.graph) for out in n.output}
+            assert not [
+                n.name
+                for n in all_nodes(model.graph)
+                if n.op_type == "Split" and producers.get(n.input[0]) == "Transpose"
+            ], key
         assert "CausalConvWithState" not in ops and "GatedRMSNorm" not in ops, key
         assert "Scan" not in ops, key
         # every text graph attends with one GroupQueryAttention per full-attention layer (the prompt's

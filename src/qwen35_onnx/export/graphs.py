@@ -26,7 +26,7 @@ decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_con
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -193,15 +193,24 @@ class _TextGraph(nn.Module):
                 register_derived(self, f"{group}_t_{i}", merged)
                 self.merged_sizes[(i, group)] = [linear.out_features for linear in linears]
 
-    def projections(self, i: int, group: str, hidden: torch.Tensor) -> list[torch.Tensor]:
+    def projections(
+        self, i: int, group: str, hidden: torch.Tensor, first_parts: Sequence[int] = ()
+    ) -> list[torch.Tensor]:
         """The projections of ``group`` (:data:`MERGED_PROJECTIONS`) of layer ``i`` applied to
         ``hidden [B, S, hidden]``, in their listed order: one MatMul with the merged constant
-        and a Split when merged, else each nn.Linear."""
+        and a Split when merged, else each nn.Linear. ``first_parts``: sizes (summing to the first
+        projection's width) to cut the first output into, in the same Split when merged."""
         if (i, group) in self.merged_sizes:
-            return list(torch.split(hidden @ getattr(self, f"{group}_t_{i}"), self.merged_sizes[(i, group)], dim=-1))
+            sizes = self.merged_sizes[(i, group)]
+            if first_parts:
+                sizes = [*first_parts, *sizes[1:]]
+            return list(torch.split(hidden @ getattr(self, f"{group}_t_{i}"), sizes, dim=-1))
         _, owner, names = MERGED_PROJECTIONS[group]
         module = getattr(self.text.layers[i], owner)
-        return [getattr(module, name)(hidden) for name in names]
+        outputs = [getattr(module, name)(hidden) for name in names]
+        if first_parts:
+            outputs[:1] = torch.split(outputs[0], list(first_parts), dim=-1)
+        return outputs
 
     def mlp(self, i: int, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The SwiGLU MLP of layer ``i``: ``down(act(gate(x)) * up(x))``."""
@@ -216,10 +225,14 @@ class _TextGraph(nn.Module):
             return position_ids[1:]
         return layers.mrope_cos_sin(self.text.rotary_emb, hidden, position_ids[1:])
 
-    def gdn_projections(self, i: int, attn: nn.Module, hidden: torch.Tensor):
-        """in_proj_* of Gated DeltaNet layer ``i``: packed qkv ``[B, S, D]`` and z in the export's dtype, g/beta
-        ``[B, S, Hv]`` fp32 (the gates compute in fp32 whatever the dtype)."""
-        qkv, z, b, a = self.projections(i, "gdn_in", hidden)
+    def gdn_projections(self, i: int, attn: nn.Module, hidden: torch.Tensor, packed: bool = True):
+        """in_proj_* of Gated DeltaNet layer ``i``: qkv and z in the export's dtype, g/beta ``[B, S, Hv]``
+        fp32 (the gates compute in fp32 whatever the dtype). qkv is one packed ``[B, S, D]`` tensor, or
+        with ``packed=False`` the list ``[q, k, v]`` of ``[B, S, key_dim | key_dim | value_dim]`` cut by the
+        projections' own Split (for :meth:`conv_prefill`)."""
+        parts = () if packed else (attn.key_dim, attn.key_dim, attn.value_dim)
+        *qkv, z, b, a = self.projections(i, "gdn_in", hidden, first_parts=parts)
+        qkv = qkv[0] if packed else qkv
         decay_scale = -attn.A_log.float().exp()
         if self.fused:
             g, beta = fused.linear_attention_gate(a.float(), attn.dt_bias.float(), decay_scale, b.float())
@@ -254,15 +267,24 @@ class _TextGraph(nn.Module):
         return fused.rms_norm(x, torch.full((dim,), dim**-0.5, dtype=x.dtype, device=x.device), 1e-6 / dim)
 
     @staticmethod
-    def conv_prefill(attn: nn.Module, qkv: torch.Tensor, n_valid: torch.Tensor, past=None):
+    def conv_prefill(attn: nn.Module, parts: Sequence[torch.Tensor], n_valid: torch.Tensor, past=None):
         """Causal conv + SiLU over the prompt (or a chunk of it after the conv state ``past``
-        ``[B, K-1, D]``) ``[B, D, S]`` -> (output ``[B, S, D]``, state of the last real tokens
-        ``[B, K-1, D]``). Standard ONNX (Concat, a depthwise Conv, Sigmoid * x, GatherElements) with
-        either ``--ops``: ONNX Runtime's fused ``CausalConvWithState`` measured 13-15x slower at 512
-        tokens (0.8B, 18 layers: 132-152 ms against 10 ms) and no faster at one token
-        (``benchmarks/README.md``, issue 19)."""
-        mixed, state = layers.causal_conv_prefill(qkv.transpose(1, 2), attn.conv1d.weight, n_valid, past)
-        return mixed.transpose(1, 2), state
+        ``[B, K-1, D]``), part by part: ``parts`` q, k, v ``[B, S, D_j]`` (time-major, summing to D) ->
+        (outputs ``[B, S, D_j]`` each, state of the last real tokens ``[B, K-1, D]``). Standard ONNX
+        (Transpose, Pad or Concat, a depthwise Conv, Sigmoid * x, GatherElements) with either ``--ops``:
+        ONNX Runtime's fused ``CausalConvWithState`` measured 13-15x slower at 512 tokens (0.8B, 18
+        layers: 132-152 ms against 10 ms) and no faster at one token. A conv per part spares the Split
+        of the packed output, and its transposes stay in cache (0.8B, 18 layers at 512 tokens: 116-119
+        against 142-151 ms; ``benchmarks/README.md``, issue 19)."""
+        sizes = [int(x.shape[-1]) for x in parts]
+        weights = torch.split(attn.conv1d.weight, sizes, dim=0)
+        pasts = torch.split(past, sizes, dim=-1) if past is not None else [None] * len(parts)
+        outputs, states = [], []
+        for x, weight, state in zip(parts, weights, pasts):
+            mixed, state = layers.causal_conv_prefill(x.transpose(1, 2), weight, n_valid, state)
+            outputs.append(mixed.transpose(1, 2))
+            states.append(state)
+        return outputs, torch.cat(states, dim=-1)
 
     def conv_step(self, i: int, qkv: torch.Tensor, past: torch.Tensor):
         """One decode step of the causal conv of layer ``i``: ``[B, 1, D]`` and state ``[B, K-1, D]``
@@ -287,10 +309,12 @@ class _TextGraph(nn.Module):
         return out.reshape(batch, steps, n_v, d_v).to(v.dtype), state
 
     @staticmethod
-    def split_qkv(attn: nn.Module, mixed: torch.Tensor):
-        """``[B, S, D]`` conv output -> q, k ``[B, S, Hk, Dk]`` and v ``[B, S, Hv, Dv]``."""
-        batch, seq_len, _ = mixed.shape
-        q, k, v = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
+    def split_qkv(attn: nn.Module, mixed: torch.Tensor | Sequence[torch.Tensor]):
+        """``[B, S, D]`` conv output (or its parts q, k, v) -> q, k ``[B, S, Hk, Dk]`` and v ``[B, S, Hv, Dv]``."""
+        if isinstance(mixed, torch.Tensor):
+            mixed = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
+        q, k, v = mixed
+        batch, seq_len, _ = q.shape
         return (
             q.reshape(batch, seq_len, -1, attn.head_k_dim),
             k.reshape(batch, seq_len, -1, attn.head_k_dim),
@@ -305,7 +329,7 @@ class _TextGraph(nn.Module):
         recurrent state)."""
         attn = layer.linear_attn
         h = h * valid_f.to(h.dtype)
-        qkv, z, g, beta = self.gdn_projections(i, attn, h)
+        qkv, z, g, beta = self.gdn_projections(i, attn, h, packed=False)
         mixed, conv_state = self.conv_prefill(attn, qkv, n_valid, past_conv)
         q, k, v = self.split_qkv(attn, mixed)
         g = g * valid_f

@@ -274,7 +274,7 @@ class _TextGraph(nn.Module):
         (Transpose, Pad or Concat, a depthwise Conv, Sigmoid * x, GatherElements) with either ``--ops``:
         ONNX Runtime's fused ``CausalConvWithState`` measured 13-15x slower at 512 tokens (0.8B, 18
         layers: 132-152 ms against 10 ms) and no faster at one token. A conv per part spares the Split
-        of the packed output, and each of its transposes moves a third of the data (0.8B, 18 layers at 512
+        of the packed output, and each of its transposes moves only its part (0.8B, 18 layers at 512
         tokens: 116-119 against 142-151 ms; ``benchmarks/README.md``, issue 19)."""
         sizes = [int(x.shape[-1]) for x in parts]
         weights = torch.split(attn.conv1d.weight, sizes, dim=0)

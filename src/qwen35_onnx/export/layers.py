@@ -52,8 +52,8 @@ def causal_conv_prefill(
     :attr:`~qwen35_onnx.contract.ShapeContract.conv_state_shape`.
 
     Args:
-        x: ``[B, D, S]`` packed q/k/v projections (padded tokens already zeroed).
-        weight: ``[D, 1, K]`` depthwise kernel (``nn.Conv1d.weight``).
+        x: ``[B, D, S]`` q/k/v projections, packed or one part of them (padded tokens already zeroed).
+        weight: ``[D, 1, K]`` depthwise kernel (``nn.Conv1d.weight``, or its rows of that part).
         n_valid: ``[B]`` int64, number of real tokens (a contiguous prefix).
         past: ``[B, K-1, D]`` the conv state of the tokens before ``x`` (a chunk continuing a
             prompt); None: a prompt's start (zeros).

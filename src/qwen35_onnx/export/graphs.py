@@ -230,7 +230,7 @@ class _TextGraph(nn.Module):
         fp32 (the gates compute in fp32 whatever the dtype). qkv is one packed ``[B, S, D]`` tensor, or
         with ``packed=False`` the list ``[q, k, v]`` of ``[B, S, key_dim | key_dim | value_dim]`` cut by the
         projections' own Split (for :meth:`conv_prefill`)."""
-        parts = () if packed else (attn.key_dim, attn.key_dim, attn.value_dim)
+        parts = () if packed else self.qkv_sizes(attn)
         *qkv, z, b, a = self.projections(i, "gdn_in", hidden, first_parts=parts)
         qkv = qkv[0] if packed else qkv
         decay_scale = -attn.A_log.float().exp()
@@ -309,11 +309,14 @@ class _TextGraph(nn.Module):
         return out.reshape(batch, steps, n_v, d_v).to(v.dtype), state
 
     @staticmethod
-    def split_qkv(attn: nn.Module, mixed: torch.Tensor | Sequence[torch.Tensor]):
-        """``[B, S, D]`` conv output (or its parts q, k, v) -> q, k ``[B, S, Hk, Dk]`` and v ``[B, S, Hv, Dv]``."""
-        if isinstance(mixed, torch.Tensor):
-            mixed = torch.split(mixed, [attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
-        q, k, v = mixed
+    def qkv_sizes(attn: nn.Module) -> list[int]:
+        """Widths of q, k, v in a Gated DeltaNet layer's packed qkv: key_dim, key_dim, value_dim."""
+        return [attn.key_dim, attn.key_dim, attn.value_dim]
+
+    @staticmethod
+    def qkv_heads(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Conv outputs q, k ``[B, S, key_dim]``, v ``[B, S, value_dim]`` -> q, k ``[B, S, Hk, Dk]`` and
+        v ``[B, S, Hv, Dv]``."""
         batch, seq_len, _ = q.shape
         return (
             q.reshape(batch, seq_len, -1, attn.head_k_dim),
@@ -331,7 +334,7 @@ class _TextGraph(nn.Module):
         h = h * valid_f.to(h.dtype)
         qkv, z, g, beta = self.gdn_projections(i, attn, h, packed=False)
         mixed, conv_state = self.conv_prefill(attn, qkv, n_valid, past_conv)
-        q, k, v = self.split_qkv(attn, mixed)
+        q, k, v = self.qkv_heads(attn, *mixed)
         g = g * valid_f
         beta = beta * valid_f.to(beta.dtype)
         core, state = self.recurrence(q, k, v, g, beta, past_rec, prompt=True)
@@ -552,7 +555,7 @@ class DecodeGraph(_TextGraph):
             n = self.linear_slot[i]
             qkv, z, g, beta = self.gdn_projections(i, attn, h)
             mixed, conv_state = self.conv_step(i, qkv, past_conv[n])
-            q, k, v = self.split_qkv(attn, mixed)
+            q, k, v = self.qkv_heads(attn, *torch.split(mixed, self.qkv_sizes(attn), dim=-1))
             core, state = self.recurrence(q, k, v, g, beta, past_rec[n], prompt=False)
             conv_states.append(conv_state)
             rec_states.append(state)

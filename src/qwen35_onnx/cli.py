@@ -14,8 +14,10 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import signal
 import sys
+import threading
 import types
 from enum import StrEnum
 from pathlib import Path
@@ -170,8 +172,43 @@ def export(
     )
 
 
+class _Terminated(SystemExit):
+    """The ``SystemExit(128 + SIGTERM)`` that :func:`_exit_on_sigterm` raises."""
+
+
 def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    raise _Terminated(128 + signum)
+
+
+def _redeliver_swallowed_signal(unraisable) -> None:
+    """``sys.unraisablehook`` that sends a swallowed SIGTERM or Ctrl-C (SIGINT) again.
+
+    Python runs a signal handler at the next bytecode boundary of the main thread, which may fall
+    inside an object's ``__del__`` (a garbage collection during the export). An exception raised
+    there is not propagated: CPython reports it to ``sys.unraisablehook`` and goes on, so the
+    process would finish its command instead of stopping. This hook sends the signal again from a
+    timer thread 10 ms later, when the main thread has left the finalizer (and this hook: raised
+    here, the exception would be swallowed as well); should it land in a finalizer again, the hook
+    runs again. Any other unraisable exception goes to the default hook.
+    """
+    exc = unraisable.exc_value
+    if isinstance(exc, (_Terminated, KeyboardInterrupt)):
+        signum = exc.code - 128 if isinstance(exc, _Terminated) else signal.SIGINT
+        timer = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
+def _install_sigterm_exit() -> None:
+    """Make SIGTERM unwind like Ctrl-C: ``SystemExit(143)`` in the main thread, so ``finally``
+    blocks and context managers run (no half-written export folders from ``export``, ``demo`` or
+    ``bench``), even when the signal lands inside a finalizer (see
+    :func:`_redeliver_swallowed_signal`). ``serve`` installs uvicorn's own handlers while it runs.
+    """
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    sys.unraisablehook = _redeliver_swallowed_signal
 
 
 def _load(model: Path, runtime: RuntimeOptions):
@@ -506,9 +543,7 @@ def serve(
 
 def main() -> None:  # pragma: no cover
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    # SIGTERM unwinds like Ctrl-C, so every command's cleanup runs (no half-written export folders
-    # from `export`, `demo` or `bench`); `serve` installs uvicorn's own handlers while it runs
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _install_sigterm_exit()
     app()
 
 

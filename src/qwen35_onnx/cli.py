@@ -14,10 +14,7 @@ import dataclasses
 import functools
 import inspect
 import logging
-import os
-import signal
 import sys
-import threading
 import types
 from enum import StrEnum
 from pathlib import Path
@@ -27,6 +24,7 @@ import typer
 
 from .contract import ContractError
 from .export.options import ExportOptions
+from .interrupts import unwinding
 from .options import Declared, declared
 from .runtime.backend import RuntimeOptions
 from .runtime.sampling import SamplingConfig
@@ -170,45 +168,6 @@ def export(
         f"{contract.n_image_tokens} image tokens); peak resident memory {peak_rss_bytes() / 2**30:.2f} GiB",
         err=True,
     )
-
-
-class _Terminated(SystemExit):
-    """The ``SystemExit(128 + SIGTERM)`` that :func:`_exit_on_sigterm` raises."""
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    raise _Terminated(128 + signum)
-
-
-def _redeliver_swallowed_signal(unraisable) -> None:
-    """``sys.unraisablehook`` that sends a swallowed SIGTERM or Ctrl-C (SIGINT) again.
-
-    Python runs a signal handler at the next bytecode boundary of the main thread, which may fall
-    inside an object's ``__del__`` (a garbage collection during the export). An exception raised
-    there is not propagated: CPython reports it to ``sys.unraisablehook`` and goes on, so the
-    process would finish its command instead of stopping. This hook sends the signal again from a
-    timer thread 10 ms later, when the main thread has left the finalizer (and this hook: raised
-    here, the exception would be swallowed as well); should it land in a finalizer again, the hook
-    runs again. Any other unraisable exception goes to the default hook.
-    """
-    exc = unraisable.exc_value
-    if isinstance(exc, (_Terminated, KeyboardInterrupt)):
-        signum = exc.code - 128 if isinstance(exc, _Terminated) else signal.SIGINT
-        timer = threading.Timer(0.01, os.kill, (os.getpid(), signum))
-        timer.daemon = True
-        timer.start()
-    else:
-        sys.__unraisablehook__(unraisable)
-
-
-def _install_sigterm_exit() -> None:
-    """Make SIGTERM unwind like Ctrl-C: ``SystemExit(143)`` in the main thread, so ``finally``
-    blocks and context managers run (no half-written export folders from ``export``, ``demo`` or
-    ``bench``), even when the signal lands inside a finalizer (see
-    :func:`_redeliver_swallowed_signal`). ``serve`` installs uvicorn's own handlers while it runs.
-    """
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    sys.unraisablehook = _redeliver_swallowed_signal
 
 
 def _load(model: Path, runtime: RuntimeOptions):
@@ -543,8 +502,10 @@ def serve(
 
 def main() -> None:  # pragma: no cover
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
-    _install_sigterm_exit()
-    app()
+    # SIGTERM and Ctrl-C unwind, so every command's cleanup runs (no half-written export folders
+    # from `export`, `demo` or `bench`); `serve` installs uvicorn's own handlers while it runs
+    with unwinding():
+        app()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,7 +18,7 @@ LAYERS = (
     {"pipeline"},
     {"conversation", "runtime"},
     {"onnxfile", "export", "checkpoints"},
-    {"contract", "image_grids", "options", "presets", "paths"},
+    {"contract", "image_grids", "options", "presets", "paths", "interrupts"},
 )
 
 

@@ -26,40 +26,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qwen35_onnx.bench.protocol import int4_product_model
+
 BLOCK = 32
-
-
-def matmulnbits_model(k: int, n: int, level: int, rng: np.random.Generator) -> bytes:
-    """A one-node ``MatMulNBits`` graph (``x [M, K]`` fp32, M dynamic -> ``y [M, N]``), random codes
-    ``[N, K / 32, 16]`` uint8 and scales ``[N * K / 32]`` fp32, as serialized bytes."""
-    blocks = k // BLOCK
-    codes = rng.integers(0, 256, size=(n, blocks, BLOCK // 2), dtype=np.uint8)
-    scales = (rng.random(n * blocks, dtype=np.float32) * 0.01).astype(np.float32)
-    node = helper.make_node(
-        "MatMulNBits", ["x", "codes", "scales"], ["y"], domain="com.microsoft",
-        K=k, N=n, bits=4, block_size=BLOCK, accuracy_level=level,
-    )  # fmt: skip
-    graph = helper.make_graph(
-        [node], "int4_product",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
-        [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")],
-    )  # fmt: skip
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
-    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
 
 def dequantize_model(k: int, n: int, rng: np.random.Generator) -> onnx.ModelProto:
     """The portable form: ``DequantizeLinear`` of int4 ``[K, N]`` (blocks of 32 along K, scales
     ``[K / 32, N]`` fp32) feeding ``MatMul`` (``x [M, K]`` fp32, M dynamic)."""
-    values = rng.integers(-8, 8, size=k * n).astype(np.int8)
-    packed = ((values[0::2] & 0x0F) | ((values[1::2] & 0x0F) << 4)).astype(np.uint8)
-    weight = helper.make_tensor("weight", TensorProto.INT4, [k, n], packed.tobytes(), raw=True)
-    scales = numpy_helper.from_array((rng.random((k // BLOCK, n), dtype=np.float32) * 0.01), "scales")
+    codes = rng.integers(-8, 8, size=(k, n), dtype=np.int8).astype(ml_dtypes.int4)  # ONNX's INT4 packing
+    scales = rng.random((k // BLOCK, n), dtype=np.float32) * 0.01
     nodes = [
         helper.make_node("DequantizeLinear", ["weight", "scales"], ["dense"], axis=0, block_size=BLOCK),
         helper.make_node("MatMul", ["x", "dense"], ["y"]),
@@ -68,7 +49,7 @@ def dequantize_model(k: int, n: int, rng: np.random.Generator) -> onnx.ModelProt
         nodes, "int4_product",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
-        [weight, scales],
+        [numpy_helper.from_array(codes, "weight"), numpy_helper.from_array(scales, "scales")],
     )  # fmt: skip
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
 
@@ -83,9 +64,10 @@ def kernels(k: int, n: int, threads: int, folder: Path) -> dict[str, Callable[[n
     options.intra_op_num_threads = threads
     runs: dict[str, Callable[[np.ndarray], object]] = {}
     for level in (4, 1):
-        session = ort.InferenceSession(matmulnbits_model(k, n, level, rng), options, providers=["CPUExecutionProvider"])
+        model = int4_product_model(k, n, block_size=BLOCK, accuracy_level=level, tokens="M")
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         runs[f"onnxruntime {ort.__version__} MatMulNBits, accuracy level {level}"] = lambda x, session=session: (
-            session.run(None, {"x": x})
+            session.run(None, {"a": x})
         )
     try:
         import openvino as ov

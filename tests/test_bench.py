@@ -205,3 +205,23 @@ def test_targets_show_the_ratio_of_every_round(tmp_path: Path):
     assert "512: 1499.7 / 1000.0 ms = 1.49x (missed)" in near[-1] and "rounds" not in near[-1]
     exact = llamacpp_target_lines([PeerResult("ort int4", {512: 1000.0}, {}), PeerResult(pure.name, {512: 1150.0}, {})])
     assert "= 1.15x (missed)" in exact[-1]  # 1.15 < 1.5, shown as 1.15 (not 1.14 from 114.999...)
+
+
+def test_int4_product_model_computes_its_codes_times_its_scales():
+    # the bandwidth probe's (and benchmarks/int4_kernel_rate.py's) graph: MatMulNBits' layout, unsigned
+    # codes around the default zero point 8, low nibble first
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from qwen35_onnx.bench.protocol import int4_product_model
+
+    k, n, block = 64, 8, 32
+    model = int4_product_model(k, n, block_size=block, accuracy_level=1, tokens="M")
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    codes, scales = weights["b"], weights["s"]
+    assert codes.shape == (n, k // block, block // 2) and scales.shape == (n, k // block)
+    nibbles = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(n, k).astype(np.float32) - 8
+    dense = (nibbles * np.repeat(scales, block, axis=1)).T  # [K, N]
+    x = np.random.default_rng(1).standard_normal((3, k), dtype=np.float32)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"a": x})[0], x @ dense, rtol=1e-4, atol=1e-5)

@@ -134,6 +134,35 @@ def median_ms(fn, warmup: int, runs: int) -> float:
     return statistics.median(times)
 
 
+def int4_product_model(k: int, n: int, *, block_size: int, accuracy_level: int, tokens: int | str = 1, seed: int = 0):
+    """A one-node ONNX Runtime ``MatMulNBits`` graph (``com.microsoft``): ``a [tokens, K]`` fp32 ->
+    ``y [tokens, N]`` fp32, against random 4-bit codes ``[N, K / block_size, block_size / 2]`` uint8
+    and fp32 scales ``[N, K / block_size]`` (symmetric, no zero points); ``tokens`` a number or a
+    dimension name. The bench's bandwidth probe and ``benchmarks/int4_kernel_rate.py`` time it.
+
+    Returns:
+        an ``onnx.ModelProto`` (opsets 17 and ``com.microsoft`` 1).
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    blocks = k // block_size
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, size=(n, blocks, block_size // 2), dtype=np.uint8)
+    scales = (rng.random((n, blocks), dtype=np.float32) * 0.01).astype(np.float32)
+    node = helper.make_node(
+        "MatMulNBits", ["a", "b", "s"], ["y"], domain="com.microsoft",
+        K=k, N=n, bits=4, block_size=block_size, accuracy_level=accuracy_level,
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [node], "int4_product",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [tokens, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [tokens, n])],
+        [numpy_helper.from_array(codes, "b"), numpy_helper.from_array(scales, "s")],
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
 def read_bandwidths(size_bytes: int = 2**30, repeats: int = 5) -> dict[str, float]:
     """Memory read bandwidth in GB/s measured two ways on all cores, best of ``repeats`` runs each:
     ``"ReduceSum"``: ONNX Runtime's ReduceSum over a ``size_bytes`` fp32 buffer (a pure read; a NumPy
@@ -142,7 +171,7 @@ def read_bandwidths(size_bytes: int = 2**30, repeats: int = 5) -> dict[str, floa
     counting the codes and scales it reads: the kernel a decode step spends most of its time in,
     which streams faster than ReduceSum on the 2-core AMD EPYC machine (46-55 against 34 GB/s)."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     def best(model, feeds: dict[str, np.ndarray], output: str) -> float:
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -170,32 +199,8 @@ def read_bandwidths(size_bytes: int = 2**30, repeats: int = 5) -> dict[str, floa
 
     k, block = 4096, 128
     rows = size_bytes // k  # N: size_bytes / 2 of 4-bit codes of a [K, N] weight (its proto stays below 2 GB)
-    rng = np.random.default_rng(0)
-    codes = rng.integers(0, 256, size=(rows, k // block, block // 2), dtype=np.uint8)
-    scales = np.full((rows, k // block), 0.01, np.float32)
-    node = helper.make_node(
-        "MatMulNBits",
-        ["a", "b", "s"],
-        ["y"],
-        domain="com.microsoft",
-        K=k,
-        N=rows,
-        bits=4,
-        block_size=block,
-        accuracy_level=4,
-    )
-    graph = helper.make_graph(
-        [node],
-        "read4",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(codes, "b"), numpy_helper.from_array(scales, "s")],
-    )
-    del codes
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    )
-    read = rows * k // 2 + scales.nbytes
+    model = int4_product_model(k, rows, block_size=block, accuracy_level=4, tokens=1)
+    read = rows * k // 2 + rows * (k // block) * 4  # codes and fp32 scales
     out["MatMulNBits"] = read / best(model, {"a": np.ones((1, k), np.float32)}, "y") / 1e9
     return out
 

@@ -34,16 +34,14 @@ class Terminated(SystemExit):
 
 class _State:
     active = False  # inside unwinding(): signals are sent again
-    in_hook = False  # the unraisable hook runs: a handler records instead of raising
-    raised = 0  # signals handled so far
-    signum = signal.SIGTERM  # the last one
+    in_hook = False  # the unraisable hook runs: a handler records its signal instead of raising
+    recorded: int | None = None  # the signal a handler recorded in the hook
 
 
 def _on_signal(signum: int, frame) -> None:
-    _State.raised += 1
-    _State.signum = signum
     if _State.in_hook:
-        return  # raised here it would be swallowed: the hook sends it again
+        _State.recorded = signum  # raised here it would be swallowed: the hook sends it again
+        return
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise Terminated(128 + signum)
@@ -73,16 +71,14 @@ def _signum_of(exc: BaseException | None) -> int | None:
 def _redeliver(unraisable, previous) -> None:
     """The unraisable hook: a swallowed :class:`Terminated` or ``KeyboardInterrupt`` is sent again;
     anything else goes to ``previous``."""
-    _State.in_hook = True
-    before = _State.raised
+    _State.in_hook, _State.recorded = True, None
     try:
         signum = _signum_of(unraisable.exc_value)
         if signum is None:
             previous(unraisable)
     finally:
         _State.in_hook = False
-    if signum is None and _State.raised != before:
-        signum = _State.signum  # handled while the previous hook ran, which swallowed nothing of it
+    signum = signum if signum is not None else _State.recorded
     if signum is not None and _State.active:
         _send_again(signum)
 

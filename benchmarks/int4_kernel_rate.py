@@ -83,17 +83,27 @@ def kernels(k: int, n: int, threads: int, folder: Path) -> dict[str, Callable[[n
     return runs
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--m", type=int, default=512, help="rows of the activations (tokens)")
-    parser.add_argument("--k", type=int, default=2560, help="inner dimension, a multiple of 32 (4B: hidden 2560)")
-    parser.add_argument("--n", type=int, default=18432, help="output columns (4B: gate + up, 2 x 9216)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--m", type=positive, default=512, help="rows of the activations (tokens)")
+    parser.add_argument("--k", type=positive, default=2560, help="inner dimension, a multiple of 32 (4B: hidden 2560)")
+    parser.add_argument("--n", type=positive, default=18432, help="output columns (4B: gate + up, 2 x 9216)")
+    parser.add_argument("--threads", type=positive, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs of each kernel first (>= 0)")
+    parser.add_argument("--rounds", type=positive, default=4)
     args = parser.parse_args()
     if args.k % BLOCK:
         parser.error(f"--k {args.k} is not a multiple of the block size {BLOCK}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     x = np.random.default_rng(1).standard_normal((args.m, args.k), dtype=np.float32)
     with tempfile.TemporaryDirectory() as folder:
         runs = kernels(args.k, args.n, args.threads, Path(folder))

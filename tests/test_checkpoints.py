@@ -18,7 +18,7 @@ from PIL import Image  # noqa: E402
 from qwen35_onnx import checkpoints  # noqa: E402
 from qwen35_onnx.checkpoints import DEMO_SEED, build_demo_checkpoint  # noqa: E402
 from qwen35_onnx.paths import demo_checkpoint_dir, photo_path  # noqa: E402
-from qwen35_onnx.presets import SPECIAL_TOKENS, TINY_PRESET, preset_config, tiny_config  # noqa: E402
+from qwen35_onnx.presets import PUBLISHED_ADDED_TOKENS, TINY_PRESET, preset_config, tiny_config  # noqa: E402
 
 DEMO_MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this image."}]}]
 DEMO_PROMPT = (
@@ -107,7 +107,13 @@ def test_tokenizer_reloads_with_same_ids(demo_dir, tokenizer):
     raw = Tokenizer.from_file(str(demo_dir / "tokenizer.json"))
     assert tokenizer(text).input_ids == raw.encode(text).ids
     assert tokenizer.decode(tokenizer(text).input_ids) == text
-    assert [tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == list(range(1008, 1024))
+    # the published added-token layout: 33 tokens after the base vocabulary, with their special flags
+    assert [tokenizer.convert_tokens_to_ids(t) for t, _ in PUBLISHED_ADDED_TOKENS] == list(range(991, 1024))
+    added = tokenizer.added_tokens_decoder
+    assert [(added[i].content, added[i].special) for i in range(991, 1024)] == list(PUBLISHED_ADDED_TOKENS)
+    assert tokenizer.decode(tokenizer.encode("<tool_call>x</tool_call>"), skip_special_tokens=True) == (
+        "<tool_call>x</tool_call>"
+    )
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     pre = json.loads((demo_dir / "tokenizer.json").read_text())["pre_tokenizer"]["pretokenizers"]
     assert pre[0]["pattern"]["Regex"] == PRETOKENIZE_REGEX and pre[0]["behavior"] == "Isolated"

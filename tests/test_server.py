@@ -8,6 +8,7 @@ checkable. The server runs with ``--max-queue 1`` and an API key. Everything tha
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -17,11 +18,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Annotated, Literal
 
 import httpx
 import openai
 import pytest
 from PIL import Image
+from pydantic import Field
 
 from .conftest import static_grid_export
 
@@ -900,18 +903,15 @@ def test_server_options_are_checked(tmp_path):
             ServerOptions("m", **bad).validate()
 
 
-@pytest.mark.slow
-def test_failed_generation_ends_the_response_cleanly(bigram_export):
-    """Fault injection on a real pipeline served in-process: the decode step raises (as an ONNX
-    Runtime failure would). The whole reply is a 500 ``server_error`` body, the stream ends with
-    an error event and [DONE], the slot is freed and the next request is served."""
+@contextlib.contextmanager
+def in_process_server(pipe):
+    """Serve ``pipe`` in this process (uvicorn on a thread, port 0, ``--max-queue 1``) for fault
+    injection; yields the base URL and stops the server on exit."""
     import uvicorn
 
-    from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.server.app import create_app
     from qwen35_onnx.server.options import ServerOptions
 
-    pipe = Pipeline.from_exported(bigram_export, threads=1)
     app = create_app(pipe, ServerOptions("bigram", max_queue=1))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -921,7 +921,21 @@ def test_failed_generation_ends_the_response_cleanly(bigram_export):
         while not server.started:
             assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.05)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.mark.slow
+def test_failed_generation_ends_the_response_cleanly(bigram_export):
+    """Fault injection on a real pipeline served in-process: the decode step raises (as an ONNX
+    Runtime failure would). The whole reply is a 500 ``server_error`` body, the stream ends with
+    an error event and [DONE], the slot is freed and the next request is served."""
+    from qwen35_onnx.pipeline import Pipeline
+
+    pipe = Pipeline.from_exported(bigram_export, threads=1)
+    with in_process_server(pipe) as url:
 
         class Failing:  # a decoder whose step fails, as an ONNX Runtime failure would
             def step(self, *args):
@@ -943,9 +957,6 @@ def test_failed_generation_ends_the_response_cleanly(bigram_export):
         del pipe.backend.decoder
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
         assert reply["choices"][0]["message"]["reasoning_content"] == REASONING
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 # ---- tool calls and structured output ---------------------------------------------------------------
@@ -1038,12 +1049,11 @@ def test_json_schema_replies_validate(client, on):
 @pytest.mark.slow
 def test_agent_library_round_trip(server):
     """langchain-openai, unmodified: bind_tools, the model's call, the tool's answer, a final reply."""
-    from typing import Literal
 
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel
 
     class WeatherArgs(BaseModel):
         city: str = Field(max_length=24)
@@ -1122,3 +1132,155 @@ def test_python_api_returns_typed_tool_calls_and_renders_them_back(bigram_export
     # tool_choice 'none': the tools are not shown and nothing is parsed
     none = pipe.prepare_chat(question, reply=pipe.reply_format(tools=[WEATHER], tool_choice="none"))
     assert none.prompt_len == pipe.prepare_chat(question).prompt_len
+
+
+class _FailingMatcher:
+    """An llguidance matcher stand-in that fails after ``after`` tokens as a grammar engine could: it
+    refuses the token its own mask allowed and reports its whole state."""
+
+    def __init__(self, matcher, after: int):
+        self._matcher, self._left = matcher, after
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+    def consume_token(self, token):
+        self._left -= 1
+        return self._left >= 0 and self._matcher.consume_token(token)
+
+    def get_error(self):
+        return "Parser Error: token refused <state>" + "x" * 4000 + "</state><grammar>start: ...</grammar>"
+
+
+@pytest.mark.slow
+def test_grammar_failure_mid_reply_is_a_short_client_error(bigram_export, caplog):
+    """The grammar engine fails in the middle of a constrained reply: the whole reply is a 422
+    ``reply_format_failed`` naming ``tools`` (or ``response_format``) in one short message with none of
+    the engine's state, a stream ends with that error and [DONE], the engine's report is in the server
+    log, and the next request is answered."""
+    import logging
+
+    from qwen35_onnx.pipeline import Pipeline
+
+    pipe = Pipeline.from_exported(bigram_export, threads=1)
+    original = pipe.grammars.constraint
+
+    def sabotaged(*args, **kwargs):
+        constraint = original(*args, **kwargs)
+        constraint.matcher = _FailingMatcher(constraint.matcher, after=3)
+        return constraint
+
+    ask = {"max_tokens": 300, "chat_template_kwargs": {"enable_thinking": False}, "temperature": 1.0, "seed": 1}
+    tools = {"messages": hi("Weather in Paris?"), "tools": [WEATHER], "tool_choice": "required", **ask}
+    schema = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}}
+    answer = {"messages": hi("A pet?"), "response_format": schema, **ask}
+    pipe.grammars.constraint = sabotaged
+    with caplog.at_level(logging.ERROR), in_process_server(pipe) as url:
+        for body, param in ((tools, "tools"), (answer, "response_format")):
+            response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert response.status_code == 422, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["code"], error["type"]) == (
+                param,
+                "reply_format_failed",
+                "invalid_request_error",
+            )
+            assert len(error["message"]) < 300 and "<state>" not in response.text and "grammar>" not in response.text
+            with httpx.stream(
+                "POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+            ) as streamed:
+                assert streamed.status_code == 200
+                events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2]) == response.json()
+        assert caplog.text.count("<state>") == 4  # the engine's report, once per failed generation, in the log
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert (health["failed"], health["running"], health["waiting"]) == (4, 0, 0)
+        pipe.grammars.constraint = original
+        reply = httpx.post(f"{url}/v1/chat/completions", json=tools, timeout=60)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.slow
+def test_tool_choices_give_valid_calls_with_published_added_tokens(client):
+    """With the published added tokens (``<tool_call>`` / ``</tool_call>`` non-special added tokens in
+    the demo tokenizer): tool_choice required and named, parallel calls on and off, thinking on and
+    off, 20 sampled replies each are calls valid against the tool's schema (one call when parallel
+    calls are off or a function is named), 2 of them streamed give the same calls; ``auto`` answers
+    (the bigram model writes no call of its own) with text and no calls."""
+    import jsonschema
+
+    schema = WEATHER["function"]["parameters"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    question = hi("What is the weather in Paris?")
+    for choice in ("required", named):
+        for parallel in (True, False):
+            for on in (True, False):
+                ask = dict(
+                    model="bigram",
+                    messages=question,
+                    tools=[WEATHER],
+                    tool_choice=choice,
+                    parallel_tool_calls=parallel,
+                    max_tokens=1200,
+                    temperature=1.0,
+                    extra_body=thinking(on),
+                )
+                for seed in range(20):
+                    where = (choice, parallel, on, seed)
+                    (reply,) = client.chat.completions.create(seed=seed, **ask).choices
+                    assert reply.finish_reason == "tool_calls", where
+                    calls = reply.message.tool_calls
+                    assert calls and all(c.function.name == "get_weather" for c in calls), where
+                    if not parallel or choice == named:
+                        assert len(calls) == 1, where
+                    for call in calls:
+                        jsonschema.validate(json.loads(call.function.arguments), schema)
+                    if seed < 2:
+                        streamed, finish, _ = stream_calls(
+                            client.chat.completions.create(seed=seed, stream=True, **ask)
+                        )
+                        assert finish == "tool_calls" and [(name, args) for _, _, name, args in streamed] == [
+                            (c.function.name, c.function.arguments) for c in calls
+                        ], where
+    for on in (True, False):
+        (reply,) = client.chat.completions.create(
+            model="bigram", messages=question, tools=[WEATHER], max_tokens=30, extra_body=thinking(on)
+        ).choices
+        assert reply.finish_reason == "length" and reply.message.tool_calls is None and CYCLE in reply.message.content
+
+
+@pytest.mark.slow
+def test_openai_agents_sdk_round_trip(server):
+    """The OpenAI Agents SDK, unmodified, on the chat completions API: the agent's forced tool call
+    (published added tokens in the tokenizer) runs the tool with valid arguments, the tool's result
+    goes back, and the run ends with the model's final text."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # no traces sent anywhere
+    seen = []
+
+    @function_tool
+    def get_weather(city: Annotated[str, Field(max_length=24)], unit: Literal["celsius", "fahrenheit"]) -> str:
+        """The weather now in a city."""
+        seen.append((city, unit))
+        return f"18 degrees {unit} in {city}"
+
+    model = OpenAIChatCompletionsModel(
+        model="bigram", openai_client=openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    )
+    settings = ModelSettings(
+        tool_choice="get_weather", max_tokens=300, temperature=1.0, extra_body={**thinking(False), "seed": 5}
+    )
+    agent = Agent(name="weather", instructions="Be brief.", tools=[get_weather], model=model, model_settings=settings)
+    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
+    assert len(seen) == 1 and len(seen[0][0]) <= 24 and seen[0][1] in ("celsius", "fahrenheit")
+    outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
+    assert outputs == [f"18 degrees {seen[0][1]} in {seen[0][0]}"]
+    assert CYCLE in result.final_output  # the model's answer after the tool (tool_choice reset to auto)

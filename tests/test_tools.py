@@ -624,7 +624,7 @@ def test_reasoning_budget_forces_think_end(compiler, tokenizer, stop_id):
     allowed = np.isfinite(constraint.mask(np.zeros(len(tokenizer), np.float32)))
     assert not allowed[stop_id] and allowed.sum() < len(tokenizer) // 10
     text, ended = drive(constraint, tokenizer, stop_id, seed=1)
-    assert ended and [c.name for c in check_calls(text, reply)] == ["get_weather"]
+    assert ended and {c.name for c in check_calls(text, reply)} == {"get_weather"}  # parallel calls allowed
 
 
 def test_early_think_end_starts_the_grammar(compiler, tokenizer, stop_id):
@@ -731,3 +731,170 @@ def test_pydantic_style_parameters_are_typed_and_enforced(compiler):
 def test_a_call_block_without_a_function_stays_content():
     parser = ToolCallParser(())
     assert parser.feed("a<tool_call>\nhello\n</tool_call>b") == ("a<tool_call>\nhello\n</tool_call>b", [])
+
+
+# ---------------------------------------------------------------------------
+# Added tokens: the published layout (markers as non-special added tokens) and a tokenizer without them
+
+
+@pytest.fixture(scope="module")
+def minimal_tokenizer():
+    """The demo tokenizer without the tool-call, FIM and audio added tokens (its markers are spelled
+    in ordinary tokens)."""
+    from qwen35_onnx.checkpoints import demo_tokenizer
+    from qwen35_onnx.presets import MINIMAL_ADDED_TOKENS
+
+    return demo_tokenizer(MINIMAL_ADDED_TOKENS)
+
+
+@pytest.fixture(scope="module", params=["published", "minimal"])
+def layout(request, tokenizer, minimal_tokenizer, compiler, stop_id):
+    """``(tokenizer, compiler, stop_id)`` of the published added-token layout and of the minimal one."""
+    if request.param == "published":
+        assert tokenizer.encode("<tool_call></tool_call>", add_special_tokens=False) == [
+            tokenizer.convert_tokens_to_ids("<tool_call>"),
+            tokenizer.convert_tokens_to_ids("</tool_call>"),
+        ]
+        return tokenizer, compiler, stop_id
+    assert "<tool_call>" not in minimal_tokenizer.get_vocab()
+    stop = minimal_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return minimal_tokenizer, GrammarCompiler(minimal_tokenizer, (stop,)), stop
+
+
+def refused_by_the_matcher(constraint, size: int) -> list[int]:
+    """The tokens the mask allows at this point that a copy of the matcher refuses (the path that
+    failed with llguidance's own reading of added tokens). The converse is allowed: where the grammar
+    forces text, the mask offers only its canonical tokenization, a subset of what the matcher takes."""
+    allowed = np.flatnonzero(np.isfinite(constraint.mask(np.zeros(size, np.float32))))
+    assert len(allowed) > 0
+    return [int(t) for t in allowed if not constraint.matcher.deep_copy().consume_token(int(t))]
+
+
+AGREEMENT = {
+    "required": ([WEATHER, PING], "required", None, None),
+    "named": ([PING, WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, None),
+    "json_schema": (None, None, None, JSON_SCHEMA_FORMAT),
+}
+
+
+@pytest.mark.parametrize("kind", list(AGREEMENT))
+def test_mask_and_matcher_agree_on_every_token(layout, kind):
+    """Along random constrained replies, at every step, the matcher takes every token the mask allows
+    (with the published layout, llguidance's own reading of the tokenizer made every added token
+    special: the mask offered ``<tool_call>`` and the matcher refused it)."""
+    tokenizer, compiler, stop_id = layout
+    reply = parse_reply_format(*AGREEMENT[kind])
+    size = len(tokenizer)
+    for seed in range(2):
+        constraint, rng = compiler.constraint(reply), np.random.default_rng(seed)
+        for step in range(30):
+            assert refused_by_the_matcher(constraint, size) == [], (seed, step)
+            token = sample(constraint, rng, size)
+            constraint.accept(token)
+            if token == stop_id:
+                break
+
+
+def spelled(tokenizer, text: str, markers: tuple[str, ...] = ("<tool_call>", "</tool_call>")) -> list[int]:
+    """``text`` in ordinary tokens only: each marker written as ``<`` and the rest of its spelling."""
+    pieces = [text]
+    for marker in markers:
+        pieces = [part for piece in pieces for part in _split_keep(piece, marker)]
+    ids = []
+    for piece in pieces:
+        if piece in markers:
+            ids += tokenizer.encode("<", add_special_tokens=False) + tokenizer.encode(
+                piece[1:], add_special_tokens=False
+            )
+        elif piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False)
+    return ids
+
+
+def _split_keep(text: str, marker: str) -> list[str]:
+    parts = text.split(marker)
+    return [x for i, part in enumerate(parts) for x in ((marker, part) if i else (part,))]
+
+
+def test_markers_as_added_tokens_or_spelled(tokenizer, compiler, stop_id):
+    """With the published layout a call is taken whether its markers come as the added tokens or
+    spelled in ordinary tokens; the grammar's first forced token is the added ``<tool_call>``."""
+    reply = parse_reply_format([WEATHER, PING], "required")
+    text = "\n" + GOOD_CALL + "\n" + call_text("ping")
+    added, plain = tokenizer.encode(text, add_special_tokens=False), spelled(tokenizer, text)
+    call_id = tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert call_id in added and call_id not in plain and tokenizer.decode(plain) == text
+    for ids in (added, plain):
+        constraint = compiler.constraint(reply)
+        for token in ids:
+            constraint.accept(token)
+        assert np.isfinite(constraint.mask(np.zeros(len(tokenizer), np.float32))[stop_id])
+    allowed = np.isfinite(compiler.constraint(reply).mask(np.zeros(len(tokenizer), np.float32)))
+    assert allowed[call_id]
+
+
+def test_published_layout_tool_choices_give_valid_calls(tokenizer, compiler, stop_id):
+    """tool_choice required / named (and a response schema with tools in auto), parallel calls on and
+    off, thinking on and off: 20 random replies each end with the stop token and are calls valid
+    against their tool's schema (or JSON valid against the response schema), one call at most when
+    parallel calls are off or a function is named."""
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, fmt in (("required", None), (named, None), ("auto", JSON_SCHEMA_FORMAT)):
+        for parallel in (True, False):
+            reply = parse_reply_format([WEATHER, PING], choice, parallel, fmt)
+            for thinking in (True, False):
+                for seed in range(20):
+                    where = (choice, parallel, thinking, seed)
+                    constraint = compiler.constraint(reply, think_end if thinking else None, 8)
+                    text, ended = drive(constraint, tokenizer, stop_id, seed)
+                    assert ended, (where, text)
+                    if thinking:
+                        assert "</think>" in text, (where, text)
+                        text = text.split("</think>", 1)[1]
+                    if fmt is not None and text.lstrip(" \n").startswith("{"):
+                        jsonschema.validate(json.loads(text), fmt["json_schema"]["schema"])
+                        continue
+                    calls = check_calls(text, reply)
+                    if not parallel or choice == named:
+                        assert len(calls) == 1, (where, text)
+                    if choice == named:
+                        assert calls[0].name == "get_weather", (where, text)
+
+
+class _BrokenMatcher:
+    """An llguidance matcher stand-in that fails as a grammar engine could: it refuses a token its
+    mask allowed (reporting its whole state), or raises."""
+
+    def __init__(self, matcher, refuse: bool):
+        self._matcher, self._refuse = matcher, refuse
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+    def consume_token(self, token):
+        if self._refuse:
+            return False
+        raise ValueError("<state>" + "x" * 5000 + "</state>")
+
+    def get_error(self):
+        return "Parser Error: ... <state>" + "y" * 5000 + "</state><grammar>...</grammar>"
+
+
+@pytest.mark.parametrize("refuse", [True, False], ids=["refused", "raised"])
+def test_grammar_engine_failure_is_a_short_grammar_error(compiler, tokenizer, refuse):
+    """A matcher that refuses the masked token, or raises, ends the reply with a GrammarError whose
+    message is one short line naming the token; the engine's report is kept in ``details``."""
+    from qwen35_onnx.conversation.grammar import GrammarError
+
+    constraint = compiler.constraint(parse_reply_format([WEATHER], "required"))
+    logits = constraint.mask(np.zeros(len(tokenizer), np.float32))
+    token = int(np.argmax(logits))
+    constraint.matcher = _BrokenMatcher(constraint.matcher, refuse)
+    with pytest.raises(GrammarError) as info:
+        constraint.accept(token)
+    message = str(info.value)
+    assert len(message) < 120 and "<state>" not in message and str(token) in message
+    assert "<state>" in info.value.details
+    if refuse:
+        assert "its own mask allowed" in message

@@ -25,12 +25,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .presets import BPE_SIZE, NON_SPECIAL, PRESETS, SPECIAL_TOKENS, preset_config, preset_dtype, token_id
+from .presets import PRESETS, PUBLISHED_ADDED_TOKENS, VOCAB_SIZE, preset_config, preset_dtype, token_id
 
 __all__ = [
     "DEMO_SEED",
     "THINKING_CHAT_TEMPLATE",
     "build_demo_checkpoint",
+    "demo_tokenizer",
     "set_chat_template",
     "tokenizer_corpus",
 ]
@@ -51,7 +52,8 @@ _IMAGE_PROCESSOR = {
 #: Seed of the demo checkpoint's weights (see :func:`build_demo_checkpoint`).
 DEMO_SEED = 23
 
-_FORMAT_VERSION = 3  # 2: the chat templates render tools; 3: the published processor pixel range
+# 2: the chat templates render tools; 3: the published processor pixel range; 4: the published added tokens
+_FORMAT_VERSION = 4
 _MARKER = ".qwen35_onnx_demo"
 _REQUIRED_FILES = (  # one weights file: save_pretrained shards above 50 GB only (the 9B preset is 18.8 GB)
     "config.json",
@@ -259,21 +261,29 @@ def tokenizer_corpus() -> list[str]:
     return lines
 
 
-def _train_tokenizer():
+def demo_tokenizer(added_tokens: tuple[tuple[str, bool], ...] = PUBLISHED_ADDED_TOKENS):
     """Train the demo byte-level BPE tokenizer and wrap it for transformers.
+
+    Args:
+        added_tokens: ``(content, special)`` pairs added after the BPE entries, in order:
+            :data:`~.presets.PUBLISHED_ADDED_TOKENS` (the demo checkpoint's, as published) or
+            :data:`~.presets.MINIMAL_ADDED_TOKENS` (a test tokenizer whose tool-call markers are
+            spelled in ordinary tokens).
 
     Returns:
         transformers.PreTrainedTokenizerBase: a ``Qwen3_5Tokenizer`` with
-        :data:`VOCAB_SIZE` entries: 256 byte tokens and the BPE merges (ids
-        ``0 .. BPE_SIZE - 1``), then :data:`SPECIAL_TOKENS` in order.
+        :data:`~.presets.VOCAB_SIZE` entries: 256 byte tokens and the BPE merges (ids
+        ``0 .. VOCAB_SIZE - len(added_tokens) - 1``), then ``added_tokens`` in order, with their
+        ``special`` flags; ``eos_token`` ``<|im_end|>``.
 
     Raises:
-        RuntimeError: if the trainer did not reach the planned vocabulary size.
+        RuntimeError: if the trainer did not reach the planned vocabulary size or ids.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import Qwen3_5Tokenizer
     from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
 
+    bpe_size = VOCAB_SIZE - len(added_tokens)
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -284,7 +294,7 @@ def _train_tokenizer():
     )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_SIZE,
+        vocab_size=bpe_size,
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -293,19 +303,19 @@ def _train_tokenizer():
     bpe.train_from_iterator(tokenizer_corpus(), trainer=trainer)
     model = json.loads(bpe.to_str())["model"]
     vocab, merges = model["vocab"], model["merges"]
-    if len(vocab) != BPE_SIZE:
-        raise RuntimeError(f"BPE training gave {len(vocab)} entries, expected {BPE_SIZE}")
+    if len(vocab) != bpe_size:
+        raise RuntimeError(f"BPE training gave {len(vocab)} entries, expected {bpe_size}")
 
     # Re-wrap in transformers' own Qwen3.5 class: it rebuilds the same pipeline
     # around the trained vocab and merges, and saves as a Qwen3.5 tokenizer.
     tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[tuple(pair) for pair in merges])
-    tokenizer.add_tokens([AddedToken(t, special=t not in NON_SPECIAL, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in added_tokens])
     tokenizer.eos_token = "<|im_end|>"  # as in Qwen chat models; set after adding, to keep the id order
     tokenizer.chat_template = _CHAT_TEMPLATE
-    for token in SPECIAL_TOKENS:
+    for expected, (token, special) in enumerate(added_tokens, start=bpe_size):
         got = tokenizer.convert_tokens_to_ids(token)
-        if got != token_id(token):
-            raise RuntimeError(f"token {token!r} got id {got}, expected {token_id(token)}")
+        if got != expected or tokenizer.added_tokens_decoder[got].special != special:
+            raise RuntimeError(f"token {token!r} got id {got}, expected {expected} (special={special})")
     return tokenizer
 
 
@@ -336,7 +346,7 @@ def _write_checkpoint(folder: Path, seed: int, preset: str = "tiny") -> None:
     import torch
     from transformers import GenerationConfig, Qwen2VLImageProcessorPil, Qwen3_5ForConditionalGeneration
 
-    tokenizer = _train_tokenizer()
+    tokenizer = demo_tokenizer()
     tokenizer.save_pretrained(folder)
     Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR).save_pretrained(folder)
 
@@ -371,13 +381,15 @@ def build_demo_checkpoint(
       [``<|im_end|>``, ``<|endoftext|>``], ``pad_token_id`` = ``<|endoftext|>``.
     - ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``: a
       1024-entry byte-level BPE with the exact Qwen3.5 pre-tokenizer, trained on a
-      generated corpus, :data:`SPECIAL_TOKENS` at ids 1008..1023 (``<|image_pad|>``
-      = 1020), ``eos_token`` ``<|im_end|>``, ``pad_token`` ``<|endoftext|>``. The
+      generated corpus, the 33 added tokens of the published Qwen3.5 tokenizer
+      (:data:`~.presets.PUBLISHED_ADDED_TOKENS`, with their ``special`` flags) at ids
+      991..1023 (``<|image_pad|>`` = 1003, ``<tool_call>`` = 1005), ``eos_token``
+      ``<|im_end|>``, ``pad_token`` ``<|endoftext|>``. The
       chat template writes ONE ``<|image_pad|>`` per image; callers expand it to
       the image's number of image tokens. Load with
       ``AutoTokenizer.from_pretrained(path)``.
     - ``preprocessor_config.json``: Qwen2-VL image processor (patch 16, temporal
-      patch 2, merge 2, mean/std 0.5, 128x128 to 256x256 pixels). Load it without
+      patch 2, merge 2, mean/std 0.5, the published pixel range 65536 to 16777216). Load it without
       torchvision with ``transformers.AutoImageProcessor.from_pretrained(path,
       backend="pil")`` (or ``Qwen2VLImageProcessorPil.from_pretrained(path)``);
       with ``backend`` unset, transformers picks the torchvision class when
@@ -391,10 +403,10 @@ def build_demo_checkpoint(
 
     - photo at its native 256x256 (64 image tokens): the first 64 new tokens hold
       no end-of-sequence id nor any added token; the top-1 minus top-2 logit gap
-      is >= 0.019 over the first 40 steps (median 0.21), >= 0.006 over 64;
-    - photo resized to 128x128 (16 image tokens): gap >= 0.018 over 48 steps, no
-      end-of-sequence id in 64 (``<think>`` is step 42);
-    - text-only "Hello, who are you?": gap >= 0.0038 over 40 steps.
+      is >= 0.016 over the first 40 steps (median 0.17), >= 0.005 over 64;
+    - text-only "Hello, who are you?": gap >= 0.011 over 40 steps (median 0.22).
+
+    (Measured with the published added-token layout, format 4; transformers, fp32, CPU.)
 
     The build is atomic: files are written to a temporary sibling folder that is
     renamed to ``path`` when complete, so ``path`` never holds half a checkpoint.

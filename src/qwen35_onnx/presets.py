@@ -1,7 +1,7 @@
 """Model sizes: the tiny demo preset and the published Qwen3.5 sizes (no torch at import).
 
 Each preset is the keyword arguments of ``transformers.Qwen3_5Config``; every preset uses the
-token ids of the demo tokenizer (:data:`SPECIAL_TOKENS` after the byte-level BPE entries), since
+token ids of the demo tokenizer (:data:`ADDED_TOKENS` after the byte-level BPE entries), since
 the published tokenizer cannot be downloaded here. :mod:`.checkpoints` builds checkpoints from
 them (random weights); ``qwen35-onnx bench --preset`` picks one by name.
 """
@@ -12,12 +12,14 @@ import copy
 from typing import Any
 
 __all__ = [
+    "ADDED_TOKENS",
+    "MINIMAL_ADDED_TOKENS",
     "PRESETS",
+    "PUBLISHED_ADDED_TOKENS",
     "QWEN35_0_8B_PRESET",
     "QWEN35_2B_PRESET",
     "QWEN35_4B_PRESET",
     "QWEN35_9B_PRESET",
-    "SPECIAL_TOKENS",
     "TINY_PRESET",
     "preset_config",
     "preset_dtype",
@@ -29,37 +31,65 @@ __all__ = [
 # Tokenizer layout of the demo tokenizer
 # ---------------------------------------------------------------------------
 
-#: Added tokens of the demo tokenizer: a subset of the published Qwen3.5 added
-#: tokens, in their published order. As in Qwen they come after the BPE
-#: entries (ids ``1008 .. 1023``), and ``<think>``/``</think>`` are added as
-#: non-special tokens (kept by ``decode(..., skip_special_tokens=True)``).
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<think>",
-    "</think>",
+#: The added tokens of the published Qwen3.5 tokenizers, in their published order (ids right after
+#: the base vocabulary), each with its ``special`` flag: ``<tool_call>``, ``<think>``, the FIM and
+#: ``<tool_response>`` markers are added tokens that are NOT special (kept by
+#: ``decode(..., skip_special_tokens=True)``, and text to a grammar). The demo tokenizer has them all.
+PUBLISHED_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+    ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
+    ("<tts_pad>", True),
+    ("<tts_text_bos>", True),
+    ("<tts_text_eod>", True),
+    ("<tts_text_bos_single>", True),
+    ("<|audio_pad|>", True),
 )
-NON_SPECIAL = frozenset({"<think>", "</think>"})
 
-VOCAB_SIZE = 1024  # 256 byte tokens + 752 BPE merges + 16 added tokens
-BPE_SIZE = VOCAB_SIZE - len(SPECIAL_TOKENS)
+#: A smaller layout for the one test tokenizer without the tool-call, FIM and audio markers (the
+#: markers are then spelled in ordinary tokens): the first 14 published tokens and the thinking pair.
+MINIMAL_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    *PUBLISHED_ADDED_TOKENS[:14],
+    ("<think>", False),
+    ("</think>", False),
+)
+
+#: The demo tokenizer's added tokens (:data:`PUBLISHED_ADDED_TOKENS`' contents, in order).
+ADDED_TOKENS: tuple[str, ...] = tuple(token for token, _ in PUBLISHED_ADDED_TOKENS)
+NON_SPECIAL = frozenset(token for token, special in PUBLISHED_ADDED_TOKENS if not special)
+
+VOCAB_SIZE = 1024  # 256 byte tokens + 735 BPE merges + 33 added tokens
+BPE_SIZE = VOCAB_SIZE - len(ADDED_TOKENS)
 
 
 def token_id(token: str) -> int:
     """Id of an added token in the demo tokenizer (the trainer is checked to match)."""
-    return BPE_SIZE + SPECIAL_TOKENS.index(token)
+    return BPE_SIZE + ADDED_TOKENS.index(token)
 
 
 # ---------------------------------------------------------------------------

@@ -19,6 +19,16 @@ Grammars (Lark syntax of llguidance, ``docs/syntax.md`` of its repository):
   that takes the closing tag in; its ``maxLength`` / ``minLength`` kept), a string ``enum`` one
   of its values, any other type JSON of its schema.
 
+What a token means to the grammar (:func:`grammar_tokenizer`): its bytes, read once from the
+checkpoint's tokenizer, with the tokenizer's own ``special`` flag deciding which added tokens are
+markers the grammar can only name by id. Published Qwen3.5 tokenizers add ``<tool_call>``,
+``</tool_call>``, ``<think>`` ... as non-special tokens: to the grammar they are their text, so the
+literal ``"<tool_call>\\n"`` is met by the added token or by the same text in ordinary tokens, and the
+mask and the matcher agree on them (llguidance's own reading of a Hugging Face tokenizer makes
+every added token special, so its mask offered ``</tool_call>`` where the matcher then refused it).
+Text the grammar forces is tokenized with special tokens' spellings as plain text, so a forced
+token is never a special one.
+
 Reasoning comes first and is not constrained: when the prompt opened a ``<think>`` block the
 grammar starts after the model's ``</think>`` token, and :class:`TokenConstraint` forces that token
 once the reasoning has used its budget (so a constrained answer always gets room).
@@ -26,7 +36,9 @@ once the reasoning has used its budget (so a constrained answer always gets room
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import threading
 
 import numpy as np
@@ -34,7 +46,9 @@ import numpy as np
 from .messages import ChatInputError
 from .tools import ReplyFormat, ToolSpec, schema_types
 
-__all__ = ["GrammarCompiler", "TokenConstraint", "reply_grammar"]
+__all__ = ["GrammarCompiler", "GrammarError", "TokenConstraint", "grammar_tokenizer", "reply_grammar"]
+
+log = logging.getLogger(__name__)
 
 _LEADING = 'WS: /[ \\n]{0,4}/\n'  # blank text a model may write before its answer
 MAX_BOUNDED_LENGTH = 4096  # maxLength beyond this is left to the text rule (regex size)
@@ -103,6 +117,72 @@ def reply_grammar(reply: ReplyFormat) -> str | None:
     return "\n".join(lines)
 
 
+class GrammarError(RuntimeError):
+    """The grammar engine failed in the middle of a reply (it refused the token its own mask
+    allowed, allowed no token, or raised). ``str(error)`` is short and safe to show a client;
+    ``details`` holds llguidance's own report (matcher state, grammar text) for the log.
+
+    Args:
+        message: what went wrong, in one line.
+        details: the engine's report ('' when it gave none).
+    """
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
+class _TextEncoder:
+    """The callable llguidance tokenizes text with (``llguidance.TokenizerWrapper``'s input): a copy
+    of the Hugging Face fast tokenizer's backend that reads special tokens' spellings as plain text
+    (non-special added tokens are still matched), with the token bytes and special ids it is
+    paired with."""
+
+    def __init__(self, tokenizer, tokens: list[bytes], special_ids: list[int], eos_token_id: int):
+        backend = copy.copy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        backend.encode_special_tokens = True
+        self._backend = backend
+        self.tokens = tokens
+        self.special_token_ids = special_ids
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = None
+
+    def __call__(self, text) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+
+def grammar_tokenizer(tokenizer, stop_token_ids: tuple[int, ...]):
+    """The ``llguidance.LLTokenizer`` of a Hugging Face fast tokenizer, with the tokenizer's own
+    ``special`` flags: every token's bytes as llguidance decodes them (byte-level BPE pieces, added
+    tokens as their text), special only where ``added_tokens_decoder`` says ``special=True``.
+
+    Args:
+        tokenizer: a transformers fast tokenizer (``PreTrainedTokenizerFast``).
+        stop_token_ids: ids that end a reply (the grammar allows them once it is complete).
+
+    Returns:
+        llguidance.LLTokenizer: ``vocab_size`` = the tokenizer's size with its added tokens.
+
+    Cost: two llguidance builds and one ``decode_bytes`` per token (about 2 s at 248k tokens;
+    built once per pipeline).
+    """
+    import llguidance
+    import llguidance.hf
+    from llguidance._tokenizer import TokenizerWrapper
+
+    stops = [int(i) for i in stop_token_ids] or None
+    base = llguidance.hf.from_tokenizer(tokenizer, eos_token=stops)
+    tokens = [base.decode_bytes([i]) for i in range(base.vocab_size)]
+    special = sorted(int(i) for i, added in tokenizer.added_tokens_decoder.items() if added.special)
+    eos = stops[0] if stops else base.eos_token
+    encoder = _TextEncoder(tokenizer, tokens, special, eos)
+    return llguidance.LLTokenizer(TokenizerWrapper(encoder), n_vocab=base.vocab_size, eos_token=stops or eos)
+
+
 class TokenConstraint:
     """The tokens a constrained reply may take next, for one generation.
 
@@ -133,6 +213,7 @@ class TokenConstraint:
         self.reasoning_tokens = 0
         self.stop_token_ids = [int(i) for i in stop_token_ids]
         self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab_size)
+        self._allowed: np.ndarray | None = None  # the last mask's allowed tokens [V] bool, until accepted
 
     @property
     def in_reasoning(self) -> bool:
@@ -149,40 +230,52 @@ class TokenConstraint:
         the reasoning only the end-of-reply tokens.
 
         Raises:
-            RuntimeError: the grammar allows no token (an llguidance error, named).
+            GrammarError: the grammar allows no token, or llguidance failed (its report in ``details``).
         """
         if self.in_reasoning:
             logits = np.array(logits).reshape(-1)
             logits[[i for i in self.stop_token_ids if i < logits.shape[0]]] = -np.inf
             return logits
-        self._llg_numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        try:
+            self._llg_numpy.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        except Exception as exc:  # noqa: BLE001 - any engine failure ends the reply with a GrammarError
+            raise GrammarError("the grammar engine failed computing the next tokens", repr(exc)) from exc
         allowed = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")
         logits = np.asarray(logits).reshape(-1)
         keep = np.zeros(logits.shape[0], dtype=bool)
         n = min(keep.shape[0], self.vocab_size)
         keep[:n] = allowed[:n].astype(bool)
-        if not keep.any():
-            raise RuntimeError(f"the reply's grammar allows no next token: {self.matcher.get_error() or 'dead end'}")
+        if not keep.any() or self.matcher.is_error():
+            raise GrammarError("the reply's grammar allows no next token", self.matcher.get_error() or "dead end")
+        self._allowed = keep
         return np.where(keep, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
 
     def accept(self, token: int) -> None:
         """Advance past ``token`` (the one sampled from :meth:`mask`'s logits or :meth:`forced`).
 
         Raises:
-            RuntimeError: the grammar refused the token (cannot happen for a masked choice).
+            GrammarError: the grammar refused the token (for a masked choice: the engine disagrees
+                with its own mask), or llguidance failed; its report in ``details``.
         """
         if self.in_reasoning:
             self.reasoning_tokens += 1
             if token == self.think_end:
                 self.think_end = None
             return
-        if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"the reply's grammar refused token {token}: {self.matcher.get_error()}")
+        try:
+            taken = self.matcher.consume_token(int(token))
+        except Exception as exc:  # noqa: BLE001
+            raise GrammarError(f"the grammar engine failed at token {token}", repr(exc)) from exc
+        if not taken:
+            offered = self._allowed is not None and token < self._allowed.shape[0] and self._allowed[token]
+            what = "the token its own mask allowed" if offered else "a token outside its mask"
+            raise GrammarError(f"the reply's grammar refused token {token} ({what})", self.matcher.get_error())
+        self._allowed = None
 
 
 class GrammarCompiler:
-    """Grammars over one tokenizer: the llguidance tokenizer is built on first use (about 13 ms for
-    this project's 1,024 tokens, 1 s for 248,000) and shared by every request.
+    """Grammars over one tokenizer: the llguidance tokenizer (:func:`grammar_tokenizer`) is built on
+    first use and shared by every request.
 
     Args:
         tokenizer: a transformers fast tokenizer.
@@ -199,10 +292,8 @@ class GrammarCompiler:
     @property
     def llg_tokenizer(self):
         if self._llg_tokenizer is None:
-            import llguidance.hf
-
             with self._lock:
-                self._llg_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, eos_token=self._stops)
+                self._llg_tokenizer = grammar_tokenizer(self._tokenizer, tuple(self._stops))
         return self._llg_tokenizer
 
     def check(self, reply: ReplyFormat) -> None:

@@ -24,8 +24,10 @@ two tokens and the slot passes on.
 Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for
 malformed JSON, wrong types, bad values, bad messages or images, prompts over the capacity;
 401 for a missing or wrong API key; 413 for a body over ``max_body_bytes`` or an image over
-``max_image_bytes``; 429 for a full queue; 500 (``server_error``, logged) only when a
-generation itself fails. Layering: this package imports the pipeline, never the reverse.
+``max_image_bytes``; 422 (``reply_format_failed``, naming ``tools`` or ``response_format``; the
+grammar engine's report in the log only) when the grammar that enforces a reply fails mid-reply;
+429 for a full queue; 500 (``server_error``, logged) only when a generation itself fails otherwise.
+Layering: this package imports the pipeline, never the reverse.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..conversation.grammar import GrammarError
 from ..conversation.messages import ChatInputError, ImageTooLarge
 from ..conversation.processor import TemplateKwargsError
 from ..pipeline import Pipeline
@@ -98,6 +101,25 @@ class _EventStream(StreamingResponse):
 
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
+
+
+def _generation_error(exc: Exception, req: ChatRequest, completion_id: str) -> APIError:
+    """The error that ends a generation which raised ``exc`` (logged here, with the grammar engine's
+    report for a :class:`GrammarError`): 422 ``reply_format_failed`` naming ``tools`` or
+    ``response_format`` when the grammar engine failed (a short message, nothing of the engine's
+    state), else 500 ``generation_failed``."""
+    if isinstance(exc, GrammarError):
+        log.error("generation %s: %s; the grammar engine reports:\n%s", completion_id, exc, exc.details)
+        param = "response_format" if req.reply.json_schema is not None else "tools"
+        return APIError(
+            422,
+            f"the reply could not be kept to the requested {param}: {exc} (details in the server log); "
+            "the request may be retried",
+            param,
+            "reply_format_failed",
+        )
+    log.exception("generation %s failed", completion_id, exc_info=exc)
+    return APIError(500, f"the generation failed: {exc}", type="server_error", code="generation_failed")
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -229,7 +251,7 @@ class ChatServer:
                 gone.cancel()  # the streaming response watches the connection itself
                 return _EventStream(self._events(generation, req, completion_id), generation.cancel)
             try:
-                return await self._whole(generation, gone, completion_id)
+                return await self._whole(generation, gone, req, completion_id)
             finally:
                 generation.cancel()  # no-op once it has ended
         finally:
@@ -253,10 +275,7 @@ class ChatServer:
             try:
                 deltas, ended = await generation.step(0.0)
             except Exception as exc:  # noqa: BLE001 - a failed generation ends the stream cleanly
-                log.exception("generation %s failed", completion_id)
-                yield sse(
-                    APIError(500, f"the generation failed: {exc}", type="server_error", code="generation_failed").body()
-                )
+                yield sse(_generation_error(exc, req, completion_id).body())
                 yield SSE_DONE
                 return
             for delta in deltas:
@@ -279,7 +298,9 @@ class ChatServer:
             )
         yield SSE_DONE
 
-    async def _whole(self, generation: ScheduledGeneration, gone: asyncio.Future, completion_id: str) -> Response:
+    async def _whole(
+        self, generation: ScheduledGeneration, gone: asyncio.Future, req: ChatRequest, completion_id: str
+    ) -> Response:
         ended = False
         while not ended:
             if gone.done():
@@ -287,10 +308,7 @@ class ChatServer:
             try:
                 _, ended = await generation.step(STEP_SECONDS)
             except Exception as exc:  # noqa: BLE001
-                log.exception("generation %s failed", completion_id)
-                raise APIError(
-                    500, f"the generation failed: {exc}", type="server_error", code="generation_failed"
-                ) from None
+                raise _generation_error(exc, req, completion_id) from None
         result = generation.stream.result
         message = message_dict(result.content, result.reasoning_content, result.tool_calls)
         return JSONResponse(

@@ -137,10 +137,11 @@ def test_breaking_out_of_a_stream_keeps_the_tokens(pipe, photo):
         if len(stream.result.token_ids) >= 5:
             break
     stream.close()
-    assert len(stream.result.token_ids) == 5
+    kept = len(stream.result.token_ids)  # 5, or more where a token held back a partial character
+    assert 5 <= kept < 20
     assert stream.result.finish_reason is None
     full = pipe.generate(photo, PROMPT, max_new_tokens=20)
-    assert full.token_ids[:5] == stream.result.token_ids
+    assert full.token_ids[:kept] == stream.result.token_ids
     assert stream.result.text == "".join(pieces)
 
 

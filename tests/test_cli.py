@@ -245,3 +245,25 @@ def test_runtime_generates_without_torch(request, photo, runtime):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_demo_export_older_than_its_checkpoint_is_made_again(small_export, tmp_path):
+    """The demo reuses its cached export only while it is this version's and newer than the demo
+    checkpoint (a checkpoint rebuilt in a new format, e.g. another tokenizer, needs a new export)."""
+    import os
+    import shutil
+
+    from qwen35_onnx.checkpoints import _MARKER
+    from qwen35_onnx.demo import _export_is_current
+
+    exported, checkpoint = tmp_path / "demo-export", tmp_path / "demo-checkpoint"
+    exported.mkdir()
+    shutil.copy(small_export / "manifest.json", exported / "manifest.json")
+    checkpoint.mkdir()
+    (checkpoint / _MARKER).write_text("{}")
+    made = (exported / "manifest.json").stat().st_mtime
+    os.utime(checkpoint / _MARKER, (made - 60, made - 60))
+    assert _export_is_current(exported, checkpoint)
+    os.utime(checkpoint / _MARKER, (made + 60, made + 60))
+    assert not _export_is_current(exported, checkpoint)
+    assert not _export_is_current(tmp_path / "missing", checkpoint)

@@ -96,8 +96,9 @@ def test_fp16_int4(ops, trained_export, exports, photo):
     cosine = logit_cosine(_last_logits(pipe, photo), reference)
     print(f"--ops {ops} fp16 int4: last-logit cosine {cosine:.5f} against fp32")
     # measured with the photo's 64 image tokens (the checkpoint's own resolution; its vision tower is
-    # untrained): ort 0.96975 (its int4 embedding table; 0.9966 on the text alone), portable 0.99527
-    assert cosine >= {"ort": 0.95, "portable": 0.99}[ops]
+    # untrained): ort 0.96975 (its int4 embedding table; 0.9966 on the text alone), portable 0.99527;
+    # portable 0.98917 with the published added-token layout (the trained checkpoint retrained on its ids)
+    assert cosine >= {"ort": 0.95, "portable": 0.985}[ops]
     assert len(pipe.generate(photo, PROMPT, max_new_tokens=8).token_ids) == 8
 
 

@@ -15,7 +15,7 @@ from .conftest import CAPACITY, PROMPT, export_to
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
-WIDE_SEED = 0
+WIDE_SEED = 4  # greedy: no end of sequence in 32 tokens, top-two logit gap >= 0.08 (transformers, fp32)
 
 
 @pytest.fixture(scope="module")

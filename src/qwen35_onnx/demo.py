@@ -2,8 +2,8 @@
 
 1. build the demo checkpoint once (cached): real Qwen3.5 architecture, small config, random
    weights from a fixed seed, locally trained tokenizer;
-2. export it with a fixed-capacity KV cache (cached while the export is complete and made by
-   this version);
+2. export it with a fixed-capacity KV cache (cached while the export is complete, made by
+   this version and newer than the checkpoint);
 3. stream the text generated for the shipped photograph and "Describe this image.";
 4. generate with transformers on the same inputs and print ``parity: N/N tokens identical``.
 """
@@ -18,13 +18,18 @@ DEMO_PROMPT = "Describe this image."
 MIN_PARITY_TOKENS = 32
 
 
-def _export_is_current(folder: Path) -> bool:
+def _export_is_current(folder: Path, checkpoint: Path) -> bool:
+    """The export in ``folder`` was made by this version from ``checkpoint`` as it is now (not from a
+    demo checkpoint of an earlier format, rebuilt since: its marker is newer than the manifest)."""
     from . import __version__
+    from .checkpoints import _MARKER
     from .contract import ContractError, read_manifest
 
     try:
-        return read_manifest(folder).exporter_version == __version__
-    except ContractError:
+        if read_manifest(folder).exporter_version != __version__:
+            return False
+        return (folder / "manifest.json").stat().st_mtime >= (checkpoint / _MARKER).stat().st_mtime
+    except (ContractError, OSError):
         return False
 
 
@@ -52,7 +57,7 @@ def run_demo(
     exported = root / "demo-export"
     print(f"[demo] checkpoint: {checkpoint}", file=err)
     build_demo_checkpoint(checkpoint)
-    if not _export_is_current(exported):
+    if not _export_is_current(exported, checkpoint):
         print(f"[demo] exporting to {exported} (fixed KV cache) ...", file=err)
         export(checkpoint, exported, ExportOptions(overwrite=True), show_progress=True)
     else:

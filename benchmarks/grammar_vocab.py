@@ -19,19 +19,28 @@ their ``special`` flags). Then, in one process:
 
 Usage (from the repository root, in the development environment)::
 
-    .venv/bin/python benchmarks/grammar_vocab.py [--replies 5] [--threads 2] [--export DIR]
+    .venv/bin/python benchmarks/grammar_vocab.py [--replies 5] [--threads 2] [--export DIR] [--out FILE]
+
+The JSON printed (and written to ``--out``) names the machine (CPU model, cores), the date and the
+versions; ``benchmarks/grammar_vocab.json`` is the stored result the README cites.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import random
 import statistics
 import time
+from importlib.metadata import version
+from pathlib import Path
 
 import numpy as np
 
+from qwen35_onnx import __version__
 from qwen35_onnx.bench.constrained import CASES
 from qwen35_onnx.conversation.grammar import GrammarCompiler, GrammarError, TokenConstraint
 from qwen35_onnx.conversation.tools import parse_reply_format
@@ -112,11 +121,30 @@ def decode_ms(export: str, threads: int) -> float:
     return result.timings.decode_ms_per_token
 
 
+def machine() -> dict:
+    """The CPU model, the cores this process may use, the date (UTC) and the versions measured."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": {"qwen35-onnx": __version__, **{name: version(name) for name in ("llguidance", "onnxruntime")}},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replies", type=int, default=5, help="replies per case (>= 1)")
     parser.add_argument("--threads", type=int, default=2, help="decode threads with --export (>= 1)")
     parser.add_argument("--export", default=None, help="an export whose decode step is timed alongside")
+    parser.add_argument("--out", default=None, help="also write the JSON result to this file")
     args = parser.parse_args()
     for name in ("replies", "threads"):
         if getattr(args, name) < 1:
@@ -124,7 +152,8 @@ def main() -> None:
 
     start = time.perf_counter()
     tokenizer = synthetic_tokenizer()
-    out = {"tokenizer_entries": len(tokenizer), "tokenizer_build_s": round(time.perf_counter() - start, 2)}
+    out = {"machine": machine(), "replies": args.replies}
+    out.update(tokenizer_entries=len(tokenizer), tokenizer_build_s=round(time.perf_counter() - start, 2))
     stops = (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
     compilers = {"own reading": _OwnReading(tokenizer, stops), "project": GrammarCompiler(tokenizer, stops)}
     for name, compiler in compilers.items():
@@ -147,8 +176,23 @@ def main() -> None:
                 row["ms_per_token_max"] = round(max(per_token), 3)
             out[f"{case} ({name})"] = row
     if args.export:
+        from qwen35_onnx.contract import read_manifest
+
+        c = read_manifest(args.export)
+        out["export"] = {
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "ops": c.ops,
+            "quantize": c.quantize,
+            "quant_block_size": c.quant_block_size,
+            "capacity": c.capacity,
+            "threads": args.threads,
+        }
         out["decode_ms_per_step"] = round(decode_ms(args.export, args.threads), 2)
-    print(json.dumps(out, indent=2))
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

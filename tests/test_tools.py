@@ -898,3 +898,34 @@ def test_grammar_engine_failure_is_a_short_grammar_error(compiler, tokenizer, re
     assert "<state>" in info.value.details
     if refuse:
         assert "its own mask allowed" in message
+
+
+# a tool whose one parameter must be the Angstrom sign (NFC makes it U+00C5)
+ANGSTROM = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"properties": {"a": {"enum": ["\u212b"]}}, "required": ["a"]}},
+}
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        parse_reply_format(response_format={"type": "json_schema", "json_schema": {"schema": {"const": "Cafe\u0301"}}}),
+        parse_reply_format([ANGSTROM], "required", False),
+    ],
+    ids=["decomposed-const", "compatibility-enum"],
+)
+def test_forced_text_that_nfc_would_change_is_kept_byte_for_byte(layout, reply):
+    """A schema's ``const`` / ``enum`` text that is not in NFC (a decomposed accent, the Angstrom sign)
+    is forced as its own bytes: the tokenizer's NFC normalizer would have offered the precomposed
+    character, which the matcher refuses."""
+    tokenizer, compiler, stop_id = layout
+    constraint, ids = compiler.constraint(reply), []
+    for _ in range(60):
+        token = int(np.argmax(constraint.mask(np.zeros(len(tokenizer), np.float32))))
+        constraint.accept(token)
+        if token == stop_id:
+            break
+        ids.append(token)
+    text = tokenizer.decode(ids)
+    assert token == stop_id and ("Cafe\u0301" in text or "\u212b" in text), text

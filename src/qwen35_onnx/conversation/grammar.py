@@ -135,14 +135,17 @@ class GrammarError(RuntimeError):
 class _TextEncoder:
     """The callable llguidance tokenizes text with (``llguidance.TokenizerWrapper``'s input): a copy
     of the Hugging Face fast tokenizer's backend that reads special tokens' spellings as plain text
-    (non-special added tokens are still matched), with the token bytes and special ids it is
-    paired with."""
+    (non-special added tokens are still matched) and does not normalize (the text a grammar forces
+    must come back as tokens of exactly its bytes: NFC would turn a decomposed ``e\u0301`` of a
+    schema's ``const`` into the precomposed character, a token the matcher refuses), with the token
+    bytes and special ids it is paired with."""
 
     def __init__(self, tokenizer, tokens: list[bytes], special_ids: list[int], eos_token_id: int):
         backend = copy.copy(tokenizer.backend_tokenizer)
         backend.no_padding()
         backend.no_truncation()
         backend.encode_special_tokens = True
+        backend.normalizer = None
         self._backend = backend
         self.tokens = tokens
         self.special_token_ids = special_ids
@@ -167,8 +170,10 @@ def grammar_tokenizer(tokenizer, stop_token_ids: tuple[int, ...]):
     Returns:
         llguidance.LLTokenizer: ``vocab_size`` = the tokenizer's size with its added tokens.
 
-    Cost: two llguidance builds and one ``decode_bytes`` per token (about 2 s at 248k tokens;
-    built once per pipeline).
+    Cost: llguidance's own reading of the tokenizer, one ``decode_bytes`` per token, a copy of the
+    tokenizer and a second llguidance build: 3.0 s at 248,077 tokens where llguidance's reading
+    alone takes 1.8 s (AMD EPYC, 2 cores, ``benchmarks/grammar_vocab.py``); once per pipeline, on
+    its first constrained request.
     """
     import llguidance
     import llguidance.hf
@@ -293,7 +298,8 @@ class GrammarCompiler:
     def llg_tokenizer(self):
         if self._llg_tokenizer is None:
             with self._lock:
-                self._llg_tokenizer = grammar_tokenizer(self._tokenizer, tuple(self._stops))
+                if self._llg_tokenizer is None:  # another thread may have built it while this one waited
+                    self._llg_tokenizer = grammar_tokenizer(self._tokenizer, tuple(self._stops))
         return self._llg_tokenizer
 
     def check(self, reply: ReplyFormat) -> None:

@@ -105,17 +105,19 @@ def _error_response(error: APIError) -> JSONResponse:
 
 def _generation_error(exc: Exception, req: ChatRequest, completion_id: str) -> APIError:
     """The error that ends a generation which raised ``exc`` (logged here, with the grammar engine's
-    report for a :class:`GrammarError`): 422 ``reply_format_failed`` naming ``tools`` or
-    ``response_format`` when the grammar engine failed (a short message, nothing of the engine's
-    state), else 500 ``generation_failed``."""
+    report for a :class:`GrammarError`): 422 ``reply_format_failed`` when the grammar engine failed
+    (a short message, nothing of the engine's state; ``param`` ``tools`` or ``response_format``, none
+    when the grammar held both), else 500 ``generation_failed``."""
     if isinstance(exc, GrammarError):
         log.error("generation %s: %s; the grammar engine reports:\n%s", completion_id, exc, exc.details)
-        param = "response_format" if req.reply.json_schema is not None else "tools"
+        reply = req.reply
+        calls = reply.tool_choice.mode in ("required", "function") or bool(reply.offered_tools)
+        fields = [name for name, used in (("tools", calls), ("response_format", reply.json_schema is not None)) if used]
         return APIError(
             422,
-            f"the reply could not be kept to the requested {param}: {exc} (details in the server log); "
-            "the request may be retried",
-            param,
+            f"the reply could not be kept to the requested {' or '.join(fields)}: {exc} (details in the server "
+            "log); the request may be retried",
+            fields[0] if len(fields) == 1 else None,
             "reply_format_failed",
         )
     log.exception("generation %s failed", completion_id, exc_info=exc)

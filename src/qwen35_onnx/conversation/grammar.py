@@ -171,9 +171,9 @@ def grammar_tokenizer(tokenizer, stop_token_ids: tuple[int, ...]):
         llguidance.LLTokenizer: ``vocab_size`` = the tokenizer's size with its added tokens.
 
     Cost: llguidance's own reading of the tokenizer, one ``decode_bytes`` per token, a copy of the
-    tokenizer and a second llguidance build: 3.0 s at 248,077 tokens where llguidance's reading
-    alone takes 1.8 s (AMD EPYC, 2 cores, ``benchmarks/grammar_vocab.py``); once per pipeline, on
-    its first constrained request.
+    tokenizer and a second llguidance build: 3.6 s at 248,077 tokens where llguidance's reading
+    alone takes 1.8 s (AMD EPYC, 2 cores, 2026-12-05, ``benchmarks/grammar_vocab.json``); once per
+    pipeline, on its first constrained request.
     """
     import llguidance
     import llguidance.hf

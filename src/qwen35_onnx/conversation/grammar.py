@@ -177,7 +177,6 @@ def grammar_tokenizer(tokenizer, stop_token_ids: tuple[int, ...]):
     """
     import llguidance
     import llguidance.hf
-    from llguidance._tokenizer import TokenizerWrapper
 
     stops = [int(i) for i in stop_token_ids] or None
     base = llguidance.hf.from_tokenizer(tokenizer, eos_token=stops)
@@ -185,7 +184,7 @@ def grammar_tokenizer(tokenizer, stop_token_ids: tuple[int, ...]):
     special = sorted(int(i) for i, added in tokenizer.added_tokens_decoder.items() if added.special)
     eos = stops[0] if stops else base.eos_token
     encoder = _TextEncoder(tokenizer, tokens, special, eos)
-    return llguidance.LLTokenizer(TokenizerWrapper(encoder), n_vocab=base.vocab_size, eos_token=stops or eos)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(encoder), n_vocab=base.vocab_size, eos_token=stops or eos)
 
 
 class TokenConstraint:

@@ -158,7 +158,7 @@ def export(
         from .export.exporter import export as run_export
         from .export.weight_source import peak_rss_bytes
     except ImportError as exc:  # torch / onnx missing
-        _fail(ValueError(f"export needs the 'export' extra (torch, onnx, onnxscript): {exc}"))
+        _fail(ValueError(f"export needs the 'export' extra (torch, onnx, onnxscript, ml_dtypes): {exc}"))
     try:
         contract = run_export(model_id, output_dir, options, show_progress=True, explicit=set(options_given))
     except USER_ERRORS as exc:

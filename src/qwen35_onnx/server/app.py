@@ -24,9 +24,11 @@ two tokens and the slot passes on.
 Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for
 malformed JSON, wrong types, bad values, bad messages or images, prompts over the capacity;
 401 for a missing or wrong API key; 413 for a body over ``max_body_bytes`` or an image over
-``max_image_bytes``; 422 (``reply_format_failed``, naming ``tools`` or ``response_format``; the
-grammar engine's report in the log only) when the grammar that enforces a reply fails mid-reply;
-429 for a full queue; 500 (``server_error``, logged) only when a generation itself fails otherwise.
+``max_image_bytes`` / ``max_image_pixels``; 422 (``reply_format_failed``, naming ``tools`` or
+``response_format``, null when the grammar held both; the grammar engine's report in the log only)
+when the grammar that enforces a reply fails mid-reply; 429 for a full queue; 500 (``server_error``,
+logged) when a generation fails otherwise. A streamed reply has begun with 200: its failure is an
+error event with the same body, then ``[DONE]``.
 Layering: this package imports the pipeline, never the reverse.
 """
 

@@ -5,7 +5,7 @@ Names follow Prometheus' conventions (a ``_total`` counter, base units: seconds)
 vLLM and llama.cpp's server export:
 
 - ``qwen35_onnx_requests_total{status}``: chat completion requests by HTTP status (``200``,
-  ``400``, ``401``, ``413``, ``429``, ``499``: the client left before its whole reply, ``500``);
+  ``400``, ``401``, ``413``, ``422``, ``429``, ``499``: the client left before its whole reply, ``500``);
   a streamed reply counts 200 when it starts: how it ended is in ``generations_total``;
 - ``qwen35_onnx_generations_total{outcome}``: generations that ended ``completed``,
   ``cancelled`` (client gone) or ``failed``;

@@ -81,7 +81,6 @@ MINIMAL_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 
 #: The demo tokenizer's added tokens (:data:`PUBLISHED_ADDED_TOKENS`' contents, in order).
 ADDED_TOKENS: tuple[str, ...] = tuple(token for token, _ in PUBLISHED_ADDED_TOKENS)
-NON_SPECIAL = frozenset(token for token, special in PUBLISHED_ADDED_TOKENS if not special)
 
 VOCAB_SIZE = 1024  # 256 byte tokens + 735 BPE merges + 33 added tokens
 BPE_SIZE = VOCAB_SIZE - len(ADDED_TOKENS)

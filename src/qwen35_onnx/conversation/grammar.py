@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import threading
 
 import numpy as np
@@ -47,8 +46,6 @@ from .messages import ChatInputError
 from .tools import ReplyFormat, ToolSpec, schema_types
 
 __all__ = ["GrammarCompiler", "GrammarError", "TokenConstraint", "grammar_tokenizer", "reply_grammar"]
-
-log = logging.getLogger(__name__)
 
 _LEADING = 'WS: /[ \\n]{0,4}/\n'  # blank text a model may write before its answer
 MAX_BOUNDED_LENGTH = 4096  # maxLength beyond this is left to the text rule (regex size)
@@ -102,11 +99,12 @@ def _calls_rules(tools: tuple[ToolSpec, ...], parallel: bool) -> list[str]:
 
 def reply_grammar(reply: ReplyFormat) -> str | None:
     """The Lark grammar (llguidance dialect) a reply must follow, None when it is free text."""
-    if not reply.constrained:
+    fields = reply.constrained_fields
+    if not fields:
         return None
     lines = ["%llguidance {}"]
     choices = []
-    if reply.tool_choice.mode in ("required", "function") or (reply.json_schema is not None and reply.offered_tools):
+    if "tools" in fields:
         choices.append("calls")
         lines += _calls_rules(reply.called_tools(), reply.parallel_tool_calls and reply.tool_choice.mode != "function")
     if reply.json_schema is not None:

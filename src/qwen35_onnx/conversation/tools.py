@@ -96,7 +96,16 @@ class ReplyFormat:
     @property
     def constrained(self) -> bool:
         """The reply is enforced by a grammar (a required or named call, or a response schema)."""
-        return self.json_schema is not None or self.tool_choice.mode in ("required", "function")
+        return bool(self.constrained_fields)
+
+    @property
+    def constrained_fields(self) -> tuple[str, ...]:
+        """The request fields the reply's grammar enforces: ``"tools"`` when calls are in it (a
+        required or named call, or tools beside a response schema), ``"response_format"`` when the
+        answer's schema is; empty for free text."""
+        answer = self.json_schema is not None
+        calls = self.tool_choice.mode in ("required", "function") or (answer and bool(self.offered_tools))
+        return tuple(name for name, used in (("tools", calls), ("response_format", answer)) if used)
 
     def called_tools(self) -> tuple[ToolSpec, ...]:
         """The tools a constrained call may name."""

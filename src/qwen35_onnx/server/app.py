@@ -112,9 +112,7 @@ def _generation_error(exc: Exception, req: ChatRequest, completion_id: str) -> A
     when the grammar held both), else 500 ``generation_failed``."""
     if isinstance(exc, GrammarError):
         log.error("generation %s: %s; the grammar engine reports:\n%s", completion_id, exc, exc.details)
-        reply = req.reply
-        calls = reply.tool_choice.mode in ("required", "function") or bool(reply.offered_tools)
-        fields = [name for name, used in (("tools", calls), ("response_format", reply.json_schema is not None)) if used]
+        fields = req.reply.constrained_fields
         return APIError(
             422,
             f"the reply could not be kept to the requested {' or '.join(fields)}: {exc} (details in the server "

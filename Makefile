@@ -1,12 +1,12 @@
 # `make demo`: set up, then the main job on the built-in demo checkpoint.
-# `make test`: set up, lint (ruff), then the whole test suite (slow end-to-end tests included).
+# `make test`: set up, lint (ruff), build the docs site (strict), then the whole test suite (slow tests included).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # torch 2.13.0 is the CPU build this project is tested with (export and verification only).
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo lint test test-fast bench clean
+.PHONY: setup demo lint docs test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[export,test,serve,openvino]"
+	$(PY) -m pip install --quiet -e ".[export,test,serve,openvino,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,7 +28,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 
-test: lint
+# The documentation site, offline and strict (a broken link, reference or docstring fails it): the CLI
+# reference is generated from the typer declarations first, so it cannot drift from the code.
+docs: $(STAMP)
+	$(PY) -m typer qwen35_onnx.cli utils docs --name qwen35-onnx --title "CLI reference" --output docs/reference/cli.md
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: lint docs
 	$(PYTEST)
 
 test-fast: lint
@@ -42,4 +48,4 @@ bench: $(STAMP)
 	$(VENV)/bin/qwen35-onnx bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -349,6 +349,19 @@ def bench(
         help="Instead: resident memory of a Pipeline with every graph of this export loaded, against "
         "1.2 x weights + states + 0.5 GB, and decode ms/token with shared vs per-session weights.",
     ),
+    publish: bool = typer.Option(
+        False,
+        "--publish",
+        help="After the run, store its bench.json as the latest result of this machine and preset "
+        "(benchmarks/results/MACHINE/PRESET.json, run from the repository's root) and render the pages "
+        "made from the stored results (benchmarks/README.md, docs/benchmarks.md, README.md's table).",
+    ),
+    render: bool = typer.Option(
+        False,
+        "--render",
+        help="Instead: render benchmarks/README.md, docs/benchmarks.md and README.md's results table from "
+        "the stored results (benchmarks/results/), measuring nothing.",
+    ),
     profile: Optional[Path] = typer.Option(
         None,
         "--profile",
@@ -364,6 +377,25 @@ def bench(
 
     _at_least_one("--prefill-runs", prefill_runs)
     _at_least_one("--rounds", rounds)
+    if render:
+        from .bench.results import render_all
+
+        if publish or memory is not None or profile is not None:
+            _fail(ValueError("--render measures nothing: not with --publish, --memory or --profile"))
+        try:
+            changed = render_all()
+        except ValueError as exc:
+            _fail(exc)
+        typer.echo(f"[bench] rendered: {', '.join(map(str, changed)) or 'nothing changed'}", err=True)
+        return
+    if publish and (memory is not None or profile is not None):
+        _fail(ValueError("--publish stores the side-by-side bench's result: not with --memory or --profile"))
+    if publish and not Path("benchmarks/protocol.md").is_file():
+        _fail(
+            ValueError(
+                f"--publish writes benchmarks/results/ of the repository: run it from its root, not {Path.cwd()}"
+            )
+        )
     if rounds != 1 and (memory is not None or profile is not None):
         _fail(ValueError(f"--rounds {rounds}: the side-by-side bench's option, not one of --memory or --profile"))
     if memory is not None:
@@ -408,8 +440,13 @@ def bench(
                 rows=chosen,
                 prefill_runs=prefill_runs,
                 rounds=rounds,
+                run={"preset": preset},
             )
         )
+        if publish:
+            from .bench.results import publish as store
+
+            typer.echo(f"[bench] stored {store(work_dir / preset)} and rendered the pages", err=True)
     except USER_ERRORS as exc:
         _fail(exc)
 

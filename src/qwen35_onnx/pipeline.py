@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -271,7 +272,9 @@ class Pipeline:
         self.grammars = GrammarCompiler(preprocessor.tokenizer, stops, preprocessor.lock)
 
     @classmethod
-    def from_exported(cls, path: str | os.PathLike, options: RuntimeOptions | None = None, **overrides) -> Pipeline:
+    def from_exported(
+        cls, path: str | os.PathLike, options: RuntimeOptions | None = None, **overrides: Any
+    ) -> Pipeline:
         """Load an export folder and cross-check manifest, graph metadata and graph shapes.
 
         Args:

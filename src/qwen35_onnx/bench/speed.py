@@ -4,9 +4,10 @@ The protocol of the reference system (:class:`~.protocol.Protocol`). Prompts are
 tokens (the same ids for every peer). All peers run in one command, one after the other,
 on the same checkpoint:
 
-- this project on ONNX Runtime: portable fp32, ort fp32, ort int8, ort int4, portable int4
-  (exported here, fixed KV, the default quantization block), and ort int4 b32 (block 32, as
-  llama.cpp's Q4_0);
+- this project on ONNX Runtime: ``ort int4`` is the export a user gets by default with
+  ``--quantize int4`` (prefill chunks, the default capacity, block and accuracy level); portable
+  fp32, ort fp32, ort int8, portable int4 and ``ort int4 buckets`` (the same with prefill buckets
+  at the bench's lengths) are bucket exports, ``ort int4 b32`` uses block 32 (as llama.cpp's Q4_0);
 - this project on OpenVINO (``runtime="openvino"``): the portable fp32 and portable int4
   exports, each with inference precision f32 and bf16; the same measuring function as the ONNX
   Runtime rows (:func:`bench_pipeline` takes a Pipeline, whatever its runtime);
@@ -29,8 +30,8 @@ on the same checkpoint:
 - images (:mod:`.vision`): each of this project's rows' vision time per grid and the time to first
   token of a question about a 640 x 480 photo, next to OpenVINO GenAI's on the same photo;
 - prefill (:mod:`.prefill`): time to first token by prompt length for the int4 rows with prefill
-  buckets (``ort int4``) and with prefill chunks (``ort int4 chunks``) and onnxruntime-genai int4,
-  and turn 4 of a long conversation continued from kept states.
+  chunks (``ort int4``, the default) and with prefill buckets (``ort int4 buckets``) and
+  onnxruntime-genai int4, and turn 4 of a long conversation continued from kept states.
 
 Outputs ``bench.md`` (table, ratios against each peer), ``bench.json`` and ``bench.png`` (:mod:`.report`).
 Times are milliseconds.
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..contract import DEFAULT_CHUNKS, ContractError, read_manifest
+from ..contract import ContractError, read_manifest
 from ..export.options import ANY_GRID, ExportOptions
 from ..paths import check_folder
 from ..runtime.host_memory import release_freed_memory
@@ -66,24 +67,27 @@ from .protocol import (
     step_state_bytes,
 )
 from .report import floor_target_lines, llamacpp_target_lines, report, target_lines
+from .results import run_info
 from .vision import QUESTION, ImageCost, image_costs, image_lines, photo
 
 LENGTHS = (32, 512, 1024, 2048)
-PREFILL_CHUNKS = DEFAULT_CHUNKS
-"""Chunk sizes (tokens) of the ``ort int4 chunks`` export: the export's default."""
-PREFILL_ROWS = ("ort int4", "ort int4 chunks", "genai int4")
+PREFILL_ROWS = ("ort int4", "ort int4 buckets", "genai int4")
 """The rows whose time to first token by prompt length the "Prefill" section measures."""
 DECODE_ROOM = 256
 """Tokens of capacity past the longest prompt length (decode is timed at each length)."""
-#: The exports this project's rows run: folder name (spaces as dashes) -> ExportOptions fields.
+DEFAULT_CAPACITY = ExportOptions().capacity
+"""The export's default capacity (``--max-seq-len``): the bench's exports have at least it, so that
+the default-export row is the export a user gets, and the conversation of the "Prefill" section fits."""
+#: The exports this project's rows run: folder name (spaces as dashes) -> ExportOptions fields, and
+#: whether it prefills with buckets at the bench's lengths (else the default: prefill chunks).
 EXPORTS = {
-    "portable fp32": dict(ops="portable", vision_grids="static"),  # static grids: OpenVINO runs these
-    "ort fp32": dict(ops="ort"),
-    "ort int8": dict(ops="ort", quantize="int8"),
-    "ort int4": dict(ops="ort", quantize="int4"),
-    "ort int4 b32": dict(ops="ort", quantize="int4", quant_block_size=32),  # the block of llama.cpp's Q4_0
-    "ort int4 chunks": dict(ops="ort", quantize="int4", prefill_chunks=PREFILL_CHUNKS),
-    "portable int4": dict(ops="portable", quantize="int4", vision_grids="static"),
+    "portable fp32": (dict(ops="portable", vision_grids="static"), True),  # static grids: OpenVINO runs these
+    "ort fp32": (dict(ops="ort"), True),
+    "ort int8": (dict(ops="ort", quantize="int8"), True),
+    "ort int4": (dict(ops="ort", quantize="int4"), False),  # what `export --quantize int4` gives
+    "ort int4 b32": (dict(ops="ort", quantize="int4", quant_block_size=32), True),  # the block of llama.cpp's Q4_0
+    "ort int4 buckets": (dict(ops="ort", quantize="int4"), True),
+    "portable int4": (dict(ops="portable", quantize="int4", vision_grids="static"), True),
 }
 #: This project's rows: row name -> (export, runtime, precision).
 PIPELINE_ROWS = {
@@ -92,7 +96,7 @@ PIPELINE_ROWS = {
     "ort int8": ("ort int8", "onnxruntime", "f32"),
     "ort int4": ("ort int4", "onnxruntime", "f32"),
     "ort int4 b32": ("ort int4 b32", "onnxruntime", "f32"),
-    "ort int4 chunks": ("ort int4 chunks", "onnxruntime", "f32"),
+    "ort int4 buckets": ("ort int4 buckets", "onnxruntime", "f32"),
     "portable int4": ("portable int4", "onnxruntime", "f32"),
     "openvino fp32 f32": ("portable fp32", "openvino", "f32"),
     "openvino fp32 bf16": ("portable fp32", "openvino", "bf16"),
@@ -333,6 +337,7 @@ def run_bench(
     rows=None,
     prefill_runs: int = Protocol().prefill_runs,
     rounds: int = 1,
+    run: dict | None = None,
 ) -> str:
     """Export the variants (cached in ``work_dir``), measure every peer of ``rows`` (names from
     :data:`ROWS`; None: all), write the report. A peer that cannot run (a package missing, a
@@ -343,7 +348,9 @@ def run_bench(
     times in turn (A B C A B C), so that a slow spell of the machine lands on every row instead of
     on one; each prefill, decode and end-to-end figure is the median over the rounds
     (:func:`~.protocol.merge_rounds`; every round's figures in ``bench.json``). The image, prompts by
-    length, conversation and constrained-decoding figures come from the first round.
+    length, conversation and constrained-decoding figures come from the first round. ``bench.json``
+    also holds the run (:func:`~.results.run_info`, the bench's options and ``run``'s entries, e.g.
+    the preset) and the whole report (``markdown``): what ``bench --publish`` stores (:mod:`.results`).
 
     Raises:
         ValueError: ``prefill_runs`` or ``rounds`` below 1, unknown ``rows``, lengths beyond the
@@ -362,15 +369,16 @@ def run_bench(
             f"--lengths: the longest, {max(lengths)} tokens, plus {DECODE_ROOM} decode tokens is more than the "
             f"model's max_position_embeddings {limit}"
         )
+    capacity = min(max(capacity, DEFAULT_CAPACITY), limit)
     check_folder(work_dir, "--work-dir").mkdir(parents=True, exist_ok=True)
     buckets = tuple(sorted(set(lengths)))  # the capacity itself needs no bucket here
     needed = {PIPELINE_ROWS[r][0] for r in rows if r in PIPELINE_ROWS} or {"portable fp32"}  # + the contract
     exports = {}
-    for name, opts in EXPORTS.items():
+    for name, (opts, with_buckets) in EXPORTS.items():
         if name not in needed:
             continue
         folder = work_dir / name.replace(" ", "-")
-        prefill = {} if "prefill_chunks" in opts else {"prefill_buckets": buckets}  # buckets or chunks, not both
+        prefill = {"prefill_buckets": buckets} if with_buckets else {}  # buckets or chunks, not both
         options = ExportOptions(capacity=capacity, overwrite=True, **prefill, **opts)
         if not _is_cached(folder, options):
             log(f"[bench] exporting {name} ...")
@@ -475,4 +483,17 @@ def run_bench(
     if extra:
         markdown += "\n".join(extra) + "\n"
         (work_dir / "bench.md").write_text(markdown)
+    stored = json.loads((work_dir / "bench.json").read_text())
+    stored["run"] = {
+        **run_info(),
+        "checkpoint": Path(checkpoint).name,
+        "lengths": list(lengths),
+        "rows": list(rows),
+        "rounds": rounds,
+        "prefill_runs": prefill_runs,
+        "capacity": capacity,
+        **(run or {}),
+    }
+    stored["markdown"] = markdown
+    (work_dir / "bench.json").write_text(json.dumps(stored, indent=2))
     return markdown

@@ -1,0 +1,214 @@
+"""The documentation: pages rendered from stored bench results match them, measured figures name
+their source, the CLI reference and every command line in the docs agree with the option
+declarations, the README stays a README. (The site itself is built in strict mode by `make docs`.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from qwen35_onnx.bench import results as stored
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+GENERATED = {ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "reference" / "cli.md"}
+UNIT = r"(?:ms|s|seconds?|min|minutes?|h|hours?|GB|GiB|MB|MiB|KB|KiB|GB/s|tok/s|tokens/s|t/s)"
+FIGURE = re.compile(rf"(?<![\w.-])\d[\d,]*(?:\.\d+)?(?:\s?{UNIT}\b|x\b)")
+SOURCE = re.compile(r"benchmarks/(?:results/[\w./-]+|[\w-]+\.json)|\(run: [^)]*\d{4}-\d{2}-\d{2}[^)]*\)")
+
+
+def _prose_blocks(text: str) -> list[str]:
+    """``text`` without fenced code and the generated results block, as blocks between blank lines;
+    a table joins the block before it (its caption)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(re.escape(stored.BEGIN) + ".*?" + re.escape(stored.END), "", text, flags=re.S)
+    blocks: list[str] = []
+    for block in re.split(r"\n\s*\n", text):
+        if block.lstrip().startswith("|") and blocks:
+            blocks[-1] += "\n" + block
+        else:
+            blocks.append(block)
+    return blocks
+
+
+def unsourced_figures(text: str) -> list[str]:
+    """Measured-looking figures (a number with a time, size, rate unit or an ``x`` ratio) in blocks of
+    ``text`` that name no stored result file and no run ``(run: MACHINE, DATE, VERSION)``."""
+    found = []
+    for block in _prose_blocks(text):
+        figures = [m.group(0) for m in FIGURE.finditer(re.sub(r"`[^`]*`", "", block))]
+        if figures and not SOURCE.search(block):
+            found.append(f"{figures} in: {block.strip()[:160]!r}")
+    return found
+
+
+def test_the_figure_rule_flags_unsourced_measurements_and_passes_sourced_ones():
+    assert unsourced_figures("Decode takes 21.7 ms per token.\n")
+    assert unsourced_figures("It is 1.48x faster.\n")
+    assert unsourced_figures("Caption\n\n| a | b |\n|---|---|\n| 3.2 GB | 4 |\n")
+    assert not unsourced_figures("Decode takes 21.7 ms (run: AMD EPYC 2 cores, 2026-12-04, v0.9.2).\n")
+    assert not unsourced_figures("From `benchmarks/grammar_vocab.json`\n\n| a |\n|---|\n| 0.36 ms |\n")
+    assert not unsourced_figures("```\nqwen35-onnx bench  # 12 ms\n```\nPatches of 16 pixels, 2 cores.\n")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_measured_figures_name_their_stored_result_or_run(page: Path):
+    if page in GENERATED:
+        pytest.skip("rendered from stored results / the declarations")
+    assert unsourced_figures(page.read_text()) == [], (
+        f"{page.relative_to(ROOT)}: a figure without its source; name the stored result "
+        "(benchmarks/results/...json) or the run, '(run: MACHINE, YYYY-MM-DD, vX.Y.Z)'"
+    )
+
+
+def test_pages_rendered_from_the_stored_results_are_up_to_date():
+    pages = stored.rendered_pages(ROOT)
+    stale = [str(path) for path, text in pages.items() if (ROOT / path).read_text() != text]
+    assert stale == [], f"{stale}: run `qwen35-onnx bench --render` (the pages come from benchmarks/results/)"
+    assert stored.load_results(ROOT / "benchmarks" / "results"), "no stored bench result"
+
+
+def _fake_result(root: Path, cpu: str, date: str, decode: float, flags=("avx2",)) -> None:
+    peers = [
+        {
+            "name": "ort int4",
+            "prefill_ms": {"32": 40.0, "512": 600.0},
+            "decode_ms": {"32": decode, "512": decode + 1},
+            "e2e_tokens_per_s": 30.0,
+            "peak_rss_bytes": 1.5e9,
+            "image": {"ttft_ms": 900.0},
+        },
+        {
+            "name": "llama.cpp Q4_0 pure",
+            "prefill_ms": {"32": 50.0, "512": 900.0},
+            "decode_ms": {"32": 2 * decode, "512": 2 * decode + 2},
+            "e2e_tokens_per_s": 15.0,
+            "peak_rss_bytes": None,
+            "image": None,
+        },
+    ]
+    run = {
+        "cpu": cpu,
+        "cores": 2,
+        "memory_gib": 23.4,
+        "cpu_flags": list(flags),
+        "date": date,
+        "version": "9.9.9",
+        "command": "qwen35-onnx bench",
+        "preset": "qwen3.5-0.8b",
+    }
+    bench = root / "bench"
+    bench.mkdir(exist_ok=True)
+    (bench / "bench.json").write_text(json.dumps({"run": run, "peers": peers, "markdown": "## Table\n| x |\n"}))
+    stored.publish(bench, root)
+
+
+def test_publish_stores_the_latest_run_per_machine_and_renders_every_page(tmp_path: Path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks" / "protocol.md").write_text("The protocol.\n")
+    (tmp_path / "README.md").write_text(f"# Title\n\n{stored.BEGIN}\n{stored.END}\n\nMore.\n")
+    _fake_result(tmp_path, "AMD EPYC", "2026-12-01T10:00Z", 20.0)
+    _fake_result(tmp_path, "AMD EPYC", "2026-12-02T10:00Z", 10.0)  # the same machine: replaces it
+    _fake_result(tmp_path, "Intel(R) Xeon(R) Platinum 8480C", "2026-12-03T10:00Z", 8.0, ("avx2", "amx_tile"))
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "benchmarks" / "results").rglob("*.json"))
+    assert files == [
+        "benchmarks/results/amd-epyc-2c/qwen3.5-0.8b.json",
+        "benchmarks/results/intel-xeon-platinum-8480c-amx-2c/qwen3.5-0.8b.json",
+    ]
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("# Title") and readme.endswith("More.\n")
+    table = readme.split(stored.BEGIN)[1].split(stored.END)[0]
+    assert "Intel(R) Xeon(R) Platinum 8480C" in table and "2026-12-03" in table and "9.9.9" in table  # the newest
+    assert "| 8.0 | 9.0 |" in table and "decode 2.00x" in table and "prefill 1.50x" in table
+    page = (tmp_path / "benchmarks" / "README.md").read_text()
+    assert page.count("## qwen3.5-0.8b on") == 2 and "### Table" in page and "The protocol." in page
+    assert "2026-12-01" not in page  # the older run of the same machine is git's history
+    assert stored.render_all(tmp_path) == []  # rendering again changes nothing
+
+
+def test_stored_results_that_are_not_results_are_named(tmp_path: Path):
+    bad = tmp_path / "benchmarks" / "results" / "m-2c"
+    bad.mkdir(parents=True)
+    (bad / "x.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"x.json: not a bench result: no run, peers, markdown"):
+        stored.load_results(tmp_path / "benchmarks" / "results")
+    (bad / "x.json").write_text("{")
+    with pytest.raises(ValueError, match="x.json: not a bench result"):
+        stored.load_results(tmp_path / "benchmarks" / "results")
+    with pytest.raises(ValueError, match="protocol.md is missing"):
+        stored.rendered_pages(tmp_path)
+    (tmp_path / "benchmarks" / "protocol.md").write_text("p\n")
+    (tmp_path / "README.md").write_text("no markers\n")
+    (bad / "x.json").unlink()
+    with pytest.raises(ValueError, match="results:begin"):
+        stored.rendered_pages(tmp_path)
+    with pytest.raises(ValueError, match="no bench result with its run"):
+        stored.publish(tmp_path / "nowhere", tmp_path)
+
+
+def test_machine_names_are_folder_names():
+    assert stored.machine_slug({"cpu": "AMD EPYC", "cores": 2}) == "amd-epyc-2c"
+    assert (
+        stored.machine_slug({"cpu": "Intel(R) Xeon(R) CPU @ 2.10GHz", "cores": 4, "cpu_flags": ["amx_tile"]})
+        == "intel-xeon-amx-4c"
+    )
+    info = stored.run_info(["bench", "--preset", "tiny"])
+    assert info["command"] == "qwen35-onnx bench --preset tiny" and info["cores"] >= 1
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}Z", info["date"])
+
+
+# ---- the CLI reference and command lines in the docs ------------------------------------------------
+def _commands() -> dict[str, list]:
+    from qwen35_onnx import cli
+
+    group = cli.click_command
+    return {name: command.params for name, command in group.commands.items()}
+
+
+def test_the_cli_reference_lists_every_option_with_its_default():
+    import typer.cli
+    from typer import _click
+
+    from qwen35_onnx import cli
+
+    group = cli.click_command
+    text = typer.cli.get_docs_for_click(obj=group, ctx=_click.Context(group), name="qwen35-onnx", title="CLI")
+    sections = dict(re.findall(r"## `qwen35-onnx (\w+)`\n(.*?)(?=\n## |\Z)", text, flags=re.S))
+    assert set(sections) == set(_commands())
+    for name, params in _commands().items():
+        for param in params:
+            flag = param.opts[0]
+            assert f"`{flag}" in sections[name], f"{name} {flag} missing from the CLI reference"
+            shown = param.show_default if isinstance(param.show_default, str) else param.default
+            if param.show_default and shown not in (None, False, [], (), "") and not param.is_flag:
+                assert f"[default: {shown}]" in sections[name], f"{name} {flag}: default {shown}"
+
+
+_COMMAND_LINE = re.compile(r"qwen35-onnx (export|generate|chat|serve|verify|bench|demo)\b([^\n`|]*)")
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "CONTRIBUTING.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_command_lines_in_the_docs_use_declared_options(page: Path):
+    if page in GENERATED:
+        pytest.skip("generated from the declarations")
+    declared = {name: {o for p in params for o in (*p.opts, *p.secondary_opts)} for name, params in _commands().items()}
+    text = page.read_text().replace("\\\n", " ")  # a command continued on the next line
+    wrong = [
+        f"{command} {flag}"
+        for command, rest in _COMMAND_LINE.findall(text)
+        for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest)
+        if flag not in declared[command] | {"--help"}
+    ]
+    assert wrong == [], f"{page.relative_to(ROOT)}: options the commands do not declare: {wrong}"
+
+
+def test_the_readme_is_a_readme():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 13_000, f"README.md is {len(readme.encode())} bytes: details go to docs/"
+    assert "make demo" in readme and "make test" in readme
+    for link in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme):
+        assert (ROOT / link).is_file(), f"README links to {link}, which does not exist"

@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/qwen35-onnx demo
 
 # The suite runs on two workers, each test file on one of them (session fixtures build shared
-# checkpoints and exports once for both: tests/conftest.py).
-PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
+# checkpoints and exports once for both: tests/conftest.py), the costliest files first (conftest's HEAVY_FIRST).
+PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -119,7 +119,8 @@ def bigram_export(checkpoint, tmp_path_factory) -> Path:
     n = LEAD_TOKENS + 2 * CYCLE_TOKENS
     assert tokenizer.decode(reference_greedy(ckpt, prompt_ids, n)) == REASONING + "</think>" + CYCLE * 2
     out = folder / "bigram-export"
-    export(ckpt, out, ExportOptions(capacity=CAPACITY, max_images=2, prefill_buckets=(64, CAPACITY)))
+    # 512: a prompt with the weather tool is about 380 tokens (else prefilled in the capacity's bucket)
+    export(ckpt, out, ExportOptions(capacity=CAPACITY, max_images=2, prefill_buckets=(64, 512, CAPACITY)))
     return out
 
 

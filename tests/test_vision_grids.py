@@ -47,6 +47,7 @@ def any_grid_exports(checkpoint, tmp_path_factory):
             image_tokens=BUDGET,
             max_images=2,
             ops=ops,
+            prefill_buckets=(CAPACITY,),  # every prompt here holds an image (64 tokens or more)
         )
 
     return get
@@ -65,6 +66,7 @@ def static_export(checkpoint, tmp_path_factory, shapes):
         max_images=2,
         ops="portable",
         vision_grids=grids,
+        prefill_buckets=(CAPACITY,),
     )
 
 

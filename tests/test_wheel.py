@@ -54,7 +54,7 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     (wheel,) = (base / "dist").glob("qwen35_onnx-*.whl")
     venv = base / "venv"
     run([sys.executable, "-m", "venv", venv], base)
-    run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", wheel], base)
+    run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", wheel], base)
     return venv, wheel
 
 
@@ -92,7 +92,7 @@ def test_wheel_with_the_serve_extra_serves(installed, small_export, tmp_path):
     """``pip install 'WHEEL[serve]'`` adds the server: ``serve`` starts and answers /health and a chat
     completion."""
     venv, wheel = installed
-    run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", f"{wheel}[serve]"], tmp_path)
+    run([venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", f"{wheel}[serve]"], tmp_path)
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(

@@ -49,8 +49,19 @@ def wide_checkpoint(checkpoint, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def wide_reference(wide_checkpoint):
+    """transformers' model of the wide checkpoint, loaded once for both ``--ops`` (its greedy tokens
+    for the photo are computed once: :func:`~tests.conftest.remember_generations`)."""
+    from qwen35_onnx.verify import load_reference
+
+    from .conftest import remember_generations
+
+    return remember_generations(load_reference(wide_checkpoint))
+
+
 @pytest.mark.parametrize("ops", ["ort", "portable"])
-def test_4b_widths_greedy_parity_with_transformers(ops, wide_checkpoint, photo, tmp_path):
+def test_4b_widths_greedy_parity_with_transformers(ops, wide_checkpoint, wide_reference, photo, tmp_path):
     from qwen35_onnx.contract import read_manifest
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.verify import token_parity
@@ -64,7 +75,7 @@ def test_4b_widths_greedy_parity_with_transformers(ops, wide_checkpoint, photo, 
     assert (contract.linear_num_value_heads, contract.linear_key_head_dim) == (32, 128)
     pipe = Pipeline.from_exported(out)
     result = pipe.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS)
-    parity = token_parity(pipe, wide_checkpoint, photo, PROMPT, NEW_TOKENS, result=result)
+    parity = token_parity(pipe, wide_checkpoint, photo, PROMPT, NEW_TOKENS, result=result, model=wide_reference)
     print(f"4B widths, --ops {ops}: {parity.line()}")
     if not parity.ok:
         split, margin = split_margin(pipe, pipe.prepare(photo, PROMPT), parity.ours, parity.reference)

@@ -274,8 +274,8 @@ def verify(
     model: Path = typer.Option(..., "--model", help="Export folder."),
     model_id: Path = typer.Option(..., "--model-id", help="The checkpoint folder it was exported from."),
     image: Optional[Path] = typer.Option(None, "--image", help="Image file; omit for a text-only prompt."),
-    prompt: str = typer.Option("Describe this image.", "--prompt"),
-    max_new_tokens: int = typer.Option(32, "--max-new-tokens"),
+    prompt: str = typer.Option("Describe this image.", "--prompt", help="The user's text."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Greedy tokens compared."),
     runtime: RuntimeOptions = None,
 ) -> None:
     """Greedy token parity of the exported graphs against transformers; exit 1 on mismatch."""
@@ -453,8 +453,12 @@ def bench(
 
 @app.command()
 def demo(
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Where the demo checkpoint and export live."),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", help="Greedy tokens generated and compared."),
+    cache_dir: Optional[Path] = typer.Option(
+        None,
+        "--cache-dir",
+        help="Where the demo checkpoint and export live. [default: $QWEN35_ONNX_CACHE, else ~/.cache/qwen35-onnx]",
+    ),
 ) -> None:
     """Build (once) the demo checkpoint, export it, generate for the shipped photo, check parity."""
     from .demo import run_demo
@@ -526,7 +530,7 @@ def serve(
     options: ServerOptions = None,
     runtime: RuntimeOptions = None,
 ) -> None:
-    """OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, GET /health)."""
+    """OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, /health, /metrics, page at /)."""
     try:
         from .server.app import serve as run_server
     except ImportError as exc:  # fastapi / uvicorn missing

@@ -700,9 +700,10 @@ def _umask() -> int:
 @contextlib.contextmanager
 def quiet_torch_export():
     """Silence torch's export-internal chatter (torchvision op registration notices, an
-    'always_classified is unsupported' log line, deprecation warnings) that says nothing
-    about the user's export; real failures still raise."""
-    names = ("torch.onnx", "torch.export", "torch._export", "torch._dynamo", "torch.fx")
+    'always_classified is unsupported' log line, onnxscript's optimizer's "Skipping constant folding
+    for op Split with multiple outputs", deprecation warnings) that says nothing about the user's
+    export; real failures still raise."""
+    names = ("torch.onnx", "torch.export", "torch._export", "torch._dynamo", "torch.fx", "onnxscript")
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     try:

@@ -22,7 +22,7 @@ class ServerOptions:
     Attributes:
         model_name: the served model id (``/v1/models``, echoed in replies; the CLI's default is
             the export folder's name).
-        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
+        api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>``.
         max_queue: requests allowed to wait while one generation runs (0: none).
         max_body_bytes: largest request body.
         max_image_bytes: largest encoded image (a data URL's decoded bytes or a file).
@@ -39,7 +39,7 @@ class ServerOptions:
     api_key: str | None = option(
         None,
         "--api-key",
-        f"Require `Authorization: Bearer KEY` on /v1/* (or set {API_KEY_ENV}); by default no auth.",
+        f"Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set {API_KEY_ENV}); by default no auth.",
         env=API_KEY_ENV,
     )
     max_queue: int = option(8, "--max-queue", "Requests that may wait while one generation runs; more get 429.")

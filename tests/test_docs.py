@@ -131,6 +131,16 @@ def test_publish_stores_the_latest_run_per_machine_and_renders_every_page(tmp_pa
     assert stored.render_all(tmp_path) == []  # rendering again changes nothing
 
 
+def test_the_plot_is_drawn_from_a_stored_result(tmp_path: Path):
+    """The bench's plot from what ``bench.json`` stores (string lengths, a peer without one panel's data)."""
+    from qwen35_onnx.bench.report import plot
+
+    (result,) = [r for r in stored.load_results(ROOT / "benchmarks" / "results") if r.preset == stored.HEADLINE_PRESET]
+    peers = result.data["peers"] + [{"name": "decode only", "prefill_ms": {}, "decode_ms": {"32": 20.0}}]
+    plot(peers, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_stored_results_that_are_not_results_are_named(tmp_path: Path):
     bad = tmp_path / "benchmarks" / "results" / "m-2c"
     bad.mkdir(parents=True)

@@ -94,24 +94,45 @@ def report(
         )
     )
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for r in results:
-            ax1.plot(lengths, [r.prefill_ms[n] for n in lengths], marker="o", label=r.name)
-            ax2.plot(lengths, [r.decode_ms[n] for n in lengths], marker="o", label=r.name)
-        ax1.set(xlabel="tokens", ylabel="prefill ms", xscale="log", yscale="log", title="prefill")
-        ax2.set(xlabel="context tokens", ylabel="decode ms/token", xscale="log", title="decode")
-        ax2.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / "bench.png", dpi=120)
+        plot([asdict(r) for r in results], out_dir / "bench.png")
     except ImportError:
         markdown += "\n(matplotlib not installed: no bench.png)\n"
     (out_dir / "bench.md").write_text(markdown)
     return markdown
+
+
+def plot(peers: list[dict], path: Path) -> None:
+    """Prefill ms and decode ms/token against length, one line per peer, into the PNG ``path``.
+    ``peers``: :class:`~.protocol.PeerResult` fields as ``bench.json`` stores them (lengths as int or
+    str keys).
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``bench`` extra).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = (
+        ("prefill_ms", "prompt tokens", "prefill ms", "log"),
+        ("decode_ms", "context tokens", "decode ms/token", "linear"),
+    )
+    for ax, (field, xlabel, ylabel, yscale) in zip(axes, panels):
+        lengths = sorted({int(n) for p in peers for n in p[field]})
+        for p in peers:
+            times = {int(n): ms for n, ms in p[field].items()}
+            if times:
+                ax.plot(sorted(times), [times[n] for n in sorted(times)], marker="o", label=p["name"])
+        ax.set(xlabel=xlabel, ylabel=ylabel, xscale="log", yscale=yscale, title=field.split("_")[0])
+        ax.set_xticks(lengths, [str(n) for n in lengths])  # the measured lengths only, no log-scale minor labels
+        ax.xaxis.set_minor_locator(NullLocator())
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def floor_ms(result: PeerResult, bandwidth_gbps: float, state_bytes: dict[int, int], tokens: int) -> float | None:

@@ -128,6 +128,28 @@ HEAVY_FIRST = (
 )
 
 
+TIMELINE = os.environ.get("QWEN35_ONNX_TEST_TIMELINE")
+"""A folder: each worker appends ``start|end TIME WORKER NODEID`` lines to ``WORKER.log`` there (where
+the run's time goes per worker: idle ends, waits on another worker's build); unset: nothing."""
+
+
+def _timeline(event: str, nodeid: str) -> None:
+    if TIMELINE:
+        import time
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(Path(TIMELINE) / f"{worker}.log", "a") as log:
+            log.write(f"{event} {time.time():.2f} {worker} {nodeid}\n")
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    _timeline("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    _timeline("end", nodeid)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items) -> None:
     """Order the files by :data:`HEAVY_FIRST` (a stable sort: the tests of a file keep their order)."""

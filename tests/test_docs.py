@@ -16,16 +16,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 GENERATED = {ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "reference" / "cli.md"}
 """Pages written by code (``bench --render``, ``make docs``), checked against their sources instead."""
-UNIT = r"(?:ms|s|seconds?|min|minutes?|h|hours?|GB|GiB|MB|MiB|KB|KiB|GB/s|tok/s|tokens/s|t/s)"
-FIGURE = re.compile(rf"(?<![\w.-])\d[\d,]*(?:\.\d+)?(?:\s?{UNIT}\b|x\b)")
-SOURCE = re.compile(r"benchmarks/(?:results/[\w./-]+|[\w-]+\.json)|\(run: [^)]*\d{4}-\d{2}-\d{2}[^)]*\)")
+UNIT = (
+    r"(?:ms|milliseconds?|µs|us|ns|s|seconds?|min|minutes?|h|hours?|TB|GB|GiB|MB|MiB|KB|KiB|GB/s|"
+    r"tok/s|tokens/s|tokens per second|t/s|it/s)"
+)
+NUMBER = r"\d[\d,]*(?:\.\d+)?"
+FIGURE = re.compile(rf"(?<![\w.]){NUMBER}(?:\s?(?:-|–|to)\s?{NUMBER})?(?:\s?{UNIT}\b|\s?[x×X]\b| times\b)")
+SOURCE = re.compile(
+    r"(benchmarks/(?:results/[\w.-]+/[\w.-]+\.json|[\w-]+\.json))|\(run: [^)]*\d{4}-\d{2}-\d{2},\s+v\d[^)]*\)"
+)
 
 
-def _prose_blocks(text: str) -> list[str]:
-    """``text`` without fenced code and the generated results block, as blocks between blank lines;
-    a table joins the block before it (its caption)."""
-    text = re.sub(r"```.*?```", "", text, flags=re.S)
-    text = re.sub(re.escape(stored.BEGIN) + ".*?" + re.escape(stored.END), "", text, flags=re.S)
+def _prose_blocks(text: str, generated_block: bool = False) -> list[str]:
+    """``text`` without fenced code (and, with ``generated_block``, the README's generated results
+    block), as blocks between blank lines; a table joins the block before it (its caption)."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", text, flags=re.S | re.M)
+    if generated_block:
+        text = re.sub(re.escape(stored.BEGIN) + ".*?" + re.escape(stored.END), "", text, flags=re.S)
     blocks: list[str] = []
     for block in re.split(r"\n\s*\n", text):
         if block.lstrip().startswith("|") and blocks:
@@ -35,13 +42,19 @@ def _prose_blocks(text: str) -> list[str]:
     return blocks
 
 
-def unsourced_figures(text: str) -> list[str]:
-    """Measured-looking figures (a number with a time, size, rate unit or an ``x`` ratio) in blocks of
-    ``text`` that name no stored result file and no run ``(run: MACHINE, DATE, VERSION)``."""
+def _names_a_source(block: str) -> bool:
+    """``block`` names a stored result file that exists, or a run ``(run: MACHINE, YYYY-MM-DD, vX.Y.Z)``."""
+    return any(not m.group(1) or (ROOT / m.group(1)).is_file() for m in SOURCE.finditer(block))
+
+
+def unsourced_figures(text: str, generated_block: bool = False) -> list[str]:
+    """Measured-looking figures (a number or range with a time, size or rate unit, or a ratio such as
+    ``1.2x``) in blocks of ``text`` that name no stored result file and no run
+    ``(run: MACHINE, DATE, VERSION)`` (inline code, e.g. a command line, is not read)."""
     found = []
-    for block in _prose_blocks(text):
+    for block in _prose_blocks(text, generated_block):
         figures = [m.group(0) for m in FIGURE.finditer(re.sub(r"`[^`]*`", "", block))]
-        if figures and not SOURCE.search(block):
+        if figures and not _names_a_source(block):
             found.append(f"{figures} in: {block.strip()[:160]!r}")
     return found
 
@@ -50,16 +63,23 @@ def test_the_figure_rule_flags_unsourced_measurements_and_passes_sourced_ones():
     assert unsourced_figures("Decode takes 21.7 ms per token.\n")
     assert unsourced_figures("It is 1.48x faster.\n")
     assert unsourced_figures("Caption\n\n| a | b |\n|---|---|\n| 3.2 GB | 4 |\n")
+    assert unsourced_figures("Decode is 15-17 ms per token, 1.5-2x the floor.\n")
+    assert unsourced_figures("It reads 48 tokens per second, 1.5 times as fast, 1.5× or 850 µs.\n")
+    assert unsourced_figures("Decode takes 21.7 ms (run: my laptop, 2026-12-04).\n")  # no version
+    assert unsourced_figures("Decode takes 21.7 ms (benchmarks/results/no/such.json).\n")  # no such file
     assert not unsourced_figures("Decode takes 21.7 ms (run: AMD EPYC 2 cores, 2026-12-04, v0.9.2).\n")
     assert not unsourced_figures("From `benchmarks/grammar_vocab.json`\n\n| a |\n|---|\n| 0.36 ms |\n")
     assert not unsourced_figures("```\nqwen35-onnx bench  # 12 ms\n```\nPatches of 16 pixels, 2 cores.\n")
+    assert not unsourced_figures("~~~\n12 ms\n~~~\n")
+    hand_typed = f"{stored.BEGIN}\n21.7 ms\n{stored.END}\n"
+    assert unsourced_figures(hand_typed) and not unsourced_figures(hand_typed, generated_block=True)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_measured_figures_name_their_stored_result_or_run(page: Path):
     if page in GENERATED:
         pytest.skip("rendered from stored results / the declarations")
-    assert unsourced_figures(page.read_text()) == [], (
+    assert unsourced_figures(page.read_text(), generated_block=page.name == "README.md") == [], (
         f"{page.relative_to(ROOT)}: a figure without its source; name the stored result "
         "(benchmarks/results/...json) or the run, '(run: MACHINE, YYYY-MM-DD, vX.Y.Z)'"
     )
@@ -161,12 +181,44 @@ def test_stored_results_that_are_not_results_are_named(tmp_path: Path):
         stored.publish(tmp_path / "nowhere", tmp_path)
 
 
+def test_publish_refuses_a_bad_run_before_writing_anything(tmp_path: Path):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "benchmarks" / "protocol.md").write_text("p\n")
+    (tmp_path / "README.md").write_text(f"{stored.BEGIN}\n{stored.END}\n")
+    _fake_result(tmp_path, "AMD EPYC", "2026-12-01T10:00Z", 20.0)
+    (stored_file,) = (tmp_path / "benchmarks" / "results").rglob("*.json")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    good = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    bad_runs = {
+        "run.preset '../../../x' is not a preset name": {**good, "run": {**good["run"], "preset": "../../../x"}},
+        "peers is not a list of objects": {**good, "peers": "x"},
+        "no peers, markdown": {"run": good["run"]},
+        "ort int4: decode_ms is not lengths -> positive milliseconds": {
+            **good,
+            "peers": [{**good["peers"][0], "decode_ms": {"32": 0}}],
+        },
+        "run.cores '2' is not a positive integer": {**good, "run": {**good["run"], "cores": "2"}},
+    }
+    for message, data in bad_runs.items():
+        (tmp_path / "bench" / "bench.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            stored.publish(tmp_path / "bench", tmp_path)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and "bench/" not in p.as_posix()} == {
+        p: b for p, b in before.items() if "bench/" not in p.as_posix()
+    }, "a refused run changed a stored file or page"
+    assert stored_file.is_file() and not list(tmp_path.rglob(".*.publishing"))
+
+
 def test_machine_names_are_folder_names():
     assert stored.machine_slug({"cpu": "AMD EPYC", "cores": 2}) == "amd-epyc-2c"
     assert (
         stored.machine_slug({"cpu": "Intel(R) Xeon(R) CPU @ 2.10GHz", "cores": 4, "cpu_flags": ["amx_tile"]})
         == "intel-xeon-amx-4c"
     )
+    assert stored.machine_slug({"cpu": "", "cores": 2}) == "unknown-cpu-2c"
+    assert stored.machine_slug({"cpu": "../../etc", "cores": "../x"}) == "etc-0c"
+    assert len(stored.machine_slug({"cpu": "x" * 300, "cores": 2})) <= 64
     info = stored.run_info(["bench", "--preset", "tiny"])
     assert info["command"] == "qwen35-onnx bench --preset tiny" and info["cores"] >= 1
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}Z", info["date"])

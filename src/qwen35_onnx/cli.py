@@ -380,11 +380,11 @@ def bench(
     if render:
         from .bench.results import render_all
 
-        if publish or memory is not None or profile is not None:
-            _fail(ValueError("--render measures nothing: not with --publish, --memory or --profile"))
+        if publish or memory is not None or profile is not None or rounds != 1:
+            _fail(ValueError("--render measures nothing: not with --publish, --memory, --profile or --rounds"))
         try:
             changed = render_all()
-        except ValueError as exc:
+        except USER_ERRORS as exc:
             _fail(exc)
         typer.echo(f"[bench] rendered: {', '.join(map(str, changed)) or 'nothing changed'}", err=True)
         return

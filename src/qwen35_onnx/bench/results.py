@@ -102,11 +102,14 @@ def machine_slug(run: dict) -> str:
     """A folder name for ``run``'s machine: the CPU's model name in lower-case words (without
     ``(R)``, ``(TM)``, "CPU", "Processor", core counts), ``amx`` where it has AMX, and ``Nc`` for its
     cores, e.g. ``amd-epyc-2c``, ``intel-xeon-platinum-8480c-amx-2c``."""
-    name = re.sub(r"\((r|tm)\)|@.*", " ", str(run.get("cpu", "cpu")).lower())  # no trademarks, no clock
+    name = re.sub(r"\((r|tm)\)|\s@.*", " ", str(run.get("cpu") or "").lower())  # no trademarks, no clock
     words = [w for w in re.split(r"[^a-z0-9]+", name) if w and w not in {"cpu", "processor", "core"}]
-    if "amx_tile" in run.get("cpu_flags", []):
+    words = "-".join(words)[:60].strip("-").split("-") if words else ["unknown-cpu"]
+    flags = run.get("cpu_flags")
+    if isinstance(flags, list) and "amx_tile" in flags:
         words.append("amx")
-    return "-".join(words + [f"{run.get('cores', 0)}c"])
+    cores = run.get("cores")
+    return "-".join(words + [f"{cores if isinstance(cores, int) and not isinstance(cores, bool) else 0}c"])
 
 
 @dataclass
@@ -128,8 +131,8 @@ class StoredResult:
     def describe(self) -> str:
         """``CPU (N cores, M GiB, flags), DATE, qwen35-onnx VERSION``: the line that names the run."""
         run = self.run
-        flags = ", ".join(run.get("cpu_flags") or []) or "no AVX2"
-        return (
+        flags = ", ".join(map(str, run.get("cpu_flags") or [])) or "no AVX2"
+        return _text(
             f"{run['cpu']} ({run['cores']} cores, {run.get('memory_gib')} GiB, {flags}), "
             f"{run['date'][:10]}, qwen35-onnx {run['version']}"
         )
@@ -145,14 +148,71 @@ def load_results(results_dir: Path = RESULTS_DIR) -> list[StoredResult]:
     results = []
     for path in sorted(Path(results_dir).glob("*/*.json")):
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not a bench result ({exc})") from None
-        missing = [k for k in ("run", "peers", "markdown") if k not in data]
-        if missing:
-            raise ValueError(f"{path}: not a bench result: no {', '.join(missing)} (write it with bench --publish)")
+        check_result(data, path)
+        if data["run"].get("preset", path.stem) != path.stem:
+            raise ValueError(f"{path}: holds a run of preset {data['run']['preset']!r}, not {path.stem!r}")
         results.append(StoredResult(path, path.parent.name, path.stem, data))
     return results
+
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,80}")
+"""What a machine folder or a preset may be called (no path separators, no ``..``)."""
+
+
+def check_result(data, where) -> None:
+    """Check that ``data`` is a bench result as ``bench.json`` stores it: a dict with ``run`` (a dict:
+    ``cpu``, ``date``, ``version``, ``command`` strings, ``cores`` a positive integer, ``cpu_flags`` a
+    list), ``peers`` (a list of dicts with a ``name`` string and ``prefill_ms`` / ``decode_ms`` dicts of
+    length (integer text) -> milliseconds), ``markdown`` (a string).
+
+    Raises:
+        ValueError: the first thing that is not so, naming ``where`` and the field.
+    """
+
+    def fail(what: str):
+        raise ValueError(f"{where}: not a bench result: {what} (write it with bench --publish)")
+
+    if not isinstance(data, dict):
+        fail(f"a JSON {type(data).__name__}, not an object")
+    missing = [k for k in ("run", "peers", "markdown") if k not in data]
+    if missing:
+        fail(f"no {', '.join(missing)}")
+    run, peers = data["run"], data["peers"]
+    if not isinstance(run, dict):
+        fail("run is not an object")
+    for key in ("cpu", "date", "version", "command"):
+        if not isinstance(run.get(key), str) or not run[key]:
+            fail(f"run.{key} is not a text")
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}Z", run["date"]):
+        fail(f"run.date {run['date']!r} is not YYYY-MM-DDTHH:MMZ")
+    if isinstance(run.get("cores"), bool) or not isinstance(run.get("cores"), int) or run["cores"] < 1:
+        fail(f"run.cores {run.get('cores')!r} is not a positive integer")
+    if not isinstance(run.get("cpu_flags", []), list):
+        fail("run.cpu_flags is not a list")
+    if "preset" in run and not (isinstance(run["preset"], str) and _NAME.fullmatch(run["preset"])):
+        fail(f"run.preset {run['preset']!r} is not a preset name")
+    if not isinstance(data["markdown"], str):
+        fail("markdown is not a text")
+    if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+        fail("peers is not a list of objects")
+    for p in peers:
+        if not isinstance(p.get("name"), str):
+            fail("a peer without a name")
+        for field in ("prefill_ms", "decode_ms"):
+            times = p.get(field)
+            if not isinstance(times, dict) or not all(
+                str(n).isdigit() and isinstance(ms, (int, float)) and not isinstance(ms, bool) and ms > 0
+                for n, ms in times.items()
+            ):
+                fail(f"{p['name']}: {field} is not lengths -> positive milliseconds")
+        for field in ("e2e_tokens_per_s", "peak_rss_bytes"):
+            if not isinstance(p.get(field), (int, float, type(None))) or isinstance(p.get(field), bool):
+                fail(f"{p['name']}: {field} is not a number")
+        if not isinstance(p.get("image"), (dict, type(None))):
+            fail(f"{p['name']}: image is not an object")
 
 
 def _cell(value, fmt: str) -> str:
@@ -170,8 +230,10 @@ def results_table(results: list[StoredResult]) -> str:
         return ""
     result = max(chosen, key=lambda r: r.run["date"])
     peers = {p["name"]: p for p in result.data["peers"]}
-    rows = [peers[name] for name in HEADLINE_ROWS if name in peers]
+    rows = [peers[name] for name in HEADLINE_ROWS if name in peers and peers[name]["decode_ms"]]
     lengths = sorted({int(n) for p in rows for n in p["decode_ms"]})
+    if not lengths:
+        return ""
     short, long = lengths[0], lengths[-1]
     lines = [
         f"Qwen3.5-0.8B dimensions (random weights), int4, {result.run['cores']} threads; "
@@ -192,7 +254,11 @@ def results_table(results: list[StoredResult]) -> str:
             f"{_cell(None if peak is None else peak / 1e9, '.2f')} |"
         )
     ours, peer = peers.get("ort int4"), peers.get("llama.cpp Q4_0 pure")
-    if ours and peer:
+    both = [
+        ours and peer and str(n) in ours[field] and str(n) in peer[field]
+        for field, n in (("decode_ms", short), ("prefill_ms", long))
+    ]
+    if all(both):
         decode = peer["decode_ms"][str(short)] / ours["decode_ms"][str(short)]
         prefill = peer["prefill_ms"][str(long)] / ours["prefill_ms"][str(long)]
         lines += [
@@ -202,6 +268,12 @@ def results_table(results: list[StoredResult]) -> str:
             "length: [benchmarks/README.md](benchmarks/README.md).",
         ]
     return "\n".join(lines)
+
+
+def _text(value) -> str:
+    """Stored text as it goes into a page: no HTML comment markers (the README's block is delimited by
+    them), no table or code delimiters."""
+    return re.sub(r"<!--|-->|[|`]", " ", str(value))
 
 
 def _demote(markdown: str) -> str:
@@ -215,12 +287,12 @@ def _page(protocol: str, results: list[StoredResult], plots: str) -> str:
     for result in results:
         run = result.run
         parts += [
-            f"## {result.preset} on {run['cpu']} ({run['cores']} cores)",
+            f"## {result.preset} on {_text(run['cpu'])} ({run['cores']} cores)",
             "",
-            f"Run: {result.describe()}. File: `{result.path.as_posix()}`. Command: `{run['command']}`.",
+            f"Run: {result.describe()}. File: `{result.path.as_posix()}`. Command: `{_text(run['command'])}`.",
             "",
         ]
-        if result.data.get("plot"):
+        if result.data.get("plot") == f"{result.machine}-{result.preset}.png":
             parts += [f"![{result.preset} on {result.machine}]({plots}/{result.data['plot']})", ""]
         parts += [_demote(result.data["markdown"]).strip(), ""]
     if not results:
@@ -245,8 +317,11 @@ def rendered_pages(root: Path = Path(".")) -> dict[Path, str]:
         results = load_results(RESULTS_DIR)
     finally:
         os.chdir(cwd)
-    protocol = protocol_file.read_text()
-    readme = (root / "README.md").read_text()
+    try:
+        protocol = protocol_file.read_text(encoding="utf-8")
+        readme = (root / "README.md").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the pages' sources under {root}: {exc}") from None
     if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
         raise ValueError(f"README.md must hold one {BEGIN} ... {END} block (the results table goes there)")
     head, rest = readme.split(BEGIN)
@@ -260,13 +335,24 @@ def rendered_pages(root: Path = Path(".")) -> dict[Path, str]:
 
 
 def render_all(root: Path = Path(".")) -> list[Path]:
-    """Write :func:`rendered_pages` under ``root``; returns the paths that changed."""
+    """Write :func:`rendered_pages` under ``root`` (every page is rendered before any is written, and
+    each is written to a temporary sibling renamed into place); returns the paths that changed.
+
+    Raises:
+        ValueError: as :func:`rendered_pages`, or a page that cannot be written (naming it).
+    """
     changed = []
     for path, text in rendered_pages(root).items():
         target = Path(root) / path
-        if not target.is_file() or target.read_text() != text:
-            target.write_text(text)
-            changed.append(path)
+        try:
+            if target.is_file() and target.read_text(encoding="utf-8") == text:
+                continue
+            staging = target.with_name(f".{target.name}.rendering")
+            staging.write_text(text, encoding="utf-8")
+            os.replace(staging, target)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{target}: cannot write the rendered page ({exc})") from None
+        changed.append(path)
     return changed
 
 
@@ -281,21 +367,31 @@ def publish(bench_dir: Path, root: Path = Path(".")) -> Path:
     """
     source = Path(bench_dir) / "bench.json"
     try:
-        data = json.loads(source.read_text())
-        run = data["run"]
-        preset = run["preset"]
-    except (OSError, json.JSONDecodeError, KeyError) as exc:
+        data = json.loads(source.read_text(encoding="utf-8"))
+        preset = data["run"]["preset"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"{source}: no bench result with its run to publish ({exc!r})") from None
+    check_result(data, source)  # before anything is written: a bad run never replaces a stored one
     if not (Path(root) / "benchmarks" / "protocol.md").is_file():
         raise ValueError(f"--publish writes benchmarks/results/ of the repository: run it from the root ({root})")
-    slug = machine_slug(run)
+    slug = machine_slug(data["run"])
+    target = Path(root) / RESULTS_DIR / slug / f"{preset}.json"
     plot = Path(bench_dir) / "bench.png"
+    data.pop("plot", None)
+    if plot.is_file():
+        data["plot"] = f"{slug}-{preset}.png"
+    new = StoredResult(target, slug, preset, data)
+    _page("", [new], "")  # it renders, before anything is written
+    results_table([new])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.publishing")
+    try:
+        staging.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
     if plot.is_file():
         (Path(root) / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(plot, Path(root) / PLOTS_DIR / f"{slug}-{preset}.png")
-        data["plot"] = f"{slug}-{preset}.png"
-    target = Path(root) / RESULTS_DIR / slug / f"{preset}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(data, indent=2) + "\n")
+        shutil.copyfile(plot, Path(root) / PLOTS_DIR / data["plot"])
     render_all(root)
     return target

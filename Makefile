@@ -10,11 +10,12 @@ TORCH ?= torch==2.13.0
 
 setup: $(STAMP)
 
+# --no-compile: Python compiles what it imports on first use instead of every installed file at install.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[export,test,serve,openvino,docs]"
+	$(PY) -m pip install --quiet --no-compile "$(TORCH)"
+	$(PY) -m pip install --quiet --no-compile -e ".[export,test,serve,openvino,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -13,7 +13,8 @@ import pytest
 from qwen35_onnx.bench import results as stored
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+"""The pages a reader sees (the site includes CONTRIBUTING.md and CHANGELOG.md)."""
 GENERATED = {ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "reference" / "cli.md"}
 """Pages written by code (``bench --render``, ``make docs``), checked against their sources instead."""
 UNIT = (
@@ -226,9 +227,11 @@ def test_machine_names_are_folder_names():
 
 # ---- the CLI reference and command lines in the docs ------------------------------------------------
 def _commands() -> dict[str, list]:
+    import typer
+
     from qwen35_onnx import cli
 
-    group = cli.click_command
+    group = typer.main.get_command(cli.app)
     return {name: command.params for name, command in group.commands.items()}
 
 
@@ -257,7 +260,7 @@ def test_the_cli_reference_is_generated_from_the_declarations_and_lists_every_op
 _COMMAND_LINE = re.compile(r"qwen35-onnx (export|generate|chat|serve|verify|bench|demo)\b([^\n`|]*)")
 
 
-@pytest.mark.parametrize("page", [*PAGES, ROOT / "CONTRIBUTING.md"], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_command_lines_in_the_docs_use_declared_options(page: Path):
     if page in GENERATED:
         pytest.skip("generated from the declarations")

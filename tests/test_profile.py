@@ -103,15 +103,25 @@ def test_decode_bytes_count_onnx_runtimes_packed_weights(trained_export):
 def test_measure_memory_reads_the_text_run_before_the_image(trained_export):
     """``bench --memory``: resident memory after a text prompt (vision weights mapped, not yet read)
     and after an image too; with the pre-packed cache the pages are file pages, read from Pss."""
-    from qwen35_onnx.bench.memory import measure_memory
+    import json
+    import subprocess
+    import sys
 
     out = trained_export("ort", quantize="int4")
-    report = measure_memory(out, compare=False, log=lambda m: None)
-    assert report.text_tokens == 126  # the test capacity, 128, less 2
-    # VmRSS, not Pss: in a test worker, other processes (the other workers) map the same libraries
-    # meanwhile, which lowers this process's Pss by more than the tiny test model adds
-    assert report.baseline["VmRSS"] < report.text["VmRSS"] <= report.ran["VmRSS"]
-    assert "Pss" in report.baseline and "Pss" in report.text and "Pss" in report.ran
-    text = "\n".join(report.lines())
+    # in a process of its own, as `bench --memory` runs: a test worker's own heap (whatever the tests
+    # before this one left, trimmed while it measures) would move its resident memory either way
+    measure = (
+        "import json, sys; from qwen35_onnx.bench.memory import measure_memory; "
+        "r = measure_memory(sys.argv[1], compare=False, log=lambda m: None); "
+        "print(json.dumps(dict(tokens=r.text_tokens, baseline=r.baseline, text=r.text, ran=r.ran, lines=r.lines())))"
+    )
+    done = subprocess.run([sys.executable, "-c", measure, str(out)], capture_output=True, text=True, check=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["tokens"] == 126  # the test capacity, 128, less 2
+    # VmRSS, not Pss: other processes (the other worker) map the same libraries meanwhile, which
+    # lowers this process's Pss by more than the tiny test model adds
+    assert report["baseline"]["VmRSS"] < report["text"]["VmRSS"] <= report["ran"]["VmRSS"]
+    assert "Pss" in report["baseline"] and "Pss" in report["text"] and "Pss" in report["ran"]
+    text = "\n".join(report["lines"])
     assert "after a prefill of 126 tokens and a decode step (text only): VmRSS" in text
     assert "after running vision too (the largest grid): VmRSS" in text and "pre-packed weights cache" in text

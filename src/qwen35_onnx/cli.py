@@ -541,15 +541,6 @@ def serve(
         _fail(exc)
 
 
-def __getattr__(name: str):
-    """``click_command``: the CLI as the click command typer builds from the declarations above (the
-    documentation site's CLI reference renders it with mkdocs-click, so a flag or default in the docs
-    cannot drift from the code)."""
-    if name == "click_command":
-        return typer.main.get_command(app)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def main() -> None:  # pragma: no cover
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     # SIGTERM and Ctrl-C unwind, so every command's cleanup runs (no half-written export folders

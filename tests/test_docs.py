@@ -128,11 +128,16 @@ def _fake_result(root: Path, cpu: str, date: str, decode: float, flags=("avx2",)
     stored.publish(bench, root)
 
 
+def _repository(root: Path) -> None:
+    """The files the pages are rendered from and into, in an empty folder ``root``."""
+    (root / "benchmarks").mkdir()
+    (root / "docs").mkdir()
+    (root / "benchmarks" / "protocol.md").write_text("The protocol.\n")
+    (root / "README.md").write_text(f"# Title\n\n{stored.BEGIN}\n{stored.END}\n\nMore.\n")
+
+
 def test_publish_stores_the_latest_run_per_machine_and_renders_every_page(tmp_path: Path):
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "benchmarks" / "protocol.md").write_text("The protocol.\n")
-    (tmp_path / "README.md").write_text(f"# Title\n\n{stored.BEGIN}\n{stored.END}\n\nMore.\n")
+    _repository(tmp_path)
     _fake_result(tmp_path, "AMD EPYC", "2026-12-01T10:00Z", 20.0)
     _fake_result(tmp_path, "AMD EPYC", "2026-12-02T10:00Z", 10.0)  # the same machine: replaces it
     _fake_result(tmp_path, "Intel(R) Xeon(R) Platinum 8480C", "2026-12-03T10:00Z", 8.0, ("avx2", "amx_tile"))
@@ -183,10 +188,7 @@ def test_stored_results_that_are_not_results_are_named(tmp_path: Path):
 
 
 def test_publish_refuses_a_bad_run_before_writing_anything(tmp_path: Path):
-    (tmp_path / "benchmarks").mkdir()
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "benchmarks" / "protocol.md").write_text("p\n")
-    (tmp_path / "README.md").write_text(f"{stored.BEGIN}\n{stored.END}\n")
+    _repository(tmp_path)
     _fake_result(tmp_path, "AMD EPYC", "2026-12-01T10:00Z", 20.0)
     (stored_file,) = (tmp_path / "benchmarks" / "results").rglob("*.json")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

@@ -311,12 +311,9 @@ def rendered_pages(root: Path = Path(".")) -> dict[Path, str]:
     protocol_file = root / "benchmarks" / "protocol.md"
     if not protocol_file.is_file():
         raise ValueError(f"{protocol_file} is missing: run from the repository's root (where benchmarks/ is)")
-    cwd = Path.cwd()
-    try:
-        os.chdir(root)  # stored paths read relative to the root, as the pages show them
-        results = load_results(RESULTS_DIR)
-    finally:
-        os.chdir(cwd)
+    results = load_results(root / RESULTS_DIR)
+    for result in results:
+        result.path = result.path.relative_to(root)  # the pages name files from the repository's root
     try:
         protocol = protocol_file.read_text(encoding="utf-8")
         readme = (root / "README.md").read_text(encoding="utf-8")

@@ -15,7 +15,7 @@ PACKAGE = Path(next(iter(qwen35_onnx.__path__)))
 LAYERS = (
     {"cli"},
     {"server", "bench", "demo", "verify", "chat_repl"},
-    {"pipeline"},
+    {"pipeline", "group", "streams"},
     {"conversation", "runtime"},
     {"onnxfile", "export", "checkpoints"},
     {"contract", "image_grids", "options", "presets", "paths", "interrupts"},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -113,6 +114,9 @@ MIN_CAPACITY = 2
 #: The decode states, in graph I/O order: conv state and recurrent state of the Gated DeltaNet
 #: layers, KV cache of the full-attention layers.
 STATE_NAMES = ("conv_states", "recurrent_states", "kv_cache")
+MAX_SLOTS = 64
+"""Most decode slots (``--slots``) an export may have: beyond this the S-row decode step is compute-bound on
+any CPU (every row is a matrix row of every product) and the states of the idle rows still cost memory."""
 _STATE_DTYPE_KEYS = dict(zip(STATE_NAMES, ("conv", "recurrent", "kv")))  # keys of ShapeContract.state_dtypes
 
 
@@ -242,6 +246,30 @@ def check_max_images(max_images: int, n_image_tokens: int, capacity: int) -> Non
         )
 
 
+def check_slots(slots, kv_mode: KvMode, prefill_chunks) -> None:
+    """Decode slots (``--slots``): an integer from 1 to :data:`MAX_SLOTS`; more than one needs a fixed KV
+    cache (each slot's rows are capacity wide, the write slot computed per row) and prefill chunks (a new
+    request prefills into one slot while the others decode).
+
+    Raises:
+        ValueError: naming the value and the rule.
+    """
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise ValueError(f"slots {slots!r} must be an integer from 1 to {MAX_SLOTS}")
+    if slots == 1:
+        return
+    if kv_mode != KvMode.FIXED:
+        raise ValueError(
+            f"slots {slots} needs a fixed KV cache (--kv-cache fixed): a dynamic cache grows by one column for "
+            "every row at once, so rows of different lengths cannot share it"
+        )
+    if not prefill_chunks:
+        raise ValueError(
+            f"slots {slots} needs prefill chunks (--prefill-chunks): a request joining the running ones prefills "
+            "through the chunk graphs, one chunk between two decode steps"
+        )
+
+
 def default_buckets(capacity: int) -> tuple[int, ...]:
     """The standard tiers below capacity, plus capacity itself (tokens)."""
     return tuple(b for b in STANDARD_BUCKETS if b < capacity) + (capacity,)
@@ -322,7 +350,9 @@ def select_bucket(prompt_len: int, buckets, capacity: int, chunk_size: int) -> i
 class ShapeContract:
     """Everything both sides must agree on. Sizes are element counts, lengths are tokens.
 
-    State layouts (batch ``B`` is always :attr:`batch`):
+    State layouts (batch ``B`` is :attr:`batch`, 1, for one sequence: the prefill and chunk graphs, a
+    snapshot; the decode graph steps :attr:`slots` rows at once and takes the states of every slot, ``B =
+    slots``, see :meth:`slot_state_shape`):
 
     - conv state: ``[n_linear, B, conv_kernel - 1, conv_dim]`` in :attr:`dtype`: the inputs of the
       last ``K-1`` tokens, oldest first, one row per token (time-major; transformers holds it
@@ -376,6 +406,7 @@ class ShapeContract:
     quantize_embedding: bool = False
     vision_grids: tuple[tuple[int, int], ...] = ()
     prefill_chunks: tuple[int, ...] = ()
+    slots: int = 1
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
@@ -498,6 +529,19 @@ class ShapeContract:
         length = self.capacity if length is None else length
         return (2 * self.n_full, self.batch, self.num_key_value_heads, length, self.head_dim)
 
+    def slot_state_shape(self, state: str) -> tuple[int, ...]:
+        """Shape of ``state`` as the decode graph takes it: :meth:`state_shape` with :attr:`slots` rows on
+        the batch axis (axis 1), row ``s`` being slot ``s``'s state (the same as :meth:`state_shape`
+        when :attr:`slots` is 1)."""
+        shape = list(self.state_shape(state))
+        shape[1] = self.slots
+        return tuple(shape)
+
+    def slot_state_bytes(self) -> int:
+        """Bytes of one slot's conv, recurrent and KV state (capacity wide) in the export's dtypes."""
+        itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}
+        return sum(int(math.prod(self.state_shape(s))) * itemsize[self.state_dtype(s)] for s in STATE_NAMES)
+
     @property
     def quant_format(self) -> str:
         """How a quantized export stores its text weights (derived from :attr:`quantize` and
@@ -581,6 +625,7 @@ class ShapeContract:
             "n_linear": self.n_linear,
             "n_full": self.n_full,
             "conv_state_shape": list(self.conv_state_shape),
+            "decode_rows": self.slots,
             "recurrent_state_shape": list(self.recurrent_state_shape),
             "kv_shape": list(self.kv_shape()) if self.kv_mode == KvMode.FIXED else "dynamic",
             "state_dtypes": self.state_dtypes,
@@ -610,12 +655,13 @@ class ShapeContract:
         names = {f.name for f in dataclasses.fields(cls)}
         # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0;
         # quantize_embedding: False before 0.6.0; vision_grids: none (any grid); prefill_chunks: none
-        # before 0.8.0
+        # before 0.8.0; slots: 1 before 0.10.0
         optional = (
             "prefill_chunks",
             "graphs",
             "format_version",
             "max_images",
+            "slots",
             "quant_accuracy_level",
             "quantize_embedding",
             "vision_grids",
@@ -680,6 +726,10 @@ class ShapeContract:
                 raise ContractError(f"{name} must hold integers, got {list(getattr(self, name))!r}")
         if self.batch != 1:
             raise ContractError(f"batch {self.batch} is not supported (only batch 1)")
+        try:
+            check_slots(self.slots, self.kv_mode, self.prefill_chunks)
+        except ValueError as exc:
+            raise ContractError(str(exc)) from exc
         try:
             check_capacity(self.capacity)
             processor = (self.patch_size, self.spatial_merge_size, self.min_pixels, self.max_pixels)

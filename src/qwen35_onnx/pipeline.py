@@ -34,9 +34,7 @@ import inspect
 import logging
 import numbers
 import os
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +46,29 @@ from .conversation.grammar import GrammarCompiler, TokenConstraint
 from .conversation.images import load_image, to_rgb
 from .conversation.messages import ChatInputError, ImagePolicy, normalize_messages
 from .conversation.processor import ImageSizing, Preprocessor
-from .conversation.reasoning import THINK_END, ChatDelta, ReasoningParser, prompt_opens_reasoning
-from .conversation.tool_calls import ToolCall, ToolCallParser
+from .conversation.reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
+from .conversation.tool_calls import ToolCallParser
 from .conversation.tools import ReplyFormat, parse_reply_format
+from .group import GenerationGroup
 from .image_grids import grid_tokens
 from .runtime.backend import Backend, RuntimeOptions
-from .runtime.generation import Generation, Timings
+from .runtime.generation import Generation
 from .runtime.masks import CapacityExhausted
 from .runtime.prompt import PreparedPrompt, prepare_ids
 from .runtime.sampling import Sampler, SamplingConfig, StopStrings, sampling_defaults
 from .runtime.select import open_backend
+from .runtime.slots import SlotPool
 from .runtime.snapshots import SnapshotCache, image_digests
+from .streams import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    FINISH_TOOL_CALLS,
+    ChatResult,
+    ChatStream,
+    GenerationResult,
+    GenerationStream,
+    TokenLoop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,152 +76,6 @@ DEFAULT_STATE_CACHE_BYTES = 1 << 30
 """Default byte limit of a :meth:`Pipeline.state_cache` (1 GiB: at 0.8B about 23 snapshots of a
 1,000-token conversation, 19 MB of conv and recurrent state plus 24.6 KB a token; a chat turn keeps
 two or three)."""
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
-FINISH_TOOL_CALLS = "tool_calls"
-
-
-@dataclass
-class GenerationResult:
-    """Outcome of one generation: ``token_ids`` are the new tokens (an end-of-sequence id
-    that stopped generation included), ``text`` their decoded text (special tokens skipped),
-    ``finish_reason`` 'stop' or 'length' (None while unfinished), ``prompt_tokens`` the
-    prompt length in tokens, ``cached_tokens`` those of them taken from a kept state instead of
-    prefilled (see ``state_cache``)."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    timings: Timings = field(default_factory=Timings)
-    cached_tokens: int = 0
-
-
-class GenerationStream:
-    """Iterate to receive text pieces as tokens are produced.
-
-    ``result`` is kept up to date after every token, so nothing is lost: when generation
-    ends (end of sequence, stop string, ``max_new_tokens`` or capacity) it holds every token
-    with its ``finish_reason``; when the caller stops iterating early it holds the tokens
-    produced so far with ``finish_reason`` None (call :meth:`close` to release the states).
-    """
-
-    def __init__(self):
-        self._pieces: Iterator[str] = iter(())
-        self.result: GenerationResult | None = None
-        self._cancel = threading.Event()
-
-    def __iter__(self) -> Iterator[str]:
-        return self._pieces
-
-    def cancel(self) -> None:
-        """Ask the generation to stop before its next token; safe to call from any thread, also
-        while another thread is inside the iteration (a generator cannot be closed from there).
-        The iteration then ends (tokens that produced no text yet included), ``result`` keeps
-        every token with ``finish_reason`` None, and the states are released."""
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def close(self) -> None:
-        """Stop the generation (its states are released); ``result`` keeps what was produced."""
-        close = getattr(self._pieces, "close", None)
-        if close is not None:
-            close()
-
-
-@dataclass
-class ChatResult:
-    """Outcome of one chat turn: the reply split at the ``<think>`` markers into ``content`` and
-    ``reasoning_content`` (None when the reply had no reasoning block), the ``tool_calls`` it made
-    (:class:`~qwen35_onnx.conversation.tool_calls.ToolCall`, arguments typed by the tools' schemas;
-    their text is not in ``content``), and the underlying :class:`GenerationResult`
-    (``generation.text`` is the raw reply, markers and calls included)."""
-
-    content: str
-    reasoning_content: str | None
-    generation: GenerationResult
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    ended_after_calls: bool = False  # stopped once the one call allowed (parallel calls off) was read
-
-    @property
-    def finish_reason(self) -> str | None:
-        """'tool_calls' when the reply made calls (and was not cut by the length limit), else the
-        generation's: 'stop', 'length', or None (stopped early)."""
-        reason = self.generation.finish_reason
-        if self.tool_calls and (reason == FINISH_STOP or self.ended_after_calls):
-            return FINISH_TOOL_CALLS
-        return reason
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.generation.prompt_tokens
-
-    @property
-    def completion_tokens(self) -> int:
-        """New tokens (an end-of-sequence id that stopped generation included)."""
-        return len(self.generation.token_ids)
-
-
-class ChatStream:
-    """Iterate to receive :class:`~qwen35_onnx.conversation.reasoning.ChatDelta` s (``content`` and
-    ``reasoning_content`` text, and tool calls each once complete) as tokens are produced.
-    ``result`` is kept up to date as in :class:`GenerationStream`; :meth:`close` stops the
-    generation and releases its states. With a ``calls`` parser limited to one call, the
-    generation stops once that call is read."""
-
-    def __init__(self, stream: GenerationStream, parser: ReasoningParser, calls: ToolCallParser | None = None):
-        self.generation_stream = stream
-        self._parser = parser
-        self._calls = calls
-        self._ended_after_calls = False
-        self._deltas = self._iterate()
-
-    def _split_calls(self, delta: ChatDelta, end: bool = False) -> ChatDelta:
-        if self._calls is None:
-            return delta
-        content, calls = self._calls.feed(delta.content)
-        if end:
-            tail, more = self._calls.flush()
-            content, calls = content + tail, calls + more
-        return ChatDelta(content, delta.reasoning_content, calls)
-
-    def _iterate(self) -> Iterator[ChatDelta]:
-        for piece in self.generation_stream:
-            delta = self._split_calls(self._parser.feed(piece))
-            if delta:
-                yield delta
-            if self._calls is not None and self._calls.done and not self._ended_after_calls:
-                self._ended_after_calls = True
-                self.generation_stream.cancel()
-        tail = self._split_calls(self._parser.flush(), end=True)
-        if tail:
-            yield tail
-
-    def __iter__(self) -> Iterator[ChatDelta]:
-        return self._deltas
-
-    @property
-    def result(self) -> ChatResult:
-        parser, calls = self._parser, self._calls
-        reasoning = parser.reasoning_content if (parser.reasoning_content or parser.entered_reasoning) else None
-        if calls is None:
-            return ChatResult(parser.content, reasoning, self.generation_stream.result)
-        return ChatResult(
-            calls.content, reasoning, self.generation_stream.result, list(calls.calls), self._ended_after_calls
-        )
-
-    def close(self) -> None:
-        """Stop the generation (its states are released); ``result`` keeps what was produced."""
-        self._deltas.close()
-        self.generation_stream.close()
-
-    def cancel(self) -> None:
-        """Thread-safe request to stop before the next token (see :meth:`GenerationStream.cancel`)."""
-        self.generation_stream.cancel()
 
 
 def _at_once(streaming, name: str, doc: str, returns: str):
@@ -437,7 +301,9 @@ class Pipeline:
         """
         return prepare_ids(self.contract, input_ids, pixel_values, image_grids)
 
-    def generation(self, prepared: PreparedPrompt, state_cache: SnapshotCache | None = None) -> Generation:
+    def generation(
+        self, prepared: PreparedPrompt, state_cache: SnapshotCache | None = None, pooled: bool = False
+    ) -> Generation:
         """A :class:`~qwen35_onnx.runtime.generation.Generation` of ``prepared`` on this pipeline's
         backend, for stage-level use (prefill, then one decode step per token you feed); the
         generation methods below sample and stream on top of it. With ``state_cache`` (an export
@@ -445,20 +311,42 @@ class Pipeline:
         snapshots the state where a later prompt is likely to repeat this one
         (``prepared.snapshot_points``: after the system prompt and the history; none when it continues
         from an earlier reply's state, since the template then repeats replies and the state after this
-        reply serves the next turn).
+        reply serves the next turn). The generation holds a slot of :attr:`slot_pool` (until its
+        ``close()``) on an export of several decode slots, or with ``pooled``.
 
         Raises:
             ValueError / ContractError: see :class:`~qwen35_onnx.runtime.generation.Generation`.
+            NoFreeSlot: every decode slot is held (by generations not closed).
         """
+        pool = self.slot_pool if pooled or self.contract.slots > 1 else None
         if state_cache is None or not self.contract.prefill_chunks:
-            return Generation(self.backend, prepared)
+            return Generation(self.backend, prepared, pool=pool)
         images = image_digests(prepared.pixel_values, prepared.image_grids)
         start = state_cache.longest_prefix(self.backend.export_id, prepared.input_ids[0], images)
         # Continuing from an earlier reply's state means the template repeats replies as generated: the
         # state after this reply will serve the next turn, so no chunk has to end at the history's end
         # for a snapshot there (each forced end can cost a run).
         points = () if start is not None and start.reply else prepared.snapshot_points
-        return Generation(self.backend, prepared, start=start, snapshot_at=points, image_digests=images)
+        return Generation(self.backend, prepared, start=start, snapshot_at=points, image_digests=images, pool=pool)
+
+    @functools.cached_property
+    def slot_pool(self) -> SlotPool:
+        """The decode slots of this pipeline's export (:class:`~qwen35_onnx.runtime.slots.SlotPool`, made on first
+        use): every generation of an export with several slots holds one of them, alone or in a :meth:`group`.
+
+        Raises:
+            ContractError: a dynamic-KV export, or a device the slots cannot run on (see the backend).
+        """
+        return SlotPool(self.backend)
+
+    def group(self) -> GenerationGroup:
+        """A :class:`~qwen35_onnx.group.GenerationGroup`: generations started with ``group=`` it decode together,
+        one row each in the export's decode slots (``--slots``), newcomers joining between two decode steps.
+
+        Raises:
+            ContractError: see :attr:`slot_pool`.
+        """
+        return GenerationGroup(self)
 
     def state_cache(self, max_bytes: int = DEFAULT_STATE_CACHE_BYTES) -> SnapshotCache:
         """A :class:`~qwen35_onnx.runtime.snapshots.SnapshotCache` of ``max_bytes`` for this export: pass
@@ -488,10 +376,12 @@ class Pipeline:
         stop: tuple[str, ...] | list[str] = (),
         chat_template_kwargs: dict | None = None,
         max_image_tokens: int | None = None,
+        group: GenerationGroup | None = None,
     ) -> GenerationStream:
         """Start a generation for ``image`` (path, PIL image, a list of them, or None) and
         ``prompt``; iterate the returned stream for text pieces. ``sampling`` None: the
-        checkpoint's :attr:`sampling_defaults`; ``SamplingConfig()`` is greedy. All input checks
+        checkpoint's :attr:`sampling_defaults`; ``SamplingConfig()`` is greedy; ``group``
+        (:meth:`group`): decode together with the group's other generations. All input checks
         run here, before any graph.
 
         Raises:
@@ -499,7 +389,7 @@ class Pipeline:
                 strings, prompt over the largest bucket or capacity, unreadable image.
         """
         prepared = self.prepare(image, prompt, chat_template_kwargs, max_image_tokens)
-        return self.stream_prepared(prepared, max_new_tokens, sampling, stop)
+        return self.stream_prepared(prepared, max_new_tokens, sampling, stop, group=group)
 
     def stream_chat(
         self,
@@ -515,6 +405,7 @@ class Pipeline:
         response_format: dict | None = None,
         max_image_tokens: int | None = None,
         state_cache: SnapshotCache | None = None,
+        group: GenerationGroup | None = None,
     ) -> ChatStream:
         """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`), answered by
         streaming :class:`ChatDelta` s; ``max_new_tokens`` None: until end of sequence or capacity.
@@ -522,15 +413,15 @@ class Pipeline:
         API (see :meth:`reply_format`): calls come back parsed (``ChatDelta.tool_calls``,
         ``ChatResult.tool_calls``); a required or named call and a response schema are enforced by
         constrained decoding. ``state_cache`` (:meth:`state_cache`): continue from the longest kept
-        state of the prompt's tokens and keep this turn's states there. All input checks run here,
-        before any graph.
+        state of the prompt's tokens and keep this turn's states there. ``group`` (:meth:`group`):
+        decode together with the group's other generations. All input checks run here, before any graph.
 
         Raises:
             ChatInputError / ValueError: see :meth:`reply_format`, :meth:`prepare_chat` and :meth:`stream`.
         """
         reply = self.reply_format(tools, tool_choice, parallel_tool_calls, response_format)
         prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy, reply, max_image_tokens)
-        return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop, reply, state_cache)
+        return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop, reply, state_cache, group)
 
     def stream_chat_prepared(
         self,
@@ -540,6 +431,7 @@ class Pipeline:
         stop=(),
         reply: ReplyFormat | None = None,
         state_cache: SnapshotCache | None = None,
+        group: GenerationGroup | None = None,
     ) -> ChatStream:
         """:meth:`stream_chat` for input from :meth:`prepare_chat` (``reply``: the same
         :meth:`reply_format` the prompt was prepared with).
@@ -555,7 +447,7 @@ class Pipeline:
             think_end = self.think_end_id if reasoning else None
             budget = max(int(limit) // 2, 1) if isinstance(limit, numbers.Integral) else None
             constraint = self.grammars.constraint(reply, think_end, budget)
-        stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop, constraint, state_cache)
+        stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop, constraint, state_cache, group)
         calls = None
         if reply.parses_calls:
             calls = ToolCallParser(reply.offered_tools, None if reply.parallel_tool_calls else 1)
@@ -589,14 +481,18 @@ class Pipeline:
         stop=(),
         constraint: TokenConstraint | None = None,
         state_cache: SnapshotCache | None = None,
+        group: GenerationGroup | None = None,
     ) -> GenerationStream:
         """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`; ``max_new_tokens``
         None: until end of sequence or capacity; ``constraint``: the grammar every token must keep
         to (see :class:`~qwen35_onnx.conversation.grammar.TokenConstraint`; one per generation);
         ``state_cache``: see :meth:`generation` (the state at the history's end and at the end of
-        the generation are kept there)."""
+        the generation are kept there); ``group``: decode in that :meth:`group` together with its other
+        generations (iterating any of its streams runs the group)."""
         if state_cache is not None and not isinstance(state_cache, SnapshotCache):
             raise TypeError(f"state_cache must be a SnapshotCache or None, got {type(state_cache).__name__}")
+        if group is not None and (not isinstance(group, GenerationGroup) or group.pipeline is not self):
+            raise TypeError("group must be a GenerationGroup of this pipeline (Pipeline.group()) or None")
         room = self.token_room(prepared)
         if max_new_tokens is None:
             max_new_tokens = room
@@ -617,76 +513,57 @@ class Pipeline:
                 room,
             )
         stream = GenerationStream()
-        stream.result = GenerationResult("", [], None, prepared.prompt_len)
-        stream._pieces = self._generate(prepared, max_new_tokens, sampler, stops, stream, constraint, state_cache)
+        loop = TokenLoop(
+            prepared.prompt_len,
+            max_new_tokens,
+            sampler,
+            stops,
+            self.stop_token_ids,
+            self.preprocessor.text_streamer(),
+            stream,
+            constraint,
+        )
+        if group is not None:
+            group.add(prepared, loop, state_cache)
+        else:
+            stream._pieces = self._generate(prepared, loop, state_cache)
         return stream
 
-    def _generate(
-        self,
-        prepared: PreparedPrompt,
-        max_new_tokens: int,
-        sampler: Sampler,
-        stops: StopStrings,
-        stream: GenerationStream,
-        constraint: TokenConstraint | None = None,
-        state_cache: SnapshotCache | None = None,
-    ) -> Iterator[str]:
-        eos = self.stop_token_ids
-        tokens: list[int] = []
-        emitted: list[str] = []
-        finish = None
-        streamer = self.preprocessor.text_streamer()
-        generation = None
-        stream.result = GenerationResult("", tokens, None, prepared.prompt_len)
-        rest = ""
-
-        def pick(logits) -> int:
-            if constraint is None:
-                return sampler(logits)
-            token = constraint.forced()
-            if token is None:
-                token = sampler(constraint.mask(logits))
-            constraint.accept(token)
-            return token
-
+    def _generate(self, prepared: PreparedPrompt, loop: TokenLoop, state_cache: SnapshotCache | None) -> Iterator[str]:
+        """One generation alone: prefill, then one decode step per token, :class:`~.streams.TokenLoop` deciding."""
+        stream, generation, rest = loop.stream, None, ""
         try:
             generation = self.generation(prepared, state_cache)
-            token = pick(generation.prefill())
+            piece = loop.accept(generation.prefill())
             stream.result.timings, stream.result.cached_tokens = generation.timings, generation.cached_tokens
             while True:
-                tokens.append(token)
-                piece = stops.feed(streamer.put(token))
                 if piece:
-                    emitted.append(piece)
-                    stream.result.text = "".join(emitted)
                     yield piece
-                if stops.stopped or token in eos:
-                    finish = FINISH_STOP
-                    break
-                if len(tokens) >= max_new_tokens:
-                    finish = FINISH_LENGTH
-                    break
-                if stream.cancelled:
+                if loop.done or stream.cancelled:
                     break
                 try:
-                    logits = generation.step(token)
+                    logits = generation.step(loop.token)
                 except CapacityExhausted:
-                    finish = FINISH_LENGTH
+                    loop.out_of_room()
                     break
-                token = pick(logits)
-            if not stops.stopped:
-                rest = stops.feed(streamer.end()) + stops.flush()
-                if rest:
-                    emitted.append(rest)
-            if state_cache is not None and generation.chunked:
-                for snapshot in [*generation.snapshots, generation.snapshot()]:
-                    state_cache.put(snapshot)
+                piece = loop.accept(logits)
+            rest = loop.flush()
+            self.keep_states(generation, state_cache)
         finally:
-            timings = generation.timings if generation is not None else Timings()
-            cached = generation.cached_tokens if generation is not None else 0
-            stream.result = GenerationResult("".join(emitted), tokens, finish, prepared.prompt_len, timings, cached)
+            if generation is None:
+                loop.finalize()
+            else:
+                loop.finalize(generation.timings, generation.cached_tokens)
+                generation.close()
         if rest:  # the held-back tail, yielded once the result is final
             yield rest
+
+    @staticmethod
+    def keep_states(generation: Generation, state_cache: SnapshotCache | None) -> None:
+        """Put a finished generation's snapshots and its state now into ``state_cache`` (if any)."""
+        if state_cache is not None and generation.chunked:
+            for snapshot in [*generation.snapshots, generation.snapshot()]:
+                state_cache.put(snapshot)
 
     generate = _at_once(
         stream, "generate", "Run a whole generation (the arguments of :meth:`stream`).", "GenerationResult"
@@ -702,4 +579,14 @@ class Pipeline:
     )
 
 
-__all__ = ["ChatResult", "ChatStream", "GenerationResult", "GenerationStream", "Pipeline"]
+__all__ = [
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "FINISH_TOOL_CALLS",
+    "ChatResult",
+    "ChatStream",
+    "GenerationGroup",
+    "GenerationResult",
+    "GenerationStream",
+    "Pipeline",
+]

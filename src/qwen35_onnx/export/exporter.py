@@ -246,7 +246,35 @@ def build_contract(
         exporter_version=__version__,
     )
     contract.validate()
+    check_slot_memory(contract)
     return contract
+
+
+SLOT_MEMORY_SHARE = 0.5
+"""Most of this machine's physical memory the decode states of all slots may take (``--slots``): the
+weights, the activations and the prefill's own state need the rest."""
+
+
+def check_slot_memory(contract: ShapeContract, physical: int | None = None) -> None:
+    """The states of every decode slot, ``slots x`` :meth:`~qwen35_onnx.contract.ShapeContract.slot_state_bytes`
+    (conv, recurrent and capacity-wide KV state), must fit :data:`SLOT_MEMORY_SHARE` of ``physical`` bytes
+    (default: this machine's physical memory).
+
+    Raises:
+        ExportError: naming the bytes of one slot, of all slots, and the budget.
+    """
+    if contract.slots == 1:
+        return
+    if physical is None:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    per_slot = contract.slot_state_bytes()
+    budget = int(physical * SLOT_MEMORY_SHARE)
+    if contract.slots * per_slot > budget:
+        raise ExportError(
+            f"--slots {contract.slots} needs {contract.slots * per_slot:,} bytes of decode state ({per_slot:,} bytes "
+            f"a slot at capacity {contract.capacity}), over the budget of {budget:,} bytes (half of this machine's "
+            f"{physical:,} bytes of memory); use fewer slots or a smaller --max-seq-len"
+        )
 
 
 # ----------------------------------------------------------------------------------------
@@ -351,38 +379,40 @@ def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int, grid: t
             torch.randn(seq_len, contract.image_embed_dim),
             *past_states(contract, contract.capacity),
         )
-    # decode: a past of seq_len tokens plus the new one
+    # decode: a past of seq_len tokens plus the new one, on every slot (rows)
+    rows = contract.slots
     kv_len = contract.capacity if contract.kv_mode == KvMode.FIXED else seq_len
     mask_len = contract.capacity if contract.kv_mode == KvMode.FIXED else seq_len + 1
-    mask = torch.zeros(b, mask_len, dtype=torch.long)
+    mask = torch.zeros(rows, mask_len, dtype=torch.long)
     mask[:, : seq_len + 1] = 1
     return (
-        torch.randint(0, contract.vocab_size, (b, 1)),
+        torch.randint(0, contract.vocab_size, (rows, 1)),
         mask,
-        torch.full((4, b, 1), seq_len, dtype=torch.long),
-        *past_states(contract, kv_len),
+        torch.full((4, rows, 1), seq_len, dtype=torch.long),
+        *past_states(contract, kv_len, rows),
     )
 
 
-def past_states(contract: ShapeContract, kv_len: int) -> tuple:
-    """Zero past states as the decode and chunk graphs take them: three stacked tensors (the KV
-    ``kv_len`` tokens wide), or with :attr:`ShapeContract.kv_in_place` three tuples of entries."""
+def past_states(contract: ShapeContract, kv_len: int, rows: int = 1) -> tuple:
+    """Zero past states as the decode (``rows``: its slots) and chunk graphs (one row) take them: three
+    stacked tensors (the KV ``kv_len`` tokens wide), or with :attr:`ShapeContract.kv_in_place` three
+    tuples of entries."""
     import torch
+
+    def shape(name: str) -> list[int]:
+        stacked = list(contract.state_shape(name))
+        stacked[1] = rows
+        if name == "kv_cache":
+            stacked[3] = kv_len
+        return stacked
 
     dtype = {name: torch_dtype(contract.state_dtype(name)) for name in STATE_NAMES}
     if contract.kv_in_place:  # every state one entry at a time
         return tuple(
-            tuple(
-                torch.zeros(contract.state_shape(name)[1:], dtype=dtype[name])
-                for _ in range(contract.state_shape(name)[0])
-            )
+            tuple(torch.zeros(shape(name)[1:], dtype=dtype[name]) for _ in range(shape(name)[0]))
             for name in STATE_NAMES
         )
-    return (
-        torch.zeros(contract.conv_state_shape, dtype=dtype["conv_states"]),
-        torch.zeros(contract.recurrent_state_shape, dtype=dtype["recurrent_states"]),
-        torch.zeros(contract.kv_shape(kv_len), dtype=dtype["kv_cache"]),
-    )
+    return tuple(torch.zeros(shape(name), dtype=dtype[name]) for name in STATE_NAMES)
 
 
 def dynamic_shapes(job: GraphJob, contract: ShapeContract):

@@ -4,7 +4,7 @@
 rotary embedding) and replace only the parts whose transformers form is not static-shape:
 the cache objects, the gated delta rule, the causal conv and the attention mask.
 
-Graph I/O (names as in the reference system; B = 1, L = capacity):
+Graph I/O (names as in the reference system; B = 1, except decode's B = the export's slots; L = capacity):
 
 =========  ================================================================================
 vision     pixel_values [N, patch_dim], pos_embed_indices [N, 4], pos_embed_weights [N, 4],
@@ -505,7 +505,11 @@ class PrefillGraph(_TextGraph):
 
 
 class DecodeGraph(_TextGraph):
-    """One token -> logits and updated states.
+    """One token per row -> logits and updated states; ``B`` is the export's decode slots
+    (``--slots``, :attr:`ShapeContract.slots`), each row one slot's sequence with its own mask row,
+    positions and states. With more than one slot a row whose mask row is all zeros is idle: its
+    recurrent state is left exactly as it was (no decay, no write), its conv state is passed through,
+    and its k, v go to the last KV slot (which its sequence has not reached); its logits are not read.
 
     Fixed mode: ``attention_mask [B, L]`` already holds the new token; the graph derives the
     write slot ``cache_pos = sum(mask) - 1``, writes the new k and v into that slot (one
@@ -534,8 +538,16 @@ class DecodeGraph(_TextGraph):
         hidden = self.text.embed_tokens(input_ids)
         rope = self.rotary(hidden, position_ids)
         mask = attention_mask.bool()
+        active = None
         if contract.kv_mode == KvMode.FIXED:
-            cache_pos = attention_mask.sum(dim=-1) - 1  # [B]
+            count = attention_mask.sum(dim=-1)  # [B]
+            cache_pos = count - 1
+            if contract.slots > 1:
+                # an idle row (a free slot, or one whose request is prefilling) has no mask slot: it writes its
+                # k and v to the last KV slot, which a sequence of the slot has not reached (a full slot's
+                # sequence has ended), and leaves its conv and recurrent state as they are
+                active = count > 0
+                cache_pos = torch.where(active, cache_pos, torch.full_like(cache_pos, attention_mask.shape[1] - 1))
             slots = torch.arange(attention_mask.shape[1], device=input_ids.device).view(1, -1)
             allowed = (slots <= cache_pos.view(-1, 1)) & mask
         else:
@@ -555,6 +567,11 @@ class DecodeGraph(_TextGraph):
             n = self.linear_slot[i]
             qkv, z, g, beta = self.gdn_projections(i, attn, h)
             mixed, conv_state = self.conv_step(i, qkv, past_conv[n])
+            if active is not None:  # idle rows: no decay (g = 0) and no write (beta = 0), the conv state kept
+                keep = active.view(-1, 1, 1)
+                g = g * keep.to(g.dtype)
+                beta = beta * keep.to(beta.dtype)
+                conv_state = torch.where(keep, conv_state, past_conv[n])
             q, k, v = self.qkv_heads(attn, *torch.split(mixed, self.qkv_sizes(attn), dim=-1))
             core, state = self.recurrence(q, k, v, g, beta, past_rec[n], prompt=False)
             conv_states.append(conv_state)

@@ -28,6 +28,7 @@ from ..contract import (
     check_capacity,
     check_chunks,
     check_dummy_seq_len,
+    check_slots,
     default_buckets,
     default_chunks,
     is_quant_block_size,
@@ -158,6 +159,11 @@ class ExportOptions:
     max_images: int = option(1, "--max-images", contract=True,
                              help="Images per prompt the prefill graphs take (each adds its image tokens to the "
                                   "prompt).")
+    slots: int = option(1, "--slots", contract=True,
+                        help="Decode slots: the decode graph steps this many sequences at once (one row each, "
+                             "each with its own states, mask and positions), so a server decodes that many requests "
+                             "together (continuous batching); 1 keeps the batch-1 graph for compilers that take no "
+                             "batch. More than 1 needs --kv-cache fixed and prefill chunks.")
     # fmt: on
     overwrite: bool = option(False, "--overwrite", "Replace a previous export in --output-dir.")
     chunk_size: int = 64
@@ -216,6 +222,10 @@ class ExportOptions:
             raise ExportError(f"--vision-grids {grids!r} must be 'any', 'static' or a list of (h, w) patch grids")
         if isinstance(self.max_images, bool) or not isinstance(self.max_images, int) or self.max_images < 1:
             raise ExportError(f"--max-images must be an integer >= 1, got {self.max_images!r}")
+        try:
+            check_slots(self.slots, self.kv_mode, self.chunks)
+        except ValueError as exc:
+            raise ExportError(f"--slots: {exc}") from exc
         if self.prefill_buckets is not None:
             if self.kv_mode != KvMode.FIXED:
                 raise ExportError(

@@ -174,11 +174,11 @@ class Decoder(Protocol):
     """One generation's decode state, kept by the backend between steps."""
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Run one decode step on ``input_ids`` ``[1, 1]``, ``attention_mask`` ``[1, capacity]``
-        (fixed KV; one column more per step in dynamic mode) and ``position_ids`` ``[4, 1, 1]``
-        (int64); returns the logits ``[1, 1, V]`` fp32 as a host array the caller owns: the decoder
-        does not write into it again while it, or a view of it, is referenced (it may reuse it
-        once it is dropped)."""
+        """Run one decode step on ``input_ids`` ``[S, 1]``, ``attention_mask`` ``[S, capacity]``
+        (fixed KV; one column more per step in dynamic mode) and ``position_ids`` ``[4, S, 1]``
+        (int64), ``S`` the export's decode slots (1 unless exported with ``--slots``); returns the
+        logits ``[S, 1, V]`` fp32 as a host array the caller owns: the decoder does not write into it
+        again while it, or a view of it, is referenced (it may reuse it once it is dropped)."""
         ...
 
     def states(self) -> dict[str, Any]:
@@ -419,6 +419,37 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def state_shape(value: Any) -> list[int]:
         """Shape of one state as :meth:`run_prefill` returned it."""
+
+    def slot_decoder(self) -> Decoder:
+        """A decoder over the states of every decode slot of the export (:attr:`ShapeContract.slots`
+        rows, zeros: :meth:`ShapeContract.slot_state_shape`), for :class:`~.slots.SlotPool`.
+
+        Raises:
+            ContractError: a device whose states the host cannot address (slots are copied in and out
+                of the states as host arrays, see :meth:`state_views`).
+        """
+        return self.decoder(self._zero_slot_states())
+
+    def _zero_slot_states(self) -> dict[str, Any]:
+        """Zeros in the slot-wide shapes, in this backend's form (by default host arrays)."""
+        arrays = {}
+        for state in ("conv_states", "recurrent_states", "kv_cache"):
+            dtype = self.contract.state_dtype(state)
+            if dtype not in STATE_NUMPY_DTYPES:
+                raise ContractError(f"{state} of a {dtype} export cannot be held in host memory (numpy has no {dtype})")
+            arrays[f"present_{state}"] = np.zeros(self.contract.slot_state_shape(state), STATE_NUMPY_DTYPES[dtype])
+        return arrays
+
+    def state_views(self, states: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Host arrays that ARE ``states`` (same memory, writable; ``present_*`` keys): how a slot's rows
+        are read and written without a copy of the others (by default the states are host arrays).
+
+        Raises:
+            ContractError: the states live on a device the host cannot address.
+        """
+        if not all(isinstance(value, np.ndarray) for value in states.values()):
+            raise ContractError(f"the {self.runtime} states are not host arrays: decode slots cannot address them")
+        return dict(states)
 
 
 STATE_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}

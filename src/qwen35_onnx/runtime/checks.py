@@ -146,9 +146,10 @@ def _check_tensor(graph: GraphSpec, kind: str, name: str, shape: list, dtype: st
     _expect(f"{graph.name} {kind} {name} element type", graph.types.get(name), ONNX_TYPES[dtype])
 
 
-def _check_states(contract: ShapeContract, graph: GraphSpec, kind: str, prefix: str) -> None:
+def _check_states(contract: ShapeContract, graph: GraphSpec, kind: str, prefix: str, shape_of=None) -> None:
+    shape_of = shape_of or contract.state_shape
     for state in STATE_NAMES[:2]:  # the KV cache's shape is checked with the capacity
-        _check_tensor(graph, kind, f"{prefix}_{state}", list(contract.state_shape(state)), contract.state_dtype(state))
+        _check_tensor(graph, kind, f"{prefix}_{state}", list(shape_of(state)), contract.state_dtype(state))
     _expect(
         f"{graph.name} {kind} {prefix}_kv_cache element type",
         graph.types.get(f"{prefix}_kv_cache"),
@@ -246,7 +247,9 @@ def check_decode(
     """Input and output names exactly as the contract says (``host_inputs`` and the states); state
     shapes and element types; and in fixed mode: mask width == past KV width == present KV width ==
     capacity (for every entry when the graph takes the states one entry at a time). ``what``
-    names the graph kind in errors (decode, or chunk for :func:`check_chunk`)."""
+    names the graph kind in errors (decode, or chunk for :func:`check_chunk`). The decode graph has one
+    row per slot (:attr:`ShapeContract.slots`: tokens, mask rows, positions, states and logits), a chunk
+    graph one."""
     for kind, prefix, fixed in (
         ("input", "past", list(host_inputs)),
         ("output", "present", ["logits"]),
@@ -255,19 +258,24 @@ def check_decode(
             decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)]
         )
     _check_host_types(decode, what)
+    rows = contract.slots if what == "decode" else contract.batch
+    shape_of = contract.slot_state_shape if what == "decode" else contract.state_shape
+    for name in ("input_ids", "attention_mask"):
+        _expect(f"{what} {name} rows (decode slots)", decode.dim("input", name, 0), rows)
+    _expect(f"{what} logits rows (decode slots)", decode.dim("output", "logits", 0), rows)
     if contract.kv_in_place:
         for kind, prefix in (("input", "past"), ("output", "present")):
             table = decode.inputs if kind == "input" else decode.outputs
             for state in STATE_NAMES:
-                entry = list(contract.state_shape(state)[1:])
+                entry = list(shape_of(state)[1:])
                 for name in contract.decode_state_names(state, prefix):
                     if state == "kv_cache":
                         _check_capacity(contract, {f"{what} {name} token axis": table[name][2]})
                     _check_tensor(decode, kind, name, entry, contract.state_dtype(state))
         _check_capacity(contract, {f"{what} attention_mask width": decode.dim("input", "attention_mask", 1)})
         return
-    _check_states(contract, decode, "input", "past")
-    _check_states(contract, decode, "output", "present")
+    _check_states(contract, decode, "input", "past", shape_of)
+    _check_states(contract, decode, "output", "present", shape_of)
     if contract.kv_mode == KvMode.FIXED:
         _check_capacity(
             contract,

@@ -49,6 +49,7 @@ def plan_chunks(
     capacity: int,
     image_token_id: int,
     boundaries: Iterable[int] = (),
+    decode_step_cost: float = DECODE_STEP_COST,
 ) -> list[Piece]:
     """The cheapest runs that prefill ``input_ids[start:]`` (see the module docstring).
 
@@ -60,6 +61,7 @@ def plan_chunks(
         image_token_id: image tokens cannot go through a decode step (it has no image input).
         boundaries: positions in ``(start, n)`` where a chunk must end (skipped where no chunk can end
             there below the capacity).
+        decode_step_cost: the cost of a trailing decode step (default :data:`DECODE_STEP_COST`).
 
     Returns:
         Pieces in prompt order covering ``[start, n)``; decode steps only at the very end.
@@ -78,7 +80,9 @@ def plan_chunks(
     begin = start
     for end in cuts:
         try:
-            pieces += _plan_segment(ids, begin, end, sorted(sizes), capacity, image_token_id, decode_tail=end == n)
+            pieces += _plan_segment(
+                ids, begin, end, sorted(sizes), capacity, image_token_id, decode_step_cost if end == n else None
+            )
         except PromptTooLongError:
             if end == n:
                 raise
@@ -88,10 +92,17 @@ def plan_chunks(
 
 
 def _plan_segment(
-    ids: np.ndarray, begin: int, end: int, sizes: list[int], capacity: int, image_token_id: int, decode_tail: bool
+    ids: np.ndarray,
+    begin: int,
+    end: int,
+    sizes: list[int],
+    capacity: int,
+    image_token_id: int,
+    step_cost: float | None,
 ) -> list[Piece]:
     """Dynamic programme over the tokens left, ``r``, of the segment ``[begin, end)``: whole chunks
-    first, then at most one padded chunk or (``decode_tail``) decode steps for trailing text."""
+    first, then at most one padded chunk or (``step_cost`` not None, the prompt's end) decode steps of
+    that cost each for trailing text."""
     length = end - begin
     # last image token of the segment: decode steps may take only the tokens after it
     images = np.flatnonzero(ids[begin:end] == image_token_id)
@@ -111,8 +122,8 @@ def _plan_segment(
                 continue
             if cost < best[r]:
                 best[r], choice[r] = cost, (size, real)
-        if decode_tail and r <= text_tail and r * DECODE_STEP_COST < best[r]:
-            best[r], choice[r] = r * DECODE_STEP_COST, (1, r)
+        if step_cost is not None and r <= text_tail and r * step_cost < best[r]:
+            best[r], choice[r] = r * step_cost, (1, r)
     if best[length] == inf:
         raise PromptTooLongError(
             f"the prompt's tokens from position {begin} to {end} fit no prefill chunk ({sizes}) below the capacity "

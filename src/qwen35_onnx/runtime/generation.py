@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +28,18 @@ import numpy as np
 
 from ..contract import ContractError, KvMode, PromptTooLongError, ShapeContract
 from .backend import Backend, Decoder
-from .chunks import plan_chunks
+from .chunks import DECODE_STEP_COST, plan_chunks
 from .masks import CapacityExhausted, advance_mask, prepare_decode_mask
 from .positions import decode_position_ids
 from .prompt import PreparedPrompt
+from .slots import SlotPool
 from .snapshots import StateSnapshot, image_digests
 
 __all__ = ["Generation", "Timings"]
+
+POOLED_DECODE_STEP_COST = 1_000_000
+"""Cost (tokens of prefill work) given to a trailing decode step of a prompt in a slot pool, where it is a
+step of every slot: the chunk plan takes one only where no chunk fits below the capacity."""
 
 
 @dataclass
@@ -76,7 +82,11 @@ class Generation:
     :class:`~.snapshots.StateSnapshot` of this export whose tokens and images begin the prompt) the
     chunked prefill continues from it and prefills only the rest; ``snapshot_at``: prompt positions
     where the chunked prefill keeps a snapshot (:attr:`snapshots`); ``image_digests``: the prompt's
-    :func:`~.snapshots.image_digests`, when the caller has them already.
+    :func:`~.snapshots.image_digests`, when the caller has them already. With ``pool`` (a
+    :class:`~.slots.SlotPool`; required on an export of several decode slots) the generation holds
+    one of its slots from construction to :meth:`close`: the prefill runs on states of its own, which
+    then go into the slot, and each decode step is a step of the pool (alone: :meth:`step`; with the
+    pool's other sequences: :meth:`~.slots.SlotPool.step`).
 
     Attributes:
         mask: the decode attention mask, int64 ``[1, capacity]`` in fixed mode (one column per
@@ -92,7 +102,9 @@ class Generation:
             ``states`` whose KV width is not the capacity, both ``states`` and ``start``, or a
             ``start`` that is not a prefix of the prompt.
         ContractError: the prefill graph is missing or disagrees with the manifest; a ``start``
-            of another export or capacity, or on an export without prefill chunks.
+            of another export or capacity, or on an export without prefill chunks; no ``pool`` on an
+            export of several decode slots.
+        NoFreeSlot: every slot of ``pool`` is held.
     """
 
     def __init__(
@@ -103,8 +115,19 @@ class Generation:
         start: StateSnapshot | None = None,
         snapshot_at: tuple[int, ...] = (),
         image_digests: tuple[str, ...] | None = None,
+        pool: SlotPool | None = None,
     ):
         self.backend, self.prompt = backend, prompt
+        if pool is None and backend.contract.slots > 1:
+            raise ContractError(
+                f"the export has {backend.contract.slots} decode slots: its generations run in a SlotPool "
+                "(Pipeline.generation makes one)"
+            )
+        if pool is not None and states is not None:
+            raise ValueError("a generation in a slot pool prefills itself: give it no prefill states")
+        self.pool, self.slot = pool, None
+        self._prefilling = False
+        self._prefilled = states is not None
         if image_digests is not None:  # computed by the caller already
             self.__dict__["image_digests"] = tuple(image_digests)
         contract = self.contract
@@ -136,6 +159,15 @@ class Generation:
         self.timings = Timings()
         if states is not None:
             self._take(states)
+        if pool is not None:
+            self.slot = pool.acquire(self)
+
+    def close(self) -> None:
+        """Release the generation's decode slot (a generation in a slot pool; idempotent). Its states are
+        gone after this: take a :meth:`snapshot` first to keep them."""
+        if self.pool is not None and self.slot is not None:
+            self.pool.release(self.slot)
+            self.slot = None
 
     @functools.cached_property
     def image_digests(self) -> tuple[str, ...]:
@@ -193,7 +225,7 @@ class Generation:
     def prefill(self, image_embeds: np.ndarray | None = None) -> np.ndarray:
         """Run the vision graph (unless ``image_embeds`` ``[n_image_rows, image_embed_dim]`` are
         given) and the prefill graph of the prompt's bucket, or the chunk graphs (see
-        :meth:`_prefill_chunks`); keeps the states and returns the last
+        :meth:`_chunk_runs`); keeps the states and returns the last
         real token's logits ``[V]`` fp32.
 
         Raises:
@@ -201,10 +233,26 @@ class Generation:
             ContractError: the logits are not finite (corrupt weights).
             ValueError: see :meth:`run_vision`; the prefill's KV width is not the capacity.
         """
-        if self.states is not None or self.decoder is not None:
+        runs = self.prefill_runs(image_embeds)
+        while True:
+            try:
+                next(runs)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_runs(self, image_embeds: np.ndarray | None = None) -> Iterator[None]:
+        """:meth:`prefill` one graph run at a time: a generator that yields after the vision graphs and after each
+        prefill chunk (so that a caller can run other work between them, e.g. the decode steps of a slot pool's
+        other sequences) and returns the last real token's logits ``[V]`` fp32 (``StopIteration.value``).
+
+        Raises:
+            See :meth:`prefill`.
+        """
+        if self._prefilled:
             raise RuntimeError("this generation has prefilled already; start a new Generation")
+        self._prefilled = True
         if self.chunked:
-            return self._prefill_chunks(image_embeds)
+            return (yield from self._chunk_runs(image_embeds))
         start = time.perf_counter()
         if image_embeds is None:
             image_embeds = self.run_vision()
@@ -216,30 +264,45 @@ class Generation:
         self.timings.vision_ms = 1000 * (vision_done - start) if self.prompt.pixel_values is not None else None
         self.timings.prefill_ms = 1000 * (done - vision_done)
         self._take(states)
+        self._enter_slot()
         row = 0 if logits.shape[1] == 1 else self.prompt.prompt_len - 1
         return _finite(logits[0, row], "prefill")
 
-    def _prefill_chunks(self, image_embeds: np.ndarray | None) -> np.ndarray:
+    def _enter_slot(self) -> None:
+        """In a slot pool: move the prefilled states into the generation's slot."""
+        if self.pool is None:
+            return
+        if self.slot is None:
+            raise RuntimeError("this generation has closed its decode slot")
+        self.pool.place(self.slot, self.states, self.length)
+        self.states = None
+
+    def _chunk_runs(self, image_embeds: np.ndarray | None) -> Iterator[None]:
         """Chunked prefill (:mod:`.chunks`): from the snapshot :attr:`start` or an empty state, the
         prompt's remaining tokens through the chunk graphs (a snapshot taken at each position of
-        :attr:`snapshot_at`) and trailing text tokens through decode steps."""
+        :attr:`snapshot_at`) and trailing text tokens through decode steps; yields after the vision
+        graphs and after each chunk, returns the logits."""
         c, prompt, backend = self.contract, self.prompt, self.backend
         ids = prompt.input_ids[0]
         begin = time.perf_counter()
         plan = (c.prefill_chunks, c.capacity, c.image_token_id, self.snapshot_at)
+        # in a slot pool a trailing decode step of the prompt is a step of every slot: only where no chunk fits
+        step_cost = DECODE_STEP_COST if self.pool is None else POOLED_DECODE_STEP_COST
         try:
-            pieces = plan_chunks(ids, self.cached_tokens, *plan)
+            pieces = plan_chunks(ids, self.cached_tokens, *plan, decode_step_cost=step_cost)
         except PromptTooLongError:
             if self.start is None:
                 raise
             # the tokens after the snapshot end in an image too close to the capacity for any chunk from
             # there: prefill from the start instead
             self.start = None
-            pieces = plan_chunks(ids, 0, *plan)
+            pieces = plan_chunks(ids, 0, *plan, decode_step_cost=step_cost)
         done = self.cached_tokens
         states = backend.states_from_host(self.start.state_arrays()) if self.start else backend.zero_states()
         rows = self.run_vision(done) if image_embeds is None else image_embeds
         vision_done = time.perf_counter()
+        if self.prompt.pixel_values is not None:
+            yield
         image_pos = np.flatnonzero(ids == c.image_token_id)
         logits = None
         for piece in pieces:
@@ -268,12 +331,19 @@ class Generation:
             logits = out[0, 0 if out.shape[1] == 1 else real - 1]
             done = piece.end
             if done in self.snapshot_at:
-                self.snapshots.append(self._snapshot(states, done))
+                self.snapshots.append(self._snapshot(backend.states_to_host(states, kv_length=done), done))
+            if piece is not pieces[-1]:
+                yield
         self.states = states
         self.mask = np.zeros((1, c.capacity), dtype=np.int64)
         self.mask[0, :done] = 1
-        for piece in pieces[len(pieces) - sum(p.size == 1 for p in pieces) :]:  # trailing decode steps
-            logits = self._step(int(ids[piece.start]))
+        self._enter_slot()
+        self._prefilling = True
+        try:
+            for piece in pieces[len(pieces) - sum(p.size == 1 for p in pieces) :]:  # trailing decode steps
+                logits = self._step(int(ids[piece.start]))
+        finally:
+            self._prefilling = False
         end = time.perf_counter()
         self.timings = Timings(
             vision_ms=1000 * (vision_done - begin) if prompt.pixel_values is not None else None,
@@ -281,8 +351,8 @@ class Generation:
         )
         return _finite(logits, "prefill")
 
-    def _snapshot(self, states: dict[str, Any], length: int) -> StateSnapshot:
-        arrays = self.backend.states_to_host(states, kv_length=length)
+    def _snapshot(self, arrays: dict[str, np.ndarray], length: int) -> StateSnapshot:
+        """A snapshot of the host state ``arrays`` (``present_*``, the KV cache ``length`` slots wide)."""
         return StateSnapshot.take(
             self.backend.export_id,
             self.contract,
@@ -312,13 +382,15 @@ class Generation:
         Raises:
             RuntimeError: no prefill yet.
         """
-        if self.decoder is not None:
-            states = self.decoder.states()
-        elif self.states is not None:
-            states = self.states
+        if self.states is not None:
+            arrays = self.backend.states_to_host(self.states, kv_length=self.length)
+        elif self.pool is not None and self.slot is not None and self.pool.holders[self.slot] is self:
+            arrays = self.pool.read(self.slot, self.length)
+        elif self.decoder is not None:
+            arrays = self.backend.states_to_host(self.decoder.states(), kv_length=self.length)
         else:
             raise RuntimeError("prefill before taking a snapshot")
-        return self._snapshot(states, self.length)
+        return self._snapshot(arrays, self.length)
 
     def _take(self, states: dict[str, Any]) -> None:
         """Keep prefill ``states``, after checking that their KV width is the capacity (fixed mode)."""
@@ -339,11 +411,20 @@ class Generation:
             CapacityExhausted: the KV cache has no free slot (nothing is run).
             ContractError: the logits are not finite.
         """
+        if self.pool is not None:
+            return self._step(token)  # (the pool's step records the token)
         logits = self._step(token)
         self.token_ids.append(int(token))
         return logits
 
     def _step(self, token: int) -> np.ndarray:
+        if self.pool is not None:  # a step of the pool with this row alone
+            if self.states is not None:
+                raise RuntimeError("prefill before the first decode step")
+            (result,) = self.pool.step([(self, token)])
+            if isinstance(result, Exception):
+                raise result
+            return result
         if self.decoder is None:
             if self.states is None:
                 raise RuntimeError("prefill before the first decode step")
@@ -356,6 +437,29 @@ class Generation:
         self.timings.decode_ms += 1000 * (time.perf_counter() - start)
         self.timings.decode_steps += 1
         return _finite(logits[0, -1], f"decode step {self.timings.decode_steps}")
+
+    def claim(self) -> int:
+        """Claim the KV slot of the token about to be fed (for a batched step: :meth:`~.slots.SlotPool.step`);
+        returns its position ``next_pos``.
+
+        Raises:
+            CapacityExhausted: no free KV slot (the mask is unchanged).
+        """
+        return self._advance()
+
+    def stepped(self, token: int, logits: np.ndarray, elapsed_ms: float) -> np.ndarray:
+        """Record a batched decode step that fed ``token`` (after :meth:`claim`): its time, and the token
+        among :attr:`token_ids` (unless it was one of the prompt's own, fed by the prefill); returns
+        ``logits`` ``[V]``.
+
+        Raises:
+            ContractError: the logits are not finite.
+        """
+        self.timings.decode_ms += elapsed_ms
+        self.timings.decode_steps += 1
+        if not self._prefilling:
+            self.token_ids.append(int(token))
+        return _finite(logits, f"decode step {self.timings.decode_steps}")
 
     def _advance(self) -> int:
         """Claim the slot of the token being fed; returns ``next_pos = sum(mask)`` before the

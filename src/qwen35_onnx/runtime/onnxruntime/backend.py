@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ...contract import ContractError, ShapeContract
+from ...contract import STATE_NAMES, ContractError, ShapeContract
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
 from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, bind_state_output, run_chunk_bound, run_host
 from .sessions import OrtGraphSet, providers_for, run_options
@@ -122,3 +122,28 @@ class OrtBackend(Backend):
     @staticmethod
     def state_shape(value) -> list[int]:
         return list(value.shape()) if isinstance(value, ort.OrtValue) else list(value.shape)
+
+    def _check_host_addressable(self) -> None:
+        if self.device != "cpu" and not self.host_state_roundtrip:
+            raise ContractError(
+                f"decode slots run on the CPU: this runtime copies a request's states into its slot as host arrays, "
+                f"which device {self.device!r} does not offer (the export has {self.contract.slots} slots; run it with "
+                "--device cpu, or re-export with --slots 1)"
+            )
+
+    def _zero_slot_states(self) -> dict:
+        self._check_host_addressable()
+        c, states = self.contract, {}
+        for state in STATE_NAMES:
+            shape, dtype = c.slot_state_shape(state), NP_DTYPES[c.state_dtype(state)]
+            if self.host_state_roundtrip:
+                states[f"present_{state}"] = np.zeros(shape, dtype=dtype)
+                continue
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device, 0)
+            buffer.numpy()[...] = 0  # a view of the buffer (CPU)
+            states[f"present_{state}"] = buffer
+        return states
+
+    def state_views(self, states: dict) -> dict[str, np.ndarray]:
+        self._check_host_addressable()
+        return {name: value.numpy() if isinstance(value, ort.OrtValue) else value for name, value in states.items()}

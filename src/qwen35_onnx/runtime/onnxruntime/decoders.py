@@ -74,7 +74,8 @@ class BoundDecoder:
         if not self.fixed:
             buffered.remove("kv_cache")
         shapes = {
-            f"present_{name}": (contract.state_shape(name), NP_DTYPES[contract.state_dtype(name)]) for name in buffered
+            f"present_{name}": (contract.slot_state_shape(name), NP_DTYPES[contract.state_dtype(name)])
+            for name in buffered
         }
         # Two complete sets of output buffers: set p is written at steps of parity p; the
         # prefill's states serve as set 1 (read by step 0).
@@ -87,7 +88,7 @@ class BoundDecoder:
         # copy of V floats (1 MB at 0.8B, read back from the last-level cache; with the cheaper
         # finiteness check the host's time per 0.8B step went from 0.60 to 0.40 ms); a step only
         # writes into an array nobody else holds (see _claim_logits)
-        self.logits_shape = (contract.batch, 1, contract.vocab_size)
+        self.logits_shape = (contract.slots, 1, contract.vocab_size)
         self.logits: list[np.ndarray] | None = None
         if device == "cpu":
             self.logits = [self._new_logits(p) for p in (0, 1)]
@@ -98,11 +99,11 @@ class BoundDecoder:
                 buffers["logits"] = new(self.logits_shape, np.float32, device, 0)
         self.kv = states["present_kv_cache"]
         self.steps = 0
-        batch = contract.batch
+        rows = contract.slots
         self.host = {
-            "input_ids": np.zeros((batch, 1), dtype=np.int64),
-            "attention_mask": np.zeros((batch, contract.capacity), dtype=np.int64),
-            "position_ids": np.zeros((4, batch, 1), dtype=np.int64),
+            "input_ids": np.zeros((rows, 1), dtype=np.int64),
+            "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
+            "position_ids": np.zeros((4, rows, 1), dtype=np.int64),
         }
         self.bindings = [self._bind(p) for p in (0, 1)] if self.fixed else None
 
@@ -151,7 +152,7 @@ class BoundDecoder:
             self.bindings[parity].bind_ortvalue_output("logits", self.buffers[parity]["logits"])
 
     def _bind_entries(self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue) -> None:
-        bind_entries(binding, self.contract, self.device, state, prefix, stacked)
+        bind_entries(binding, self.contract, self.device, state, prefix, stacked, self.contract.slots)
 
     def states(self) -> dict[str, ort.OrtValue]:
         """The states after the last step (the prefill's before the first), this decoder's buffers."""
@@ -206,15 +207,23 @@ def bind_state_output(binding: ort.IOBinding, output, device: str) -> None:
 
 
 def bind_entries(
-    binding: ort.IOBinding, contract: ShapeContract, device: str, state: str, prefix: str, stacked: ort.OrtValue
+    binding: ort.IOBinding,
+    contract: ShapeContract,
+    device: str,
+    state: str,
+    prefix: str,
+    stacked: ort.OrtValue,
+    rows: int = 1,
 ) -> None:
     """Bind ``{prefix}_{state}.{j}`` (inputs for ``prefix='past'``, outputs for ``'present'``) to
-    entry ``j`` of ``stacked`` (a contiguous ``state_shape(state)`` buffer on ``device``) by address.
+    entry ``j`` of ``stacked`` (a contiguous ``state_shape(state)`` buffer on ``device`` with ``rows``
+    on its batch axis: 1 for a chunk graph, the export's slots for decode) by address.
 
     Raises:
         ValueError: ``stacked`` has another shape than the contract's.
     """
-    shape = contract.state_shape(state)
+    shape = list(contract.state_shape(state))
+    shape[1] = rows
     dtype = NP_DTYPES[contract.state_dtype(state)]
     if list(stacked.shape()) != list(shape):
         raise ValueError(f"{state} buffer has shape {stacked.shape()}, expected {list(shape)}")

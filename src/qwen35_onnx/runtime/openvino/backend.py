@@ -28,7 +28,7 @@ import openvino as ov
 
 from ...contract import METADATA_KEY, STATE_NAMES, ContractError, KvMode, Ops, ShapeContract, plain
 from ...onnxfile.scan import OnnxScanError, scan
-from ..backend import Backend, Decoder, GraphSet, Runtime, RuntimeOptions, fill_state
+from ..backend import STATE_NUMPY_DTYPES, Backend, Decoder, GraphSet, Runtime, RuntimeOptions, fill_state
 from ..checks import GraphSpec, check_export_files
 from .decoders import OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request
 
@@ -311,6 +311,25 @@ class OpenVinoBackend(Backend):
             tensor.data[...] = 0
             states[f"present_{state}"] = tensor
         return states
+
+    def _zero_slot_states(self) -> dict:
+        c, states = self.contract, {}
+        for state in STATE_NAMES:
+            shape = list(c.slot_state_shape(state))
+            if self.host_state_roundtrip:
+                if c.state_dtype(state) not in STATE_NUMPY_DTYPES:
+                    raise ContractError(f"{state} of a {c.state_dtype(state)} export cannot be held in host memory")
+                states[f"present_{state}"] = np.zeros(shape, dtype=STATE_NUMPY_DTYPES[c.state_dtype(state)])
+                continue
+            tensor = ov.Tensor(STATE_TYPES[c.state_dtype(state)], shape)
+            tensor.data[...] = 0
+            states[f"present_{state}"] = tensor
+        return states
+
+    def state_views(self, states: dict) -> dict[str, np.ndarray]:
+        """Host views of the states (OpenVINO's CPU tensors are host memory; a bf16 state shows its raw bits
+        as float16, as :meth:`states_to_host` returns them)."""
+        return {name: value.data if isinstance(value, ov.Tensor) else value for name, value in states.items()}
 
     def decoder(self, states: dict) -> Decoder:
         if self.host_state_roundtrip:

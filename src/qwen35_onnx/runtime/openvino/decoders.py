@@ -50,11 +50,11 @@ class OpenVinoDecoder:
             {name: fresh_tensor(compiled.output(name)) for name in names},
             {name: states[name] for name in names},
         ]
-        batch = contract.batch
+        rows = contract.slots  # one row per decode slot
         self.host = {
-            "input_ids": np.zeros((batch, 1), dtype=np.int64),
-            "attention_mask": np.zeros((batch, contract.capacity), dtype=np.int64),
-            "position_ids": np.zeros((4, batch, 1), dtype=np.int64),
+            "input_ids": np.zeros((rows, 1), dtype=np.int64),
+            "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
+            "position_ids": np.zeros((4, rows, 1), dtype=np.int64),
         }
         shared = {name: ov.Tensor(array, shared_memory=True) for name, array in self.host.items()}
         self.logits = []

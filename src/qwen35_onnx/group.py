@@ -1,0 +1,214 @@
+"""Several generations decoded together: :class:`GenerationGroup` (no torch).
+
+Each generation of a group holds one decode slot of the export (``--slots S``,
+:class:`~qwen35_onnx.runtime.slots.SlotPool`) from its prefill to its end, and every decode step of the
+group runs one row per generation that is decoding: on a memory-bound CPU step the weights are read once
+for all of them. Generations beyond ``S`` wait, in the order they came, for a slot to free up.
+
+Scheduling, one :meth:`GenerationGroup.step` (a round):
+
+1. generations whose streams were cancelled or closed end (their slots are freed);
+2. waiting generations take the free slots, oldest first;
+3. the oldest generation still prefilling runs ONE graph of its prefill (its vision graphs, or one chunk:
+   :meth:`~qwen35_onnx.runtime.generation.Generation.prefill_runs`); when that was its last, its first token
+   is picked and it decodes from the next step on;
+4. one decode step of every decoding generation (:meth:`~qwen35_onnx.runtime.slots.SlotPool.step`), each
+   picking its next token in its own :class:`~qwen35_onnx.streams.TokenLoop`.
+
+So a running stream waits at most one prefill run (one chunk, or one request's images) between two of its
+tokens, whatever arrives; a generation ends in the round its stop criterion is met (or at the next round's
+start when cancelled), and its slot takes a newcomer at the next round.
+
+Example (an export with ``--slots 4``)::
+
+    pipe = Pipeline.from_exported("out/")
+    group = pipe.group()
+    streams = [pipe.stream_chat([{"role": "user", "content": q}], max_new_tokens=64, group=group)
+               for q in ("Hello!", "What is 2 + 2?", "Name three colours.")]
+    group.run()                       # or iterate any stream: that runs the group until it has more
+    for s in streams:
+        print(s.result.content)
+
+Source: iteration-level scheduling as in Orca (Yu et al. 2022) and vLLM; a prefill chunk between decode steps
+as in Sarathi (Agrawal et al. 2023).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from .runtime.generation import Generation
+from .runtime.masks import CapacityExhausted
+from .runtime.prompt import PreparedPrompt
+from .runtime.slots import SlotPool
+from .runtime.snapshots import SnapshotCache
+from .streams import TokenLoop
+
+
+class Generations(Protocol):
+    """What a group needs of the :class:`~qwen35_onnx.pipeline.Pipeline` that made it (the pipeline imports
+    this module, not the other way round)."""
+
+    slot_pool: SlotPool
+
+    def generation(
+        self, prepared: PreparedPrompt, state_cache: SnapshotCache | None = None, pooled: bool = False
+    ) -> Generation: ...
+
+    def keep_states(self, generation: Generation, state_cache: SnapshotCache | None) -> None: ...
+
+__all__ = ["GenerationGroup", "Generations", "Member"]
+
+
+class Member:
+    """One generation of a group: its prompt, its token loop (and stream), and once admitted its
+    :class:`~qwen35_onnx.runtime.generation.Generation` and prefill runs."""
+
+    def __init__(self, prepared: PreparedPrompt, loop: TokenLoop, state_cache: SnapshotCache | None):
+        self.prepared, self.loop, self.state_cache = prepared, loop, state_cache
+        self.generation: Generation | None = None
+        self.runs: Iterator[None] | None = None
+        self.decoding = False
+        self.ended = False
+
+    @property
+    def stream(self):
+        return self.loop.stream
+
+
+class GenerationGroup:
+    """Generations of one pipeline decoded together in its decode slots (see the module docstring for the
+    rounds). Start them with the pipeline's stream methods and ``group=`` this group; run rounds with
+    :meth:`step` or :meth:`run`, or by iterating any of the streams. Not thread-safe: one thread runs every
+    round (and no other generation of the pipeline may run meanwhile).
+
+    Attributes:
+        pipeline: the pipeline whose export and slots the group uses.
+        pool: the pipeline's :class:`~qwen35_onnx.runtime.slots.SlotPool`.
+        members: generations not yet ended, in the order they came.
+
+    Raises (constructor):
+        ContractError: see :attr:`~qwen35_onnx.pipeline.Pipeline.slot_pool`.
+    """
+
+    def __init__(self, pipeline: Generations):
+        self.pipeline = pipeline
+        self.pool = pipeline.slot_pool
+        self.members: list[Member] = []
+
+    def add(self, prepared: PreparedPrompt, loop: TokenLoop, state_cache: SnapshotCache | None = None) -> Member:
+        """(The pipeline's stream methods) a new generation, waiting for a slot; its stream is driven by this
+        group from now on."""
+        member = Member(prepared, loop, state_cache)
+        loop.stream.drive_by(self.step)
+        self.members.append(member)
+        return member
+
+    @property
+    def waiting(self) -> int:
+        """Generations without a slot yet."""
+        return sum(m.generation is None for m in self.members)
+
+    @property
+    def running(self) -> int:
+        """Generations holding a slot (prefilling or decoding)."""
+        return sum(m.generation is not None for m in self.members)
+
+    def run(self) -> None:
+        """Run rounds until every generation has ended."""
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One round (see the module docstring); returns whether generations remain."""
+        for member in list(self.members):
+            if member.stream.cancelled:
+                self._end(member)
+        for member in self.members:
+            if member.generation is None and self.pool.free:
+                self._admit(member)
+        prefilling = next((m for m in self.members if m.runs is not None and not m.decoding), None)
+        if prefilling is not None:
+            self._prefill(prefilling)
+        rows = [m for m in self.members if m.decoding and not m.ended and not m.stream.cancelled]
+        if rows:
+            self._decode(rows)
+        return bool(self.members)
+
+    def _admit(self, member: Member) -> None:
+        try:
+            member.generation = self.pipeline.generation(member.prepared, member.state_cache, pooled=True)
+            member.runs = member.generation.prefill_runs()
+        except Exception as exc:  # noqa: BLE001 - the member's stream raises it
+            self._end(member, exc)
+
+    def _prefill(self, member: Member) -> None:
+        generation, loop = member.generation, member.loop
+        try:
+            next(member.runs)
+            return
+        except StopIteration as done:
+            logits = done.value
+        except Exception as exc:  # noqa: BLE001
+            self._end(member, exc)
+            return
+        try:
+            piece = loop.accept(logits)
+        except Exception as exc:  # noqa: BLE001
+            self._end(member, exc)
+            return
+        member.stream.result.timings, member.stream.result.cached_tokens = generation.timings, generation.cached_tokens
+        member.decoding = True
+        member.stream.put(piece)
+        if loop.done:
+            self._end(member)
+
+    def _decode(self, rows: list[Member]) -> None:
+        try:
+            results = self.pool.step([(m.generation, m.loop.token) for m in rows])
+        except Exception as exc:  # noqa: BLE001 - the step failed for every row
+            for member in rows:
+                self._end(member, exc)
+            return
+        for member, result in zip(rows, results):
+            if isinstance(result, CapacityExhausted):
+                member.loop.out_of_room()
+                self._end(member)
+                continue
+            if isinstance(result, Exception):
+                self._end(member, result)
+                continue
+            try:
+                piece = member.loop.accept(result)
+            except Exception as exc:  # noqa: BLE001
+                self._end(member, exc)
+                continue
+            member.stream.put(piece)
+            if member.loop.done:
+                self._end(member)
+
+    def _end(self, member: Member, error: BaseException | None = None) -> None:
+        """End ``member``: the held-back text and the kept states (when it ended normally or was cancelled), the
+        final result, its slot freed, its stream ended (with ``error``)."""
+        if member.ended:
+            return
+        member.ended = True
+        self.members.remove(member)
+        generation, loop, rest = member.generation, member.loop, ""
+        try:
+            if error is None:
+                rest = loop.flush()
+                if generation is not None and member.decoding:
+                    self.pipeline.keep_states(generation, member.state_cache)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        finally:
+            if generation is None:
+                loop.finalize()
+            else:
+                loop.finalize(generation.timings, generation.cached_tokens)
+                generation.close()
+        if rest:
+            member.stream.put(rest)
+        member.stream.end(error)

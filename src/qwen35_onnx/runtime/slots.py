@@ -1,0 +1,181 @@
+"""Decode slots: several sequences decoded together by one run of the decode graph (numpy only, no torch).
+
+An export with ``--slots S`` has a decode graph of ``S`` rows (:class:`~qwen35_onnx.export.graphs.DecodeGraph`):
+row ``s`` steps the sequence in slot ``s`` with its own token, mask row, positions and states, and a row
+whose mask row is all zeros is idle (its states are left as they are). A :class:`SlotPool` holds those
+``S``-row states in one decoder of the backend, which slot each :class:`~.generation.Generation` holds,
+and runs the batched step.
+
+A sequence enters its slot once its prefill is done: the prefill runs in the chunk graphs (batch 1) on
+states of its own, as a generation alone does, and :meth:`SlotPool.place` copies the result into the
+slot's rows (conv and recurrent state, the KV slots in use: the only copy of a sequence's state the
+pool makes). From then on every decode step updates the slot where it is: the KV cache in place
+(``--ops ort``) or in the A/B buffers every row shares; nothing is gathered or scattered per step
+(:attr:`SlotPool.bytes_copied` counts the bytes ``place`` copied; a step copies none).
+
+Source: continuous batching as in Orca (Yu et al. 2022, "Orca: A Distributed Serving System for
+Transformer-Based Generative Models": requests join and leave the batch between iterations) and
+vLLM; the per-slot recurrent state of hybrid models as in vLLM's mamba state slots and Qualcomm's
+efficient-transformers ``batch_index`` (one state row per slot, reset when a new sequence starts).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..contract import ContractError, KvMode
+from .backend import Backend
+from .masks import CapacityExhausted
+from .positions import decode_position_ids
+from .prompt import PreparedPrompt
+
+__all__ = ["NoFreeSlot", "SlotPool", "SlotSequence"]
+
+
+class SlotSequence(Protocol):
+    """What a pool needs of a sequence in one of its slots (:class:`~.generation.Generation` is one)."""
+
+    slot: int | None
+    mask: np.ndarray
+    prompt: PreparedPrompt
+
+    def claim(self) -> int: ...
+
+    def stepped(self, token: int, logits: np.ndarray, elapsed_ms: float) -> np.ndarray: ...
+
+
+class NoFreeSlot(RuntimeError):
+    """Every decode slot holds a sequence (:attr:`SlotPool.size` of them)."""
+
+
+class SlotPool:
+    """The ``S`` decode slots of one backend (``S`` = the export's :attr:`~qwen35_onnx.contract.ShapeContract.slots`).
+
+    Not thread-safe: one thread runs every graph of a backend.
+
+    Attributes:
+        size: the number of slots, ``S``.
+        holders: the generation in each slot (None: free).
+        steps: decode steps run.
+        rows_stepped: rows summed over those steps (``rows_stepped / steps``: the mean batch).
+        last_rows: the rows of the latest step.
+        bytes_copied: bytes :meth:`place` copied into slots (a decode step copies none).
+
+    Raises (constructor):
+        ContractError: a dynamic-KV export, or a backend whose states the host cannot address.
+    """
+
+    def __init__(self, backend: Backend):
+        contract = backend.contract
+        if contract.kv_mode != KvMode.FIXED:
+            raise ContractError("decode slots need a fixed-KV export (--kv-cache fixed)")
+        self.backend = backend
+        self.size = contract.slots
+        self.decoder = backend.slot_decoder()
+        self.holders: list[SlotSequence | None] = [None] * self.size
+        self.steps = self.rows_stepped = self.last_rows = self.bytes_copied = 0
+        self._ids = np.zeros((self.size, 1), dtype=np.int64)
+        self._masks = np.zeros((self.size, contract.capacity), dtype=np.int64)
+        self._positions = np.zeros((4, self.size, 1), dtype=np.int64)
+
+    @property
+    def free(self) -> int:
+        """Slots that hold no sequence."""
+        return self.holders.count(None)
+
+    @property
+    def busy(self) -> int:
+        """Slots that hold a sequence."""
+        return self.size - self.free
+
+    def acquire(self, generation: SlotSequence) -> int:
+        """The lowest free slot, now held by ``generation``.
+
+        Raises:
+            NoFreeSlot: every slot is held.
+        """
+        for slot, holder in enumerate(self.holders):
+            if holder is None:
+                self.holders[slot] = generation
+                return slot
+        raise NoFreeSlot(f"all {self.size} decode slots hold a sequence")
+
+    def release(self, slot: int) -> None:
+        """Free ``slot`` (its rows keep stale values until the next sequence is placed there)."""
+        self.holders[slot] = None
+
+    def place(self, slot: int, states: dict[str, Any], length: int) -> None:
+        """Copy a prefilled sequence's ``states`` (one row, the backend's form, as a prefill or chunk run
+        returns them) of ``length`` tokens into ``slot``'s rows of the decode states; the KV slots from
+        ``length`` on are left as they are (no row reads a KV slot it has not written)."""
+        rows = self.backend.state_views(self.decoder.states())
+        for name, value in self.backend.states_to_host(states, kv_length=length).items():
+            target = rows[name][:, slot : slot + 1]
+            if name == "present_kv_cache":
+                target = target[:, :, :, :length]
+            np.copyto(target, value)
+            self.bytes_copied += value.nbytes
+
+    def read(self, slot: int, length: int) -> dict[str, np.ndarray]:
+        """Host copies of ``slot``'s states (one row, ``present_*`` keys in the contract's stacked shapes), the
+        KV cache's first ``length`` slots: what a :class:`~.snapshots.StateSnapshot` keeps."""
+        rows = self.backend.state_views(self.decoder.states())
+        arrays = {}
+        for name, value in rows.items():
+            view = value[:, slot : slot + 1]
+            if name == "present_kv_cache":
+                view = view[:, :, :, :length]
+            arrays[name] = np.array(view, copy=True)
+        return arrays
+
+    def step(self, rows: list[tuple[SlotSequence, int]]) -> list[np.ndarray | Exception]:
+        """One decode step of every generation in ``rows`` (each with the token to feed, one row per slot
+        held), the other slots idle: each row claims its next KV slot and position
+        (:meth:`~.generation.Generation.claim`), one run of the decode graph, and each generation's
+        timings and tokens are updated. Returns, per row in order, its logits ``[V]`` fp32 (a view of the
+        step's output, valid until the step after next), or the exception that row met instead
+        (:class:`~.masks.CapacityExhausted` before the run: nothing was run for it;
+        :class:`~qwen35_onnx.contract.ContractError`: logits not finite), so that one row's end does not
+        end the others.
+
+        Raises:
+            ValueError: a generation that holds no slot of this pool, or two rows for one slot.
+        """
+        self._masks[...] = 0
+        self._ids[...] = 0
+        self._positions[...] = 0
+        results: list[np.ndarray | Exception | None] = [None] * len(rows)
+        live = []
+        for i, (generation, token) in enumerate(rows):
+            slot = generation.slot
+            if slot is None or self.holders[slot] is not generation:
+                raise ValueError("a generation stepped by a slot pool must hold one of its slots")
+            if self._masks[slot].any():
+                raise ValueError(f"slot {slot} is stepped twice in one decode step")
+            try:
+                next_pos = generation.claim()
+            except CapacityExhausted as exc:
+                results[i] = exc
+                continue
+            self._ids[slot, 0] = token
+            self._masks[slot] = generation.mask[0]
+            self._positions[:, slot : slot + 1] = decode_position_ids(next_pos, generation.prompt.rope_deltas)
+            live.append(i)
+        if not live:
+            return results
+        start = time.perf_counter()
+        logits = self.decoder.step(self._ids, self._masks, self._positions)
+        elapsed = 1000 * (time.perf_counter() - start)
+        self.steps += 1
+        self.rows_stepped += len(live)
+        self.last_rows = len(live)
+        for i in live:
+            generation, token = rows[i]
+            try:
+                results[i] = generation.stepped(token, logits[generation.slot, -1], elapsed)
+            except ContractError as exc:
+                results[i] = exc
+        return results

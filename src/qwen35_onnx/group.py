@@ -58,6 +58,7 @@ class Generations(Protocol):
 
     def keep_states(self, generation: Generation, state_cache: SnapshotCache | None) -> None: ...
 
+
 __all__ = ["GenerationGroup", "Generations", "Member"]
 
 

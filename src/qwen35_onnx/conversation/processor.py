@@ -22,6 +22,7 @@ code runs without it (see tests/test_preprocess.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import threading
@@ -35,6 +36,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from ..image_grids import Grid, choose_grid, fit_budget, grid_tokens, processor_grid
 from .detokenizer import TextStreamer
 from .messages import DETAILS
+from .reasoning import THINK_END, THINK_START
 
 __all__ = ["ImageSizing", "Preprocessor", "TemplateKwargsError"]
 
@@ -417,5 +419,14 @@ class Preprocessor:
         return named | {"messages", "conversation"}
 
     def text_streamer(self) -> TextStreamer:
-        """A fresh :class:`TextStreamer` over this tokenizer (sharing its lock)."""
-        return TextStreamer(self.tokenizer, self.lock)
+        """A fresh :class:`TextStreamer` over this tokenizer (sharing its lock) that keeps the text of the
+        reasoning markers (:attr:`reasoning_marker_ids`) whether or not the tokenizer marks them special."""
+        return TextStreamer(self.tokenizer, self.lock, self.reasoning_marker_ids)
+
+    @functools.cached_property
+    def reasoning_marker_ids(self) -> tuple[int, ...]:
+        """Token ids of ``<think>`` and ``</think>`` where the tokenizer has them as tokens of their own (added
+        tokens, special or not); the reply is split into reasoning and content at them."""
+        with self.lock:
+            vocab = {**self.tokenizer.get_vocab(), **self.tokenizer.get_added_vocab()}
+        return tuple(int(vocab[marker]) for marker in (THINK_START, THINK_END) if marker in vocab)

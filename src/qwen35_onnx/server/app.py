@@ -1,5 +1,5 @@
 """``qwen35-onnx serve``: the OpenAI-compatible HTTP application, a thin layer over the pipeline
-(the protocol in :mod:`.protocol`, the slot, queue and worker thread in :mod:`.scheduler`).
+(the protocol in :mod:`.protocol`, the slots, queue and worker thread in :mod:`.scheduler`).
 
 Routes:
 
@@ -15,11 +15,12 @@ Routes:
 How a request runs: its body and fields are checked first (400 at once, whatever the load); a
 request that finds the queue full then gets 429 before anything costly; otherwise it is prepared
 (``Pipeline.prepare_chat``: messages, images, chat template, prompt length; 400 on bad input)
-beside the running generation, then waits for the generation slot (:mod:`.scheduler`). A
-streamed generation sends one delta per worker-thread step; a whole one runs up to
-``STEP_SECONDS`` of tokens per step. A client that disconnects (while waiting, while its stream
-runs, or during a non-streamed generation) is noticed at once: its generation is closed between
-two tokens and the slot passes on.
+beside the running generations, then takes one of the export's decode slots or waits for one
+(:mod:`.scheduler`: continuous batching, every running generation advances by a token per decode
+step). A streamed generation sends its deltas as its tokens come; a whole one is read every
+``STEP_SECONDS`` at most. A client that disconnects (while waiting, while its stream runs, or during
+a non-streamed generation) is noticed at once: its generation is closed between two tokens and
+its slot passes on.
 
 Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for
 malformed JSON, wrong types, bad values, bad messages or images, prompts over the capacity;
@@ -139,7 +140,7 @@ class ChatServer:
         self.defaults = defaults
         self.image_policy = options.image_policy
         self.reserved_kwargs = pipeline.preprocessor.reserved_template_kwargs()
-        self.scheduler = Scheduler(pipeline, options.max_queue, on_finished=self._record)
+        self.scheduler = Scheduler(pipeline, options.max_queue, on_finished=self._record, on_step=self._step)
         keep = bool(pipeline.contract.prefill_chunks) and options.state_cache_bytes > 0
         try:
             self.state_cache = pipeline.state_cache(options.state_cache_bytes) if keep else None
@@ -147,6 +148,9 @@ class ChatServer:
             raise ValueError(f"--state-cache-bytes: {exc}") from None
         self.metrics = ServerMetrics(self.scheduler.state)
         self.created = int(time.time())
+
+    def _step(self, rows: int) -> None:  # worker thread, once per decode step
+        self.metrics.decode_step(rows)
 
     def _record(self, generation: ScheduledGeneration) -> None:  # event loop, once per generation
         result = generation.stream.result

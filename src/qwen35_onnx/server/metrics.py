@@ -17,8 +17,11 @@ vLLM and llama.cpp's server export:
 - ``qwen35_onnx_decode_tokens_per_second``: each generation's decode rate (decode steps per
   second of decode-graph time, :attr:`~qwen35_onnx.runtime.generation.Timings.tokens_per_s`);
 - ``qwen35_onnx_request_duration_seconds``: arrival to the generation's end;
-- ``qwen35_onnx_requests_running``, ``qwen35_onnx_requests_waiting``: the generation slot and
-  its queue depth, read when scraped.
+- ``qwen35_onnx_requests_running``, ``qwen35_onnx_requests_waiting``: generations running (at most
+  the slots) and the queue depth, read when scraped;
+- ``qwen35_onnx_slots``, ``qwen35_onnx_slots_busy``: the export's decode slots and those holding a
+  sequence now (as vLLM's ``num_requests_running`` against its batch size);
+- ``qwen35_onnx_decode_batch_rows``: the rows (sequences) of each decode step.
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 prefill of 2048 tokens on 2 cores takes about a minute, a reply to the capacity minutes)."""
 RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
 """Decode tokens per second."""
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+"""Rows of one decode step (at most the export's slots, 64)."""
 
 
 class ServerMetrics:
     """The metrics of one server.
 
     Args:
-        state: returns the scheduler's ``running`` (0 or 1) and ``waiting`` counts, read at each scrape.
+        state: returns the scheduler's ``running``, ``waiting``, ``slots`` and ``slots_busy`` counts, read at
+            each scrape.
     """
 
     def __init__(self, state: Callable[[], dict]):
@@ -71,10 +77,21 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        running = Gauge(f"{PREFIX}_requests_running", "Generations running (the one slot).", registry=r)
-        running.set_function(lambda: state()["running"])
-        waiting = Gauge(f"{PREFIX}_requests_waiting", "Requests waiting for the slot (queue depth).", registry=r)
-        waiting.set_function(lambda: state()["waiting"])
+        self.batch_rows = Histogram(
+            f"{PREFIX}_decode_batch_rows", "Sequences stepped by one decode step.", buckets=ROW_BUCKETS, registry=r
+        )
+        gauges = {
+            "running": ("requests_running", "Generations running (at most the decode slots)."),
+            "waiting": ("requests_waiting", "Requests waiting for a slot (queue depth)."),
+            "slots": ("slots", "Decode slots of the export (generations that decode together)."),
+            "slots_busy": ("slots_busy", "Decode slots holding a sequence now."),
+        }
+        for key, (name, doc) in gauges.items():
+            Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(lambda key=key: state()[key])
+
+    def decode_step(self, rows: int) -> None:
+        """Record one decode step of ``rows`` sequences (any thread)."""
+        self.batch_rows.observe(rows)
 
     def request(self, status: int) -> None:
         """Count one chat completion request answered with HTTP ``status``."""

@@ -23,7 +23,7 @@ class ServerOptions:
         model_name: the served model id (``/v1/models``, echoed in replies; the CLI's default is
             the export folder's name).
         api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>``.
-        max_queue: requests allowed to wait while one generation runs (0: none).
+        max_queue: requests allowed to wait while every decode slot is taken (0: none).
         max_body_bytes: largest request body.
         max_image_bytes: largest encoded image (a data URL's decoded bytes or a file).
         max_image_pixels: largest image (width x height), read from its header before decoding.
@@ -42,7 +42,7 @@ class ServerOptions:
         f"Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set {API_KEY_ENV}); by default no auth.",
         env=API_KEY_ENV,
     )
-    max_queue: int = option(8, "--max-queue", "Requests that may wait while one generation runs; more get 429.")
+    max_queue: int = option(8, "--max-queue", "Requests that may wait while every decode slot is taken; more get 429.")
     max_body_bytes: int = option(32 * MIB, "--max-body-bytes", "Largest request body; larger gets 413.")
     max_image_bytes: int = option(20 * MIB, "--max-image-bytes", "Largest encoded image; larger gets 413.")
     max_image_pixels: int = option(

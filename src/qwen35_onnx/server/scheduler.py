@@ -1,15 +1,20 @@
-"""Scheduling generations (no HTTP): one generation slot with a FIFO queue, and one worker thread
-that makes every pipeline call.
+"""Scheduling generations (no HTTP): continuous batching in the export's decode slots, a FIFO queue beyond
+them, and one worker thread that makes every pipeline call.
 
-The graphs of a :class:`~qwen35_onnx.pipeline.Pipeline` are not thread-safe, so every generation
-call (start, each step, close) runs in ONE worker thread, in arrival order; request preparation
-(images, chat template, tokens) runs in a second thread beside it (``Pipeline.prepare_chat`` runs
-no graph and shares the tokenizer under the preprocessor's lock), so decoding a large image does
-not stall a stream. A request asks for the one generation slot: free -> it runs; busy -> it waits
-in a FIFO queue of at most ``max_queue`` requests; queue full -> 429. A generation advances in
-steps, each one job of the worker thread, so other requests' work runs between two tokens; it
-holds the slot until its stream has ended and been closed in the worker thread. A cancelled
-generation (its client gone) is closed between two tokens and the slot passes on.
+The graphs of a :class:`~qwen35_onnx.pipeline.Pipeline` are not thread-safe, so every generation call runs in
+ONE worker thread; request preparation (images, chat template, tokens) runs in a second thread beside it
+(``Pipeline.prepare_chat`` runs no graph and shares the tokenizer under the preprocessor's lock), so decoding a
+large image does not stall a stream.
+
+A request asks for one of the ``S`` generation slots (the export's decode slots, ``--slots`` at export): a
+free one -> it runs; all taken -> it waits in a FIFO queue of at most ``max_queue`` requests; queue full -> 429.
+Running generations are the members of one :class:`~qwen35_onnx.group.GenerationGroup`, whose rounds the
+worker thread runs one after another while any is running, each round one job of the thread (so a new
+request's start runs between two rounds): in a round the oldest generation still prefilling runs one graph of
+its prefill (its images, or one prefill chunk), then one decode step advances every decoding generation by a
+token (see :mod:`qwen35_onnx.group`). A running stream therefore waits at most one decode step and one prefill
+run between two tokens, however many requests arrive. A generation leaves between two rounds when it ends
+(stop, length, a tool call), is cancelled (its client gone) or fails; its slot goes to the first waiter.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ __all__ = ["ScheduledGeneration", "Scheduler", "Slots"]
 
 
 class Slots:
-    """One generation slot and a FIFO queue of at most ``max_queue`` waiters (event-loop only)."""
+    """``size`` generation slots and a FIFO queue of at most ``max_queue`` waiters (event-loop only)."""
 
-    def __init__(self, max_queue: int):
-        self.max_queue = max_queue
-        self.busy = False
+    def __init__(self, max_queue: int, size: int = 1):
+        self.max_queue, self.size = max_queue, size
+        self.running = 0
         self._waiters: deque[asyncio.Future] = deque()
 
     @property
@@ -44,23 +49,28 @@ class Slots:
         return len(self._waiters)
 
     @property
+    def busy(self) -> bool:
+        """Every slot is taken."""
+        return self.running >= self.size
+
+    @property
     def full(self) -> bool:
-        """A new request would find the slot taken and no room in the queue."""
+        """A new request would find every slot taken and no room in the queue."""
         return self.busy and len(self._waiters) >= self.max_queue
 
     def busy_error(self) -> APIError:
         return APIError(
             429,
-            f"the server is busy: one generation is running and {len(self._waiters)} requests "
-            f"are waiting (the limit, --max-queue {self.max_queue}); retry later",
+            f"the server is busy: {self.running} generations are running (its {self.size} slots) and "
+            f"{len(self._waiters)} requests are waiting (the limit, --max-queue {self.max_queue}); retry later",
             code="queue_full",
         )
 
     def enter(self) -> asyncio.Future | None:
-        """Take the slot (None) or a place in the queue (a future set when the slot is handed
-        over). Raises APIError 429 when the queue is full."""
+        """Take a slot (None) or a place in the queue (a future set when a slot is handed over). Raises
+        APIError 429 when the queue is full."""
         if not self.busy and not self._waiters:
-            self.busy = True
+            self.running += 1
             return None
         if self.full:
             raise self.busy_error()
@@ -80,93 +90,96 @@ class Slots:
             pass
 
     def release(self) -> None:
-        """The running generation is over: hand the slot to the first waiter, or free it."""
+        """A running generation is over: hand its slot to the first waiter, or free it."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 return
-        self.busy = False
+        self.running -= 1
 
 
 class ScheduledGeneration:
-    """One admitted generation. Its :class:`~qwen35_onnx.pipeline.ChatStream` is touched only by the
-    worker thread (``_pull``, ``_end``); the event loop asks for steps and for cancellation.
+    """One admitted generation, a member of the scheduler's group. Its
+    :class:`~qwen35_onnx.pipeline.ChatStream` produces deltas in the worker thread (the group's rounds); the event
+    loop reads them with :meth:`step` and asks for cancellation.
 
     Attributes:
-        arrived: ``time.monotonic()`` when its request arrived (when the generation started, if
-            not given).
+        arrived: ``time.monotonic()`` when its request arrived (when the generation started, if not given).
         first_text_at: ``time.monotonic()`` when its first non-empty delta came (None before).
         ended_at: ``time.monotonic()`` when it ended (None before).
+        outcome: completed, cancelled or failed once it has ended (None before).
     """
 
     def __init__(self, scheduler: Scheduler, stream: ChatStream, arrived: float | None = None):
         self.scheduler = scheduler
         self.stream = stream
-        self._deltas = iter(stream)
-        self.outcome: str | None = None  # completed | cancelled | failed (worker thread writes)
+        self.outcome: str | None = None
         self._cancel_sent = False
+        self._news = asyncio.Event()
         self.arrived = time.monotonic() if arrived is None else arrived
         self.first_text_at: float | None = None
         self.ended_at: float | None = None
 
-    async def step(self, seconds: float) -> tuple[list[ChatDelta], bool]:
-        """The next delta(s) (at least one unless the stream ends) and whether it has ended."""
-        return await self.scheduler.call(self._pull, seconds)
+    async def step(self, seconds: float = 0.0) -> tuple[list[ChatDelta], bool]:
+        """The deltas produced since the last call and whether the generation has ended: waits until there is at
+        least one delta or the end, or with ``seconds`` > 0 at most that long (then possibly nothing).
 
-    def _pull(self, seconds: float) -> tuple[list[ChatDelta], bool]:  # worker thread
-        if self.outcome is not None:
-            return [], True
-        deltas: list[ChatDelta] = []
-        deadline = time.monotonic() + seconds
-        try:
-            for delta in self._deltas:
-                deltas.append(delta)
-                if self.first_text_at is None and delta:
-                    self.first_text_at = time.monotonic()
-                if time.monotonic() >= deadline:
-                    return deltas, False
-        except BaseException:
-            self._end("failed")
-            raise
-        self._end("completed")
-        return deltas, True
-
-    def _end(self, outcome: str) -> None:  # worker thread; the first outcome counts
-        if self.outcome is not None:
-            return
-        self.outcome = outcome
-        self.ended_at = time.monotonic()
-        try:
-            self.stream.close()
-        except Exception:  # noqa: BLE001 - closing must not keep the slot
-            log.exception("closing a generation failed")
-        finally:
+        Raises:
+            Exception: what the generation failed with, once its deltas before the failure are read.
+        """
+        deadline = None if seconds <= 0 else asyncio.get_running_loop().time() + seconds
+        while True:
+            self._news.clear()
+            deltas = self._drain()
+            if deltas:
+                return deltas, False
+            if self.outcome is not None:
+                error = self.stream.generation_stream._error
+                if self.outcome == "failed" and error is not None:
+                    raise error
+                return [], True
             try:
-                self.scheduler.loop.call_soon_threadsafe(self.scheduler.finished, self)
-            except RuntimeError:  # the event loop has closed: the server is gone
-                pass
+                timeout = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+                await asyncio.wait_for(self._news.wait(), timeout)
+            except TimeoutError:
+                return [], False
+
+    def _drain(self) -> list[ChatDelta]:
+        queue, deltas = self.stream._queue, []
+        while queue:
+            deltas.append(queue.popleft())
+        if self.first_text_at is None and any(deltas):
+            self.first_text_at = time.monotonic()
+        return deltas
+
+    def _notify(self) -> None:  # event loop: the worker thread produced deltas or ended the generation
+        stream = self.stream.generation_stream
+        if self.outcome is None and stream.ended:
+            # a reply that ends itself (one tool call read) is completed; a stop asked for by the server, cancelled
+            self.outcome = "failed" if stream._error is not None else "cancelled" if self._cancel_sent else "completed"
+            self.ended_at = time.monotonic()
+            self.scheduler.finished(self)
+        self._news.set()
 
     def cancel(self) -> None:
-        """Stop the generation between two tokens and free its slot (idempotent, returns at once)."""
-        if not self._cancel_sent:
+        """Stop the generation before its next token and free its slot (idempotent, returns at once)."""
+        if not self._cancel_sent and self.outcome is None:
             self._cancel_sent = True
-            self.stream.cancel()  # thread-safe: ends a step that is running now, before its next token
-            try:
-                self.scheduler.executor.submit(self._end, "cancelled")
-            except RuntimeError:  # the worker has shut down (server exit): nothing left to free
-                pass
+            self.stream.cancel()  # thread-safe: the group ends it at its next round
+            self.scheduler.wake()
 
 
 class Scheduler:
-    """The worker thread, the preparation thread, the slot and its queue, and the counters
-    (``completed`` / ``cancelled`` / ``failed`` / ``rejected`` / ``left_queue``) of one pipeline.
-    Event-loop methods are called from the server's loop (:attr:`loop`, set when it starts).
+    """The worker thread and its group of running generations, the preparation thread, the slots and their
+    queue, and the counters (``completed`` / ``cancelled`` / ``failed`` / ``rejected`` / ``left_queue``) of one
+    pipeline. Event-loop methods are called from the server's loop (:attr:`loop`, set when it starts).
 
     Args:
-        pipeline: the pipeline every generation runs on.
-        max_queue: most requests waiting for the slot.
+        pipeline: the pipeline every generation runs on; its export's decode slots are the slots here.
+        max_queue: most requests waiting for a slot.
         on_finished: called on the event loop with each generation that ended (e.g. metrics).
+        on_step: called in the worker thread with the rows of each decode step (e.g. metrics).
     """
 
     def __init__(
@@ -174,15 +187,19 @@ class Scheduler:
         pipeline: Pipeline,
         max_queue: int,
         on_finished: Callable[[ScheduledGeneration], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ):
-        self.on_finished = on_finished
+        self.on_finished, self.on_step = on_finished, on_step
         self.pipeline = pipeline
-        self.slots = Slots(max_queue)
+        self.group = pipeline.group()
+        self.slots = Slots(max_queue, self.group.pool.size)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen35-pipeline")
         self.prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen35-prepare")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "left_queue": 0}
         self.last: dict | None = None
+        self._scheduled: list[ScheduledGeneration] = []  # worker thread
+        self._pumping = False  # worker thread: a round job is queued
 
     async def call(self, fn, *args):
         """Run ``fn(*args)`` in the pipeline's worker thread (the only thread that touches it)."""
@@ -193,14 +210,14 @@ class Scheduler:
         return await self.loop.run_in_executor(self.prepare_executor, functools.partial(fn, *args))
 
     def refuse_if_full(self) -> None:
-        """Raise the 429 before any costly work when the slot is taken and the queue full."""
+        """Raise the 429 before any costly work when every slot is taken and the queue full."""
         if self.slots.full:
             self.counters["rejected"] += 1
             raise self.slots.busy_error()
 
     async def admit(self, gone: asyncio.Future) -> bool:
-        """Take the generation slot, waiting in the queue while it is busy; False when the client
-        left (``gone`` done) before its turn.
+        """Take a generation slot, waiting in the queue while all are taken; False when the client left
+        (``gone`` done) before its turn.
 
         Raises:
             APIError: 429 when the queue is full.
@@ -224,15 +241,59 @@ class Scheduler:
         return True
 
     async def start(self, start, *args, arrived: float | None = None) -> ScheduledGeneration:
-        """Start a generation in the worker thread (``start(*args)`` returns its ChatStream) in the
-        slot :meth:`admit` took; the slot is released if starting fails. ``arrived``: the
+        """Start a generation in the worker thread (``start(*args, group=...)`` returns its ChatStream, a member of
+        the group) in the slot :meth:`admit` took; the slot is released if starting fails. ``arrived``: the
         request's arrival (``time.monotonic()``)."""
         try:
-            stream = await self.call(start, *args)
+            return await self.call(self._start, start, args, arrived)
         except BaseException:
             self.slots.release()
             raise
-        return ScheduledGeneration(self, stream, arrived)
+
+    def _start(self, start, args, arrived: float | None) -> ScheduledGeneration:  # worker thread
+        stream = start(*args, group=self.group)
+        generation = ScheduledGeneration(self, stream, arrived)
+        self._scheduled.append(generation)
+        self._pump()
+        return generation
+
+    def wake(self) -> None:
+        """Have the worker thread run a round (e.g. to end a cancelled generation)."""
+        try:
+            self.executor.submit(self._pump)
+        except RuntimeError:  # the worker has shut down (server exit)
+            pass
+
+    def _pump(self) -> None:  # worker thread: queue a round unless one is queued
+        if not self._pumping and self._scheduled:
+            self._pumping = True
+            self.executor.submit(self._round)
+
+    def _round(self) -> None:  # worker thread: one round of the group, then tell the event loop what changed
+        self._pumping = False
+        pool, steps = self.group.pool, self.group.pool.steps
+        try:
+            self.group.step()
+        except Exception:  # noqa: BLE001 - the group ends its members itself; this is a bug: log it, go on
+            log.exception("a round of the generation group failed")
+        if self.on_step is not None and pool.steps != steps:
+            try:
+                self.on_step(pool.last_rows)
+            except Exception:  # noqa: BLE001 - an observer must not stop the rounds
+                log.exception("recording a decode step failed")
+        for generation in list(self._scheduled):
+            stream = generation.stream
+            if stream._queue or stream.generation_stream.ended:
+                if stream.generation_stream.ended:
+                    self._scheduled.remove(generation)
+                self._tell(generation._notify)
+        self._pump()
+
+    def _tell(self, fn) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the event loop has closed: the server is gone
+            pass
 
     def finished(self, generation: ScheduledGeneration) -> None:  # event loop
         self.counters[generation.outcome] += 1
@@ -251,11 +312,18 @@ class Scheduler:
                 log.exception("recording a finished generation failed")
 
     def state(self) -> dict:
-        """``running``, ``waiting``, ``max_queue``, the counters and the last generation's outcome."""
+        """``running``, ``waiting``, ``max_queue``, ``slots`` (the export's decode slots), ``slots_busy`` (those
+        holding a sequence now), ``decode_steps`` and ``decode_rows`` (rows summed over the steps), the counters and
+        the last generation's outcome."""
+        pool = self.group.pool
         return {
-            "running": int(self.slots.busy),
+            "running": self.slots.running,
             "waiting": self.slots.waiting,
             "max_queue": self.slots.max_queue,
+            "slots": pool.size,
+            "slots_busy": pool.busy,
+            "decode_steps": pool.steps,
+            "decode_rows": pool.rows_stepped,
             **self.counters,
             "last": self.last,
         }

@@ -537,6 +537,13 @@ class ShapeContract:
         shape[1] = self.slots
         return tuple(shape)
 
+    @property
+    def decode_host_inputs(self) -> list[str]:
+        """The decode graph's inputs other than the states: ``input_ids``, ``attention_mask``, ``position_ids``,
+        and with several slots ``active_rows`` (``[S]`` bool: False for a row whose slot sits the step out)."""
+        names = ["input_ids", "attention_mask", "position_ids"]
+        return [*names, "active_rows"] if self.slots > 1 else names
+
     def slot_state_bytes(self) -> int:
         """Bytes of one slot's conv, recurrent and KV state (capacity wide) in the export's dtypes."""
         itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}

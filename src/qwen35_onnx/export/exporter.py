@@ -385,10 +385,12 @@ def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int, grid: t
     mask_len = contract.capacity if contract.kv_mode == KvMode.FIXED else seq_len + 1
     mask = torch.zeros(rows, mask_len, dtype=torch.long)
     mask[:, : seq_len + 1] = 1
+    active = (torch.ones(rows, dtype=torch.bool),) if rows > 1 else ()
     return (
         torch.randint(0, contract.vocab_size, (rows, 1)),
         mask,
         torch.full((4, rows, 1), seq_len, dtype=torch.long),
+        *active,
         *past_states(contract, kv_len, rows),
     )
 
@@ -459,13 +461,13 @@ def graph_module(kind: GraphKind, model, contract: ShapeContract):
 def io_names(kind: GraphKind, contract: ShapeContract) -> tuple[list[str], list[str]]:
     """Input and output names of a graph of ``kind`` (the decode state names depend on
     :attr:`ShapeContract.kv_in_place`, see :meth:`ShapeContract.decode_state_names`)."""
-    from .graphs import CHUNK_INPUTS, DECODE_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
+    from .graphs import CHUNK_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
 
     if kind == GraphKind.VISION:
         return VISION_INPUTS, VISION_OUTPUTS
     if kind == GraphKind.PREFILL:
         return PREFILL_INPUTS, TEXT_OUTPUTS
-    inputs = CHUNK_INPUTS if kind == GraphKind.CHUNK else DECODE_INPUTS
+    inputs = CHUNK_INPUTS if kind == GraphKind.CHUNK else [*contract.decode_host_inputs, *STATE_NAMES]
     past = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "past")]
     present = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "present")]
     return inputs[: -len(STATE_NAMES)] + past, TEXT_OUTPUTS[: -len(STATE_NAMES)] + present

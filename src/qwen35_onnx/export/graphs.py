@@ -15,7 +15,7 @@ prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_em
            present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
 chunk      input_ids [B,C], chunk_mask [B,C], attention_mask [B,L], position_ids [4,B,C],
            image_embeds [C,hidden] and the past states as decode -> as decode (see ChunkGraph)
-decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], past_conv_states,
+decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], (B > 1: active_rows [B] bool), past_conv_states,
            past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states;
            with --ops ort and fixed KV every state goes one entry at a time: past_conv_states.{n},
            past_recurrent_states.{n} (n < n_linear), past_kv_cache.{j} [B,Hkv,L,D] (j < 2*n_full)
@@ -507,9 +507,11 @@ class PrefillGraph(_TextGraph):
 class DecodeGraph(_TextGraph):
     """One token per row -> logits and updated states; ``B`` is the export's decode slots
     (``--slots``, :attr:`ShapeContract.slots`), each row one slot's sequence with its own mask row,
-    positions and states. With more than one slot a row whose mask row is all zeros is idle: its
-    recurrent state is left exactly as it was (no decay, no write), its conv state is passed through,
-    and its k, v go to the last KV slot (which its sequence has not reached); its logits are not read.
+    positions and states. With more than one slot the input ``active_rows [B]`` (bool) says which rows
+    step: an idle row (False) leaves its recurrent state exactly as it was (no decay, no write) and
+    passes its conv state through; its k, v go to the KV slot its mask claims, which the runtime makes
+    its sequence's next free slot (so it costs attention over its own length, and a free slot's row
+    over one position); its logits are not read.
 
     Fixed mode: ``attention_mask [B, L]`` already holds the new token; the graph derives the
     write slot ``cache_pos = sum(mask) - 1``, writes the new k and v into that slot (one
@@ -533,21 +535,17 @@ class DecodeGraph(_TextGraph):
                 self, f"conv_kernel_t_{i}", lambda load, conv=conv: load(conv.weight)[:, 0, :].t().contiguous()
             )
 
-    def forward(self, input_ids, attention_mask, position_ids, past_conv, past_rec, past_kv):
+    def forward(self, input_ids, attention_mask, position_ids, *rest):
         contract = self.contract
+        active = None
+        if contract.slots > 1:
+            active, *rest = rest  # [B] bool
+        past_conv, past_rec, past_kv = rest
         hidden = self.text.embed_tokens(input_ids)
         rope = self.rotary(hidden, position_ids)
         mask = attention_mask.bool()
-        active = None
         if contract.kv_mode == KvMode.FIXED:
-            count = attention_mask.sum(dim=-1)  # [B]
-            cache_pos = count - 1
-            if contract.slots > 1:
-                # an idle row (a free slot, or one whose request is prefilling) has no mask slot: it writes its
-                # k and v to the last KV slot, which a sequence of the slot has not reached (a full slot's
-                # sequence has ended), and leaves its conv and recurrent state as they are
-                active = count > 0
-                cache_pos = torch.where(active, cache_pos, torch.full_like(cache_pos, attention_mask.shape[1] - 1))
+            cache_pos = attention_mask.sum(dim=-1) - 1  # [B]
             slots = torch.arange(attention_mask.shape[1], device=input_ids.device).view(1, -1)
             allowed = (slots <= cache_pos.view(-1, 1)) & mask
         else:

@@ -173,10 +173,17 @@ def usable_cpus() -> int:
 class Decoder(Protocol):
     """One generation's decode state, kept by the backend between steps."""
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    def step(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        active_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Run one decode step on ``input_ids`` ``[S, 1]``, ``attention_mask`` ``[S, capacity]``
         (fixed KV; one column more per step in dynamic mode) and ``position_ids`` ``[4, S, 1]``
-        (int64), ``S`` the export's decode slots (1 unless exported with ``--slots``); returns the
+        (int64), ``S`` the export's decode slots (1 unless exported with ``--slots``; then also
+        ``active_rows`` ``[S]`` bool, the rows that step, see :class:`~.slots.SlotPool`); returns the
         logits ``[S, 1, V]`` fp32 as a host array the caller owns: the decoder does not write into it
         again while it, or a view of it, is referenced (it may reuse it once it is dropped)."""
         ...

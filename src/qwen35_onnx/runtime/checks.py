@@ -250,6 +250,11 @@ def check_decode(
     names the graph kind in errors (decode, or chunk for :func:`check_chunk`). The decode graph has one
     row per slot (:attr:`ShapeContract.slots`: tokens, mask rows, positions, states and logits), a chunk
     graph one."""
+    if what == "decode":
+        host_inputs = contract.decode_host_inputs
+        if "active_rows" in host_inputs and "active_rows" in decode.inputs:
+            _expect(f"{what} active_rows shape", decode.inputs["active_rows"], [contract.slots])
+            _expect(f"{what} active_rows element type", decode.types.get("active_rows"), "tensor(bool)")
     for kind, prefix, fixed in (
         ("input", "past", list(host_inputs)),
         ("output", "present", ["logits"]),

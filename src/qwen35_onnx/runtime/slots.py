@@ -6,6 +6,11 @@ whose mask row is all zeros is idle (its states are left as they are). A :class:
 ``S``-row states in one decoder of the backend, which slot each :class:`~.generation.Generation` holds,
 and runs the batched step.
 
+Idle rows (a free slot, a sequence that sits a step out) step too, marked inactive (``active_rows``): their
+recurrent and conv states are left as they are, and their k, v go to the next free KV slot of their sequence
+(slot 0 of a free one), so an idle row reads as many KV slots as its sequence holds (one for a free slot), not
+the capacity.
+
 A sequence enters its slot once its prefill is done: the prefill runs in the chunk graphs (batch 1) on
 states of its own, as a generation alone does, and :meth:`SlotPool.place` copies the result into the
 slot's rows (conv and recurrent state, the KV slots in use: the only copy of a sequence's state the
@@ -80,6 +85,9 @@ class SlotPool:
         self._ids = np.zeros((self.size, 1), dtype=np.int64)
         self._masks = np.zeros((self.size, contract.capacity), dtype=np.int64)
         self._positions = np.zeros((4, self.size, 1), dtype=np.int64)
+        self._active = np.zeros(self.size, dtype=np.bool_)
+        self.lengths = [0] * self.size
+        """Tokens in each slot's KV cache (0: a free slot, or one whose sequence is still prefilling)."""
 
     @property
     def free(self) -> int:
@@ -106,6 +114,7 @@ class SlotPool:
     def release(self, slot: int) -> None:
         """Free ``slot`` (its rows keep stale values until the next sequence is placed there)."""
         self.holders[slot] = None
+        self.lengths[slot] = 0
 
     def place(self, slot: int, states: dict[str, Any], length: int) -> None:
         """Copy a prefilled sequence's ``states`` (one row, the backend's form, as a prefill or chunk run
@@ -118,6 +127,7 @@ class SlotPool:
                 target = target[:, :, :, :length]
             np.copyto(target, value)
             self.bytes_copied += value.nbytes
+        self.lengths[slot] = length
 
     def read(self, slot: int, length: int) -> dict[str, np.ndarray]:
         """Host copies of ``slot``'s states (one row, ``present_*`` keys in the contract's stacked shapes), the
@@ -144,16 +154,20 @@ class SlotPool:
         Raises:
             ValueError: a generation that holds no slot of this pool, or two rows for one slot.
         """
-        self._masks[...] = 0
         self._ids[...] = 0
         self._positions[...] = 0
+        self._active[...] = False
+        capacity = self._masks.shape[1]
+        for slot, length in enumerate(self.lengths):  # idle rows: the next free KV slot of their sequence
+            self._masks[slot] = 0
+            self._masks[slot, : min(length + 1, capacity)] = 1
         results: list[np.ndarray | Exception | None] = [None] * len(rows)
         live = []
         for i, (generation, token) in enumerate(rows):
             slot = generation.slot
             if slot is None or self.holders[slot] is not generation:
                 raise ValueError("a generation stepped by a slot pool must hold one of its slots")
-            if self._masks[slot].any():
+            if self._active[slot]:
                 raise ValueError(f"slot {slot} is stepped twice in one decode step")
             try:
                 next_pos = generation.claim()
@@ -161,13 +175,15 @@ class SlotPool:
                 results[i] = exc
                 continue
             self._ids[slot, 0] = token
+            self._active[slot] = True
             self._masks[slot] = generation.mask[0]
+            self.lengths[slot] = next_pos + 1
             self._positions[:, slot : slot + 1] = decode_position_ids(next_pos, generation.prompt.rope_deltas)
             live.append(i)
         if not live:
             return results
         start = time.perf_counter()
-        logits = self.decoder.step(self._ids, self._masks, self._positions)
+        logits = self.decoder.step(self._ids, self._masks, self._positions, self._active)
         elapsed = 1000 * (time.perf_counter() - start)
         self.steps += 1
         self.rows_stepped += len(live)

@@ -99,12 +99,7 @@ class BoundDecoder:
                 buffers["logits"] = new(self.logits_shape, np.float32, device, 0)
         self.kv = states["present_kv_cache"]
         self.steps = 0
-        rows = contract.slots
-        self.host = {
-            "input_ids": np.zeros((rows, 1), dtype=np.int64),
-            "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
-            "position_ids": np.zeros((4, rows, 1), dtype=np.int64),
-        }
+        self.host = host_inputs(contract)
         self.bindings = [self._bind(p) for p in (0, 1)] if self.fixed else None
 
     def _bind(self, parity: int, attention_mask: np.ndarray | None = None) -> ort.IOBinding:
@@ -162,8 +157,14 @@ class BoundDecoder:
         states.setdefault("present_kv_cache", self.kv)  # dynamic mode: ONNX Runtime's latest output
         return states
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Run one decode step; returns logits ``[1, 1, V]`` fp32: a host array that no later step
+    def step(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        active_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Run one decode step; returns logits ``[S, 1, V]`` fp32: a host array that no later step
         writes while it (or a view of it) is referenced (on the CPU the array the step wrote, else
         a copy)."""
         parity = self.steps % 2
@@ -172,6 +173,8 @@ class BoundDecoder:
         host = self.host
         np.copyto(host["input_ids"], input_ids)
         np.copyto(host["position_ids"], position_ids)
+        if "active_rows" in host:
+            np.copyto(host["active_rows"], active_rows)
         if self.fixed:
             np.copyto(host["attention_mask"], attention_mask)
             binding = self.bindings[parity]
@@ -184,6 +187,19 @@ class BoundDecoder:
         if self.logits is not None:
             return self.logits[parity]
         return self.buffers[parity]["logits"].numpy()  # a device tensor: copied to the host
+
+
+def host_inputs(contract: ShapeContract) -> dict[str, np.ndarray]:
+    """Zeroed host buffers of the decode graph's inputs other than the states (one row per decode slot)."""
+    rows = contract.slots
+    host = {
+        "input_ids": np.zeros((rows, 1), dtype=np.int64),
+        "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
+        "position_ids": np.zeros((4, rows, 1), dtype=np.int64),
+    }
+    if "active_rows" in contract.decode_host_inputs:
+        host["active_rows"] = np.zeros(rows, dtype=np.bool_)
+    return host
 
 
 ORT_TYPES = {ONNX_TYPES[dtype]: np_dtype for dtype, np_dtype in NP_DTYPES.items()}
@@ -310,9 +326,17 @@ class HostDecoder:
         """The states after the last step, as host arrays (this decoder's own)."""
         return {f"present_{name}": value for name, value in self.past.items()}
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Run one decode step; returns logits ``[1, 1, V]`` fp32."""
+    def step(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        active_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Run one decode step; returns logits ``[S, 1, V]`` fp32."""
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if active_rows is not None:
+            feeds["active_rows"] = active_rows
         logits, states = run_host(self.session, self.contract, feeds, self.states())
         self.past = {name: states[f"present_{name}"] for name in STATE_NAMES}
         return logits

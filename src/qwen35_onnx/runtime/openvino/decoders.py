@@ -50,12 +50,13 @@ class OpenVinoDecoder:
             {name: fresh_tensor(compiled.output(name)) for name in names},
             {name: states[name] for name in names},
         ]
-        rows = contract.slots  # one row per decode slot
         self.host = {
-            "input_ids": np.zeros((rows, 1), dtype=np.int64),
-            "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
-            "position_ids": np.zeros((4, rows, 1), dtype=np.int64),
+            "input_ids": np.zeros((contract.slots, 1), dtype=np.int64),
+            "attention_mask": np.zeros((contract.slots, contract.capacity), dtype=np.int64),
+            "position_ids": np.zeros((4, contract.slots, 1), dtype=np.int64),
         }
+        if "active_rows" in contract.decode_host_inputs:
+            self.host["active_rows"] = np.zeros(contract.slots, dtype=np.bool_)
         shared = {name: ov.Tensor(array, shared_memory=True) for name, array in self.host.items()}
         self.logits = []
         for parity, request in enumerate(self.requests):
@@ -73,13 +74,21 @@ class OpenVinoDecoder:
         """The states after the last step (the prefill's before the first), this decoder's tensors."""
         return dict(self.buffers[(self.steps - 1) % 2 if self.steps else 1])
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Run one decode step; returns logits ``[1, 1, V]`` fp32 (a host copy)."""
+    def step(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        active_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Run one decode step; returns logits ``[S, 1, V]`` fp32 (a host copy)."""
         parity = self.steps % 2
         host = self.host
         np.copyto(host["input_ids"], input_ids)
         np.copyto(host["attention_mask"], attention_mask)
         np.copyto(host["position_ids"], position_ids)
+        if "active_rows" in host:
+            np.copyto(host["active_rows"], active_rows)
         run_request(self.requests[parity])
         self.steps += 1
         return self.logits[parity].copy()  # the view is rewritten two steps later
@@ -97,9 +106,17 @@ class OpenVinoHostDecoder:
         """The states after the last step, as host arrays (this decoder's own)."""
         return {f"present_{name}": value for name, value in self.past.items()}
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Run one decode step; returns logits ``[1, 1, V]`` fp32."""
+    def step(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        active_rows: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Run one decode step; returns logits ``[S, 1, V]`` fp32."""
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if active_rows is not None:
+            feeds["active_rows"] = active_rows
         feeds.update({f"past_{name}": self.past[name] for name in STATE_NAMES})
         outputs = self.request.infer(feeds)  # copies the inputs in and the outputs out
         for name in STATE_NAMES:

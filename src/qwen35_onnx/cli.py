@@ -362,6 +362,13 @@ def bench(
         help="Instead: render benchmarks/README.md, docs/benchmarks.md and README.md's results table from "
         "the stored results (benchmarks/results/), measuring nothing.",
     ),
+    streams: str = typer.Option(
+        "",
+        "--streams",
+        help="Instead: several streams at once, e.g. 1,2,4,8: the preset exported at int4 with that many decode "
+        "slots, aggregate decode tokens/s and inter-token latency per stream count (in one process, a "
+        "generation group), then qwen35-onnx serve against llama-server --parallel 4 under the same client load.",
+    ),
     profile: Optional[Path] = typer.Option(
         None,
         "--profile",
@@ -420,6 +427,8 @@ def bench(
 
     if preset not in PRESETS:
         _fail(ValueError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}"))
+    if streams.strip() and (publish or rounds != 1):
+        _fail(ValueError("--streams measures concurrent streams: not with --publish or --rounds"))
     parsed = _lengths(lengths)
     try:
         chosen = check_rows(None if rows.strip() == "all" else [r.strip() for r in rows.split(",") if r.strip()])
@@ -430,6 +439,19 @@ def bench(
     else:
         typer.echo(f"[bench] building the {preset} checkpoint (once, cached) ...", err=True)
         checkpoint = build_demo_checkpoint(demo_checkpoint_dir().parent / f"checkpoint-{preset}", preset=preset)
+    if streams.strip():
+        from .bench.streams import report_lines, run_streams
+
+        try:
+            counts = [int(n) for n in streams.split(",") if n.strip()]
+        except ValueError:
+            _fail(ValueError(f"--streams {streams!r} must be comma-separated stream counts, e.g. 1,2,4,8"))
+        try:
+            report = run_streams(checkpoint, work_dir / preset, counts, log=lambda m: typer.echo(m, err=True))
+        except USER_ERRORS as exc:
+            _fail(exc)
+        typer.echo("\n".join(report_lines(report)))
+        return
     try:
         typer.echo(
             run_bench(

@@ -538,6 +538,14 @@ class ShapeContract:
         return tuple(shape)
 
     @property
+    def dynamic_rows(self) -> bool:
+        """The decode graph's row axis is dynamic (1 to :attr:`slots`): with several slots and per-entry states
+        (:attr:`kv_in_place`, ``--ops ort``), so that a step runs only the rows of the slots in use (the runtime
+        keeps them first: :class:`~qwen35_onnx.runtime.slots.SlotPool`); a static compiler's graph
+        (``--ops portable``) has :attr:`slots` rows, every step all of them."""
+        return self.slots > 1 and self.kv_in_place
+
+    @property
     def decode_host_inputs(self) -> list[str]:
         """The decode graph's inputs other than the states: ``input_ids``, ``attention_mask``, ``position_ids``,
         and with several slots ``active_rows`` (``[S]`` bool: False for a row whose slot sits the step out)."""

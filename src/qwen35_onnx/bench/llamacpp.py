@@ -73,9 +73,9 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
 )
-TOOLS = ("llama-bench", "llama-quantize", "llama-mtmd-cli", "llama-tokenize")
+TOOLS = ("llama-bench", "llama-quantize", "llama-mtmd-cli", "llama-tokenize", "llama-server")
 CONVERTER_PINS = (
     "torch==2.13.0",  # the CPU build (a local wheel here); an unpinned torch pulls a multi-GB CUDA build
     "transformers==5.24.*",  # the first line with qwen3_5 is 5.2; the project's tests run 5.24

@@ -247,6 +247,7 @@ def _is_cached(folder: Path, options) -> bool:
         c.quant_block_size,
         c.image_tokens,
         c.static_vision,
+        c.slots,
     ) == (
         __version__,
         options.capacity,
@@ -257,6 +258,7 @@ def _is_cached(folder: Path, options) -> bool:
         options.quant_block_size,
         options.image_tokens,
         options.vision_grids not in (ANY_GRID, ()),
+        options.slots,
     )
 
 

@@ -250,10 +250,13 @@ def check_decode(
     names the graph kind in errors (decode, or chunk for :func:`check_chunk`). The decode graph has one
     row per slot (:attr:`ShapeContract.slots`: tokens, mask rows, positions, states and logits), a chunk
     graph one."""
+    dynamic = what == "decode" and contract.dynamic_rows
     if what == "decode":
         host_inputs = contract.decode_host_inputs
         if "active_rows" in host_inputs and "active_rows" in decode.inputs:
-            _expect(f"{what} active_rows shape", decode.inputs["active_rows"], [contract.slots])
+            found = decode.inputs["active_rows"]
+            if not (dynamic and len(found) == 1 and not isinstance(found[0], int)):
+                _expect(f"{what} active_rows shape", found, [contract.slots])
             _expect(f"{what} active_rows element type", decode.types.get("active_rows"), "tensor(bool)")
     for kind, prefix, fixed in (
         ("input", "past", list(host_inputs)),
@@ -265,9 +268,11 @@ def check_decode(
     _check_host_types(decode, what)
     rows = contract.slots if what == "decode" else contract.batch
     shape_of = contract.slot_state_shape if what == "decode" else contract.state_shape
-    for name in ("input_ids", "attention_mask"):
-        _expect(f"{what} {name} rows (decode slots)", decode.dim("input", name, 0), rows)
-    _expect(f"{what} logits rows (decode slots)", decode.dim("output", "logits", 0), rows)
+    for kind, name in (("input", "input_ids"), ("input", "attention_mask"), ("output", "logits")):
+        found = decode.dim(kind, name, 0)
+        if dynamic and not isinstance(found, int):
+            continue  # the rows in use, 1 to slots
+        _expect(f"{what} {name} rows (decode slots{', dynamic' if dynamic else ''})", found, rows)
     if contract.kv_in_place:
         for kind, prefix in (("input", "past"), ("output", "present")):
             table = decode.inputs if kind == "input" else decode.outputs
@@ -276,6 +281,9 @@ def check_decode(
                 for name in contract.decode_state_names(state, prefix):
                     if state == "kv_cache":
                         _check_capacity(contract, {f"{what} {name} token axis": table[name][2]})
+                    found = table.get(name)
+                    if dynamic and found is not None and not isinstance(found[0], int):
+                        entry = [found[0], *entry[1:]]  # the rows in use
                     _check_tensor(decode, kind, name, entry, contract.state_dtype(state))
         _check_capacity(contract, {f"{what} attention_mask width": decode.dim("input", "attention_mask", 1)})
         return

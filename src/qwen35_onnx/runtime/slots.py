@@ -11,6 +11,12 @@ recurrent and conv states are left as they are, and their k, v go to the next fr
 (slot 0 of a free one), so an idle row reads as many KV slots as its sequence holds (one for a free slot), not
 the capacity.
 
+With ``--ops ort`` the decode graph's row axis is dynamic (:attr:`~qwen35_onnx.contract.ShapeContract.dynamic_rows`)
+and the pool keeps the slots in use first: a step runs the rows up to the last slot held, not all ``S`` (on a CPU
+a row costs compute once the products stop being bound by memory: one stream alone runs at the speed of a
+one-slot export). A sequence that leaves from below the last held slot gets that slot's sequence moved into its
+place (one copy of one slot's state, when a sequence ends; never per step).
+
 A sequence enters its slot once its prefill is done: the prefill runs in the chunk graphs (batch 1) on
 states of its own, as a generation alone does, and :meth:`SlotPool.place` copies the result into the
 slot's rows (conv and recurrent state, the KV slots in use: the only copy of a sequence's state the
@@ -112,9 +118,35 @@ class SlotPool:
         raise NoFreeSlot(f"all {self.size} decode slots hold a sequence")
 
     def release(self, slot: int) -> None:
-        """Free ``slot`` (its rows keep stale values until the next sequence is placed there)."""
+        """Free ``slot`` (its rows keep stale values until the next sequence is placed there). With a dynamic row
+        axis the last held slot's sequence moves into it (its states copied, its ``slot`` changed), so that the
+        held slots stay first."""
         self.holders[slot] = None
         self.lengths[slot] = 0
+        if not self.backend.contract.dynamic_rows:
+            return
+        last = self.rows - 1
+        if last <= slot:
+            return
+        mover = self.holders[last]
+        if self.lengths[last]:  # placed: its states move (a prefilling sequence has none here yet)
+            rows = self.backend.state_views(self.decoder.states())
+            for name, value in rows.items():
+                source, target = value[:, last : last + 1], value[:, slot : slot + 1]
+                if name == "present_kv_cache":
+                    source, target = source[:, :, :, : self.lengths[last]], target[:, :, :, : self.lengths[last]]
+                np.copyto(target, source)
+                self.bytes_copied += source.nbytes
+        self.holders[slot], self.lengths[slot] = mover, self.lengths[last]
+        self.holders[last], self.lengths[last] = None, 0
+        mover.slot = slot
+
+    @property
+    def rows(self) -> int:
+        """Rows a step runs: all the slots, or with a dynamic row axis those up to the last one held (at least 1)."""
+        if not self.backend.contract.dynamic_rows:
+            return self.size
+        return max((i + 1 for i, holder in enumerate(self.holders) if holder is not None), default=1)
 
     def place(self, slot: int, states: dict[str, Any], length: int) -> None:
         """Copy a prefilled sequence's ``states`` (one row, the backend's form, as a prefill or chunk run
@@ -182,8 +214,9 @@ class SlotPool:
             live.append(i)
         if not live:
             return results
+        n = self.rows
         start = time.perf_counter()
-        logits = self.decoder.step(self._ids, self._masks, self._positions, self._active)
+        logits = self.decoder.step(self._ids[:n], self._masks[:n], self._positions[:, :n], self._active[:n])
         elapsed = 1000 * (time.perf_counter() - start)
         self.steps += 1
         self.rows_stepped += len(live)

@@ -99,23 +99,44 @@ class BoundDecoder:
                 buffers["logits"] = new(self.logits_shape, np.float32, device, 0)
         self.kv = states["present_kv_cache"]
         self.steps = 0
-        self.host = host_inputs(contract)
-        self.bindings = [self._bind(p) for p in (0, 1)] if self.fixed else None
+        self.hosts: dict[int, dict[str, np.ndarray]] = {}
+        """Rows -> the host input buffers of a step of that many rows (bound once, rewritten per step)."""
+        self.bindings: dict[tuple[int, int], ort.IOBinding] = {}
+        """(parity, rows) -> the binding of a step (fixed KV; built on first use, kept)."""
+        if self.fixed:
+            for parity in (0, 1):
+                self._binding(parity, contract.slots)
 
-    def _bind(self, parity: int, attention_mask: np.ndarray | None = None) -> ort.IOBinding:
+    def _binding(self, parity: int, rows: int) -> ort.IOBinding:
+        key = (parity, rows)
+        if key not in self.bindings:
+            self.bindings[key] = self._bind(parity, rows)
+        return self.bindings[key]
+
+    def _host(self, rows: int) -> dict[str, np.ndarray]:
+        if rows not in self.hosts:
+            self.hosts[rows] = host_inputs(self.contract, rows)
+        return self.hosts[rows]
+
+    def _bind(self, parity: int, rows: int, attention_mask: np.ndarray | None = None) -> ort.IOBinding:
+        """The binding of a step of ``parity`` over the first ``rows`` slots (a graph with a dynamic row axis
+        takes fewer than the export's slots: the entries' first rows, by address)."""
         binding = self.session.io_binding()
-        for name, array in self.host.items():
+        for name, array in self._host(rows).items():
             if name == "attention_mask" and attention_mask is not None:
                 array = attention_mask
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         past, out = self.buffers[1 - parity], self.buffers[parity]
         if self.in_place:
-            binding.bind_ortvalue_output("logits", out["logits"])
+            if rows == self.contract.slots:
+                binding.bind_ortvalue_output("logits", out["logits"])
+            else:  # the first rows of the host logits (a contiguous prefix)
+                binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(self.logits[parity][:rows]))
             for name in STATE_NAMES:
                 key = f"present_{name}"
                 kept = self.updated_in_place.get(key)  # past and present: the same entry
-                self._bind_entries(binding, name, "past", past[key] if kept is None else kept)
-                self._bind_entries(binding, name, "present", out[key] if kept is None else kept)
+                self._bind_entries(binding, name, "past", past[key] if kept is None else kept, rows)
+                self._bind_entries(binding, name, "present", out[key] if kept is None else kept, rows)
             return binding
         for name in ("conv_states", "recurrent_states"):
             binding.bind_ortvalue_input(f"past_{name}", past[f"present_{name}"])
@@ -143,11 +164,16 @@ class BoundDecoder:
         if sys.getrefcount(self.logits[parity]) <= self.free_refs:
             return
         self.logits[parity] = self._new_logits(parity)
-        if self.bindings is not None:
-            self.bindings[parity].bind_ortvalue_output("logits", self.buffers[parity]["logits"])
+        for key in [key for key in self.bindings if key[0] == parity]:
+            if key[1] == self.contract.slots:
+                self.bindings[key].bind_ortvalue_output("logits", self.buffers[parity]["logits"])
+            else:  # bound to a prefix of the old array: bound again on next use
+                del self.bindings[key]
 
-    def _bind_entries(self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue) -> None:
-        bind_entries(binding, self.contract, self.device, state, prefix, stacked, self.contract.slots)
+    def _bind_entries(
+        self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue, rows: int
+    ) -> None:
+        bind_entries(binding, self.contract, self.device, state, prefix, stacked, self.contract.slots, rows)
 
     def states(self) -> dict[str, ort.OrtValue]:
         """The states after the last step (the prefill's before the first), this decoder's buffers."""
@@ -164,34 +190,41 @@ class BoundDecoder:
         position_ids: np.ndarray,
         active_rows: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Run one decode step; returns logits ``[S, 1, V]`` fp32: a host array that no later step
-        writes while it (or a view of it) is referenced (on the CPU the array the step wrote, else
-        a copy)."""
+        """Run one decode step over ``R = len(input_ids)`` rows (the export's slots, or with
+        :attr:`ShapeContract.dynamic_rows` the first ``R`` of them); returns logits ``[R, 1, V]`` fp32: a
+        host array that no later step writes while it (or a view of it) is referenced (on the CPU the
+        array the step wrote, else a copy).
+
+        Raises:
+            ValueError: another row count than the export's slots where the graph's rows are static.
+        """
+        rows = int(input_ids.shape[0])
+        if rows != self.contract.slots and not self.contract.dynamic_rows:
+            raise ValueError(f"this decode graph steps {self.contract.slots} rows at once, got {rows}")
         parity = self.steps % 2
         if self.logits is not None:
             self._claim_logits(parity)
-        host = self.host
+        host = self._host(rows)
         np.copyto(host["input_ids"], input_ids)
         np.copyto(host["position_ids"], position_ids)
         if "active_rows" in host:
             np.copyto(host["active_rows"], active_rows)
         if self.fixed:
             np.copyto(host["attention_mask"], attention_mask)
-            binding = self.bindings[parity]
+            binding = self._binding(parity, rows)
         else:
-            binding = self._bind(parity, np.ascontiguousarray(attention_mask, dtype=np.int64))
+            binding = self._bind(parity, rows, np.ascontiguousarray(attention_mask, dtype=np.int64))
         self.session.run_with_iobinding(binding)
         if not self.fixed:
             self.kv = binding.get_outputs()[-1]  # outputs come back in binding order
         self.steps += 1
         if self.logits is not None:
-            return self.logits[parity]
+            return self.logits[parity] if rows == self.contract.slots else self.logits[parity][:rows]
         return self.buffers[parity]["logits"].numpy()  # a device tensor: copied to the host
 
 
-def host_inputs(contract: ShapeContract) -> dict[str, np.ndarray]:
-    """Zeroed host buffers of the decode graph's inputs other than the states (one row per decode slot)."""
-    rows = contract.slots
+def host_inputs(contract: ShapeContract, rows: int) -> dict[str, np.ndarray]:
+    """Zeroed host buffers of the decode graph's inputs other than the states, for a step of ``rows`` rows."""
     host = {
         "input_ids": np.zeros((rows, 1), dtype=np.int64),
         "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
@@ -230,10 +263,12 @@ def bind_entries(
     prefix: str,
     stacked: ort.OrtValue,
     rows: int = 1,
+    bound_rows: int | None = None,
 ) -> None:
     """Bind ``{prefix}_{state}.{j}`` (inputs for ``prefix='past'``, outputs for ``'present'``) to
     entry ``j`` of ``stacked`` (a contiguous ``state_shape(state)`` buffer on ``device`` with ``rows``
-    on its batch axis: 1 for a chunk graph, the export's slots for decode) by address.
+    on its batch axis: 1 for a chunk graph, the export's slots for decode) by address; with
+    ``bound_rows`` only the entry's first rows (a decode step over the first slots).
 
     Raises:
         ValueError: ``stacked`` has another shape than the contract's.
@@ -246,8 +281,9 @@ def bind_entries(
     nbytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize
     base = stacked.data_ptr()
     bind = binding.bind_input if prefix == "past" else binding.bind_output
+    entry = [rows if bound_rows is None else bound_rows, *shape[2:]]
     for j, name in enumerate(contract.decode_state_names(state, prefix)):
-        bind(name, device, 0, dtype, list(shape[1:]), base + j * nbytes)
+        bind(name, device, 0, dtype, entry, base + j * nbytes)
 
 
 def run_chunk_bound(

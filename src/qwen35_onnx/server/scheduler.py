@@ -116,6 +116,7 @@ class ScheduledGeneration:
         self.stream = stream
         self.outcome: str | None = None
         self._cancel_sent = False
+        self.released = False  # its admission slot was handed on (when cancelled: before it has ended)
         self._news = asyncio.Event()
         self.arrived = time.monotonic() if arrived is None else arrived
         self.first_text_at: float | None = None
@@ -163,11 +164,15 @@ class ScheduledGeneration:
         self._news.set()
 
     def cancel(self) -> None:
-        """Stop the generation before its next token and free its slot (idempotent, returns at once)."""
+        """Stop the generation before its next token and free its slot (idempotent, returns at once). The slot
+        is handed on at once: the next request starts and takes the decode slot when the group has ended this
+        generation, at its next round (a client that drops a stream and sends its next request right away is
+        not refused for the slot its dropped stream still holds)."""
         if not self._cancel_sent and self.outcome is None:
             self._cancel_sent = True
             self.stream.cancel()  # thread-safe: the group ends it at its next round
             self.scheduler.wake()
+            self.scheduler.hand_on(self)
 
 
 class Scheduler:
@@ -295,6 +300,12 @@ class Scheduler:
         except RuntimeError:  # the event loop has closed: the server is gone
             pass
 
+    def hand_on(self, generation: ScheduledGeneration) -> None:  # event loop
+        """Release ``generation``'s admission slot (once)."""
+        if not generation.released:
+            generation.released = True
+            self.slots.release()
+
     def finished(self, generation: ScheduledGeneration) -> None:  # event loop
         self.counters[generation.outcome] += 1
         result = generation.stream.result
@@ -304,7 +315,7 @@ class Scheduler:
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": result.completion_tokens,
         }
-        self.slots.release()
+        self.hand_on(generation)
         if self.on_finished is not None:
             try:
                 self.on_finished(generation)

@@ -17,6 +17,18 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+REASONING = "hm,ok"
+CYCLE = "é日→ "
+CYCLE_TOKENS = 9  # é = 2 byte tokens, 日 = 3, → = 3, space = 1
+LEAD_TOKENS = 5  # h m , ok </think>
+CAPACITY = 2048
+PROMPT_TOKENS = 12  # "Hi" with the thinking template
+PREFILL_BUCKETS = (32, 512, CAPACITY)
+"""Prefill buckets of :func:`build_bigram_export`: 32 for the short prompts ("Hi": 12 tokens), 512 for a
+prompt with the server tests' weather tool (369-391 tokens with the thinking template) and those with an
+image (78 tokens and up), the capacity for the rest. 32 and 2048 are also the two lengths whose node
+counts tests/test_export_contract.py compares."""
+
 
 def chain(start: int, tail: list[int], cycle: list[int]) -> dict[int, int]:
     """Transitions ``start -> tail[0] -> ... -> tail[-1] -> cycle[0] -> ... -> cycle[-1] -> cycle[0]``.
@@ -69,3 +81,43 @@ def reference_greedy(checkpoint: Path, input_ids: list[int], n: int) -> list[int
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
         )
     return out[0, len(input_ids) :].tolist()
+
+
+def build_bigram_export(source: Path, folder: Path) -> Path:
+    """The bigram checkpoint of the demo checkpoint ``source`` in ``folder / "checkpoint"``, with the
+    Qwen3.5-style thinking template: for the thinking prompt "Hi" it writes :data:`REASONING`, then
+    ``</think>`` and :data:`CYCLE` forever (checked in transformers); and its export in
+    ``folder / "export"`` (returned): ``--ops ort``, capacity :data:`CAPACITY`, two images, prefill
+    buckets :data:`PREFILL_BUCKETS`."""
+    from transformers import AutoTokenizer
+
+    from qwen35_onnx.checkpoints import THINKING_CHAT_TEMPLATE, set_chat_template
+    from qwen35_onnx.export.exporter import export
+    from qwen35_onnx.export.options import ExportOptions
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+
+    def ids(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    cycle = ids(CYCLE)
+    assert len(cycle) == CYCLE_TOKENS and tokenizer.decode(cycle) == CYCLE
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}],
+        chat_template=THINKING_CHAT_TEMPLATE,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    prompt_ids = ids(prompt)
+    assert len(prompt_ids) == PROMPT_TOKENS and prompt.endswith("<think>\n")
+    lead = ids(REASONING) + [think_end]
+    assert len(lead) == LEAD_TOKENS
+    ckpt = build_bigram_checkpoint(source, folder / "checkpoint", chain(prompt_ids[-1], lead, cycle))
+    set_chat_template(ckpt, THINKING_CHAT_TEMPLATE)
+    # the checkpoint does what the tests expect, in transformers itself
+    n = LEAD_TOKENS + 2 * CYCLE_TOKENS
+    assert tokenizer.decode(reference_greedy(ckpt, prompt_ids, n)) == REASONING + "</think>" + CYCLE * 2
+    out = folder / "export"
+    export(ckpt, out, ExportOptions(capacity=CAPACITY, max_images=2, ops="ort", prefill_buckets=PREFILL_BUCKETS))
+    return out

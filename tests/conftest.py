@@ -113,6 +113,7 @@ HEAVY_FIRST = (
     "test_portable_quantize.py",
     "test_dtypes.py",
     "test_server.py",
+    "test_slots.py",
     "test_openvino.py",
     "test_quantized_embedding.py",
     "test_chunked_prefill.py",
@@ -272,6 +273,86 @@ def chat_export(checkpoint, tmp_path_factory):
     return shared_export(tmp_path_factory, checkpoint, "chat", max_images=2, capacity=2 * CAPACITY)
 
 
+IMAGE_CAPACITY = 256
+"""Capacity of the image exports (:func:`image_exports`): two images and their text."""
+IMAGE_BUDGET = 96
+"""Image-token budget of the image exports: above the processor's minimum (64 tokens), so that a tiny
+image's upscaled grid (70 tokens) fits."""
+PREFILL_CHUNKS = (8, 32)
+"""Prefill chunk sizes of the chunked image exports (tests/test_chunked_prefill.py: prompts around
+the larger one)."""
+
+
+@pytest.fixture(scope="session")
+def shapes(photo) -> dict:
+    """Pictures made from the shipped photo: square, landscape 3:2, portrait 2:3, a 6:1 panorama and a
+    40 x 30 thumbnail below min_pixels (upscaled by the processor)."""
+    from PIL import Image
+
+    base = Image.open(photo).convert("RGB")
+    return {
+        "square": base,
+        "landscape": base.crop((0, 43, 256, 213)).resize((480, 320)),
+        "portrait": base.crop((43, 0, 213, 256)).resize((320, 480)),
+        "panorama": base.crop((0, 108, 256, 150)).resize((1200, 200)),
+        "tiny": base.resize((40, 30)),
+    }
+
+
+def processor_grids(shapes) -> list[tuple[int, int]]:
+    """The demo processor's patch grid of each of ``shapes`` at :data:`IMAGE_BUDGET` image tokens."""
+    from qwen35_onnx.image_grids import processor_grid
+
+    return [processor_grid(im.height, im.width, 16, 2, 65536, IMAGE_BUDGET * 32 * 32) for im in shapes.values()]
+
+
+@pytest.fixture(scope="session")
+def image_exports(checkpoint, tmp_path_factory, shapes):
+    """``image_exports(kind) -> Path``: exports with capacity :data:`IMAGE_CAPACITY`, two images of up to
+    :data:`IMAGE_BUDGET` tokens each, built once per run and shared by tests/test_vision_grids.py and
+    tests/test_chunked_prefill.py (whose tests depend on the prefill form or on the vision graphs, not
+    both):
+
+    - ``"any-ort"``: ``--ops ort``, the any-grid vision graph, prefill chunks :data:`PREFILL_CHUNKS`;
+    - ``"any-portable"``: portable operators, the any-grid vision graph, one prefill bucket of the
+      capacity (every prompt of tests/test_vision_grids.py holds an image: 64 tokens or more);
+    - ``"static"``: portable operators, static vision grids (the processor's grid of every one of
+      :func:`shapes`, the photo's :data:`PHOTO_GRID` among them, plus 16 x 18, which none has;
+      OpenVINO runs it), prefill chunks :data:`PREFILL_CHUNKS`."""
+    forms = {
+        "any-ort": {"ops": "ort", "prefill_chunks": PREFILL_CHUNKS},
+        "any-portable": {"ops": "portable", "prefill_buckets": (IMAGE_CAPACITY,)},
+        "static": {
+            "ops": "portable",
+            "vision_grids": tuple(sorted(set(processor_grids(shapes)) | {PHOTO_GRID, (16, 18)})),
+            "prefill_chunks": PREFILL_CHUNKS,
+        },
+    }
+
+    def get(kind: str) -> Path:
+        return shared_export(
+            tmp_path_factory,
+            checkpoint,
+            f"images-{kind}",
+            capacity=IMAGE_CAPACITY,
+            image_tokens=IMAGE_BUDGET,
+            max_images=2,
+            **forms[kind],
+        )
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def bigram_export(checkpoint, tmp_path_factory) -> Path:
+    """The bigram checkpoint's export (``tests/bigram.py``: ``--ops ort``, capacity 2048, two images,
+    prefill buckets 32, 512 and 2048), built once per run: the server tests serve it, and
+    test_export_contract compares the node counts of its 32- and 2048-token prefill graphs."""
+    from .bigram import build_bigram_export
+
+    return build_once(tmp_path_factory, "bigram", lambda folder: build_bigram_export(checkpoint, folder)) / "export"
+
+
 def remember_generations(model):
     """``model`` (a transformers model) whose ``generate`` answers a call it has answered before from
     memory (a copy of the same output): greedy generation is deterministic, and several tests compare
@@ -348,6 +429,42 @@ def trained_export(trained_checkpoint, tmp_path_factory):
         )
 
     return get
+
+
+class Reference:
+    """A reference export (fp32, which the quantized and lower-precision exports are compared with),
+    loaded once, and what the tests compare with it for the demo photo and :data:`PROMPT`, each
+    computed once: the last prompt position's logits and the greedy tokens. Greedy generation and
+    the prefill are deterministic, so every comparison still sees the values its own load would give.
+    For reference exports only: a test about loading (sessions, compiles, memory) loads its own."""
+
+    def __init__(self, out: Path, photo: Path):
+        from qwen35_onnx.pipeline import Pipeline
+
+        self.path, self.photo = out, photo
+        self.pipe = Pipeline.from_exported(out)
+        self._logits = None
+        self._tokens: dict[int, list[int]] = {}
+
+    def prepared(self):
+        """The photo and :data:`PROMPT`, prepared by the reference pipeline (a new object each call)."""
+        return self.pipe.prepare(self.photo, PROMPT)
+
+    def last_logits(self):
+        """The logits ``[V]`` (fp64) after the prompt; a read-only array."""
+        import numpy as np
+
+        if self._logits is None:
+            logits = self.pipe.generation(self.prepared()).prefill()
+            self._logits = np.asarray(logits, dtype=np.float64).reshape(-1).copy()
+            self._logits.flags.writeable = False
+        return self._logits
+
+    def greedy(self, n: int) -> list[int]:
+        """``n`` greedy tokens after the prompt (a new list each call)."""
+        if n not in self._tokens:
+            self._tokens[n] = list(self.pipe.generate(self.photo, PROMPT, max_new_tokens=n).token_ids)
+        return list(self._tokens[n])
 
 
 def random_prompt(pipe, length: int, seed: int):

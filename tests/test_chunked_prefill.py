@@ -23,35 +23,23 @@ from qwen35_onnx.runtime.sampling import SamplingConfig
 from qwen35_onnx.runtime.snapshots import SnapshotCache, StateSnapshot
 from qwen35_onnx.verify import chat_parity, reference_generate_prepared
 
-from .conftest import PHOTO_GRID, random_prompt, shared_export
+from .conftest import IMAGE_CAPACITY as CHUNK_CAPACITY
+from .conftest import PREFILL_CHUNKS as CHUNKS
+from .conftest import random_prompt
 
-CHUNK = 32
-CHUNKS = (8, CHUNK)
-CHUNK_CAPACITY = 256
+CHUNK = CHUNKS[-1]  # 32
 NEW_TOKENS = 32
 GREEDY = SamplingConfig()
 NO_THINKING = {"enable_thinking": False}
 
 
 @pytest.fixture(scope="session")
-def chunk_export(checkpoint, tmp_path_factory):
-    """``chunk_export(ops)``: capacity 256, chunks 8 and 32, two images per prompt; ``--ops ort`` with
-    the any-grid vision graph, ``--ops portable`` with the photo's static grid (OpenVINO runs it)."""
-
-    def get(ops: str):
-        grids = {"vision_grids": (PHOTO_GRID,)} if ops == "portable" else {}
-        return shared_export(
-            tmp_path_factory,
-            checkpoint,
-            f"chunks-{ops}",
-            ops=ops,
-            capacity=CHUNK_CAPACITY,
-            prefill_chunks=CHUNKS,
-            max_images=2,
-            **grids,
-        )
-
-    return get
+def chunk_export(image_exports):
+    """``chunk_export(ops)``: capacity 256, chunks 8 and 32, two images of up to 96 tokens per prompt;
+    ``--ops ort`` with the any-grid vision graph, ``--ops portable`` with static grids, the photo's
+    among them (OpenVINO runs it). Conftest's image exports, shared with tests/test_vision_grids.py
+    (whose tests do not depend on the prefill form, nor these on the image budget)."""
+    return lambda ops: image_exports("any-ort" if ops == "ort" else "static")
 
 
 @pytest.mark.slow
@@ -74,8 +62,11 @@ def test_prompt_lengths_around_the_chunk_match_transformers(chunk_export, refere
 
 
 def _landscape() -> Image.Image:
+    """A 3:2 noise picture below the processor's minimum pixels: 14 x 20 patches, 70 tokens. (A 480 x 320
+    one takes the whole budget of 96 tokens, and the fourth turn's prompt 259 tokens, over the capacity of
+    256; with this one it is 234 tokens, and the 6 new tokens fit.)"""
     rng = np.random.default_rng(3)
-    return Image.fromarray(rng.integers(0, 255, (320, 480, 3), dtype=np.uint8))
+    return Image.fromarray(rng.integers(0, 255, (200, 300, 3), dtype=np.uint8))
 
 
 @pytest.mark.slow
@@ -89,7 +80,7 @@ def test_four_turn_chat_with_images_continues_from_snapshots(
     runtime, ops = runtime_ops.split("-")
     pipe = Pipeline.from_exported(chunk_export(ops), runtime=runtime)
     cache = pipe.state_cache(64 << 20)
-    second = photo if ops == "portable" else _landscape()  # the static-grid export has the photo's grid only
+    second = photo if ops == "portable" else _landscape()  # portable: the static grids (the photo's among them)
     turns = [
         [{"type": "image", "image": photo}, {"type": "text", "text": "What is this?"}],
         "Tell me more.",

@@ -13,7 +13,7 @@ import pytest
 from qwen35_onnx.contract import ContractError, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import PROMPT, logit_cosine, split_margin
+from .conftest import PROMPT, Reference, logit_cosine, split_margin
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +41,20 @@ def exports(trained_export):
     }
 
 
+@pytest.fixture(scope="module")
+def fp32(exports, photo):
+    """``fp32(ops) -> Reference``: the fp32 export of ``ops`` as the reference, loaded once for the
+    module, its last logits and greedy tokens for the photo computed once."""
+    loaded = {}
+
+    def get(ops: str) -> Reference:
+        if ops not in loaded:
+            loaded[ops] = Reference(exports[(ops, "fp32")], photo)
+        return loaded[ops]
+
+    return get
+
+
 def _last_logits(pipe, photo) -> np.ndarray:
     prepared = pipe.prepare(photo, PROMPT)
     logits = pipe.generation(prepared).prefill()
@@ -53,11 +67,11 @@ def _io_types(path) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("ops", ["ort", "portable"])
-def test_fp16_matches_fp32(ops, exports, photo):
+def test_fp16_matches_fp32(ops, exports, fp32, photo):
     """fp16: the manifest and every graph's I/O types follow the contract; last-logit cosine
     >= 0.999 against fp32 and the same greedy tokens for 32 steps (on a split, the test names
     fp32's logit margin there)."""
-    out, reference = exports[(ops, "fp16")], exports[(ops, "fp32")]
+    out, reference = exports[(ops, "fp16")], fp32(ops)
     contract = read_manifest(out)
     assert contract.dtype == "fp16"
     assert contract.state_dtypes == {"conv": "fp16", "recurrent": "fp32", "kv": "fp16"}
@@ -70,11 +84,11 @@ def test_fp16_matches_fp32(ops, exports, photo):
                 assert elem == ONNX_TYPE["fp32"], (key, name)
             else:  # conv states, KV cache
                 assert elem == ONNX_TYPE["fp16"], (key, name)
-    fp16, fp32 = Pipeline.from_exported(out), Pipeline.from_exported(reference)
-    cosine = logit_cosine(_last_logits(fp16, photo), _last_logits(fp32, photo))
+    fp16 = Pipeline.from_exported(out)
+    cosine = logit_cosine(_last_logits(fp16, photo), reference.last_logits())
     tokens = fp16.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
-    fp32_tokens = fp32.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
-    split, margin = split_margin(fp32, fp32.prepare(photo, PROMPT), fp32_tokens, tokens)
+    fp32_tokens = reference.greedy(NEW_TOKENS)
+    split, margin = split_margin(reference.pipe, reference.prepared(), fp32_tokens, tokens)
     print(
         f"--ops {ops} fp16: last-logit cosine {cosine:.6f} against fp32, "
         f"first {split} of {NEW_TOKENS} greedy tokens equal"
@@ -85,14 +99,14 @@ def test_fp16_matches_fp32(ops, exports, photo):
 
 
 @pytest.mark.parametrize("ops", ["ort", "portable"])
-def test_fp16_int4(ops, trained_export, exports, photo):
+def test_fp16_int4(ops, trained_export, fp32, photo):
     """int4 weights with fp16 activations (the usual GPU / NPU format): runs on ONNX Runtime,
     quantized MatMuls compute from fp16 inputs, close to fp32."""
     out = trained_export(ops, "fp16", quantize="int4")
     contract = read_manifest(out)
     assert (contract.dtype, contract.quantize) == ("fp16", "int4")
     pipe = Pipeline.from_exported(out)
-    reference = _last_logits(Pipeline.from_exported(exports[(ops, "fp32")]), photo)
+    reference = fp32(ops).last_logits()
     cosine = logit_cosine(_last_logits(pipe, photo), reference)
     print(f"--ops {ops} fp16 int4: last-logit cosine {cosine:.5f} against fp32")
     # measured with the photo's 64 image tokens (the checkpoint's own resolution; its vision tower is
@@ -102,7 +116,7 @@ def test_fp16_int4(ops, trained_export, exports, photo):
     assert len(pipe.generate(photo, PROMPT, max_new_tokens=8).token_ids) == 8
 
 
-def test_bf16_runs_on_openvino_and_is_refused_clearly_by_onnxruntime_cpu(trained_export, exports, photo, monkeypatch):
+def test_bf16_runs_on_openvino_and_is_refused_clearly_by_onnxruntime_cpu(trained_export, fp32, photo, monkeypatch):
     """bf16 (opset 22, the first whose Conv takes bfloat16): OpenVINO runs it; ONNX Runtime's CPU
     provider has no bf16 Conv kernel, and says so in one line naming the operator and the dtype."""
     out = trained_export("portable", "bf16", **OPENVINO)
@@ -132,15 +146,9 @@ def test_bf16_runs_on_openvino_and_is_refused_clearly_by_onnxruntime_cpu(trained
         ):
             ort_backend.OrtBackend(out, contract)
     pipe = Pipeline.from_exported(out, runtime="openvino")
-    cosine = logit_cosine(
-        _last_logits(pipe, photo), _last_logits(Pipeline.from_exported(exports[("portable", "fp32")]), photo)
-    )
+    cosine = logit_cosine(_last_logits(pipe, photo), fp32("portable").last_logits())
     tokens = pipe.generate(photo, PROMPT, max_new_tokens=NEW_TOKENS).token_ids
-    fp32_tokens = (
-        Pipeline.from_exported(exports[("portable", "fp32")])
-        .generate(photo, PROMPT, max_new_tokens=NEW_TOKENS)
-        .token_ids
-    )
+    fp32_tokens = fp32("portable").greedy(NEW_TOKENS)
     same = next((i for i, (a, b) in enumerate(zip(tokens, fp32_tokens)) if a != b), NEW_TOKENS)
     print(
         f"portable bf16 on OpenVINO: last-logit cosine {cosine:.5f} against fp32, "

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qwen35_onnx.contract import DEFAULT_QUANT_BLOCK_SIZE, read_manifest
 from qwen35_onnx.export.quantize import DQ_OPSET, quantize_blocks, quantize_model
 
-from .conftest import CAPACITY, PROMPT, logit_cosine, split_margin
+from .conftest import CAPACITY, PROMPT, Reference, logit_cosine, split_margin
 from .onnx_graphs import all_nodes
 
 BLOCK = 32
@@ -255,6 +255,13 @@ def fp32_export(trained_export):
     return trained_export("ort")
 
 
+@pytest.fixture(scope="module")
+def fp32(fp32_export, photo) -> Reference:
+    """The reference pipeline, its last logits and greedy tokens for the photo, loaded and computed
+    once for the module (every comparison with fp32 here reads the same export)."""
+    return Reference(fp32_export, photo)
+
+
 def _graph_paths(out):
     contract = read_manifest(out)
     return contract, {key: out / path for key, path in contract.graphs.items()}
@@ -338,7 +345,7 @@ def test_portable_quantized_graphs_are_standard_onnx(portable_export):
 
 
 @pytest.mark.slow
-def test_portable_quantized_runs_on_onnxruntime(portable_export, trained_export, fp32_export, photo, tmp_path):
+def test_portable_quantized_runs_on_onnxruntime(portable_export, trained_export, fp32, photo, tmp_path):
     """ONNX Runtime fuses every DequantizeLinear + MatMul into MatMulNBits and agrees with fp32 as
     measured; portable int4 gives the logits and tokens of the --ops ort int4 export (the same
     weights through the same kernel)."""
@@ -362,12 +369,11 @@ def test_portable_quantized_runs_on_onnxruntime(portable_export, trained_export,
 
     logits = _last_logits(out, photo)
     assert np.isfinite(logits).all()
-    reference = _last_logits(fp32_export, photo)
+    reference = fp32.last_logits()
     cosine = logit_cosine(logits, reference)
     tokens = Pipeline.from_exported(out).generate(photo, PROMPT, max_new_tokens=32).token_ids
-    fp32_pipe = Pipeline.from_exported(fp32_export)
-    fp32_tokens = fp32_pipe.generate(photo, PROMPT, max_new_tokens=32).token_ids
-    same, margin = split_margin(fp32_pipe, fp32_pipe.prepare(photo, PROMPT), fp32_tokens, tokens)
+    fp32_tokens = fp32.greedy(32)
+    same, margin = split_margin(fp32.pipe, fp32.prepared(), fp32_tokens, tokens)
     print(
         f"portable {scheme}: last-logit cosine {cosine:.5f} against fp32, first {same} of 32 greedy tokens equal "
         f"(fp32's margin there {margin:.3f})"
@@ -481,16 +487,13 @@ def _greedy(out, photo, n: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_quant_accuracy_levels_against_fp32(scheme, trained_export, fp32_export, photo):
+def test_quant_accuracy_levels_against_fp32(scheme, trained_export, fp32, photo):
     """``--quant-accuracy-level`` 0 (the input's type, fp32) and 4 (int8 activations; ONNX Runtime
     issue 29849 reports greedy flips with it on models with outlier activations): recorded in the
     manifest and in every MatMulNBits node, and greedy agreement with fp32 over 64 tokens on the
     trained demo checkpoint measured (the data behind the default, printed)."""
-    from qwen35_onnx.pipeline import Pipeline
-
-    fp32_tokens = _greedy(fp32_export, photo, 64)
-    reference = _last_logits(fp32_export, photo)
-    fp32_pipe = Pipeline.from_exported(fp32_export)
+    fp32_tokens = fp32.greedy(64)
+    reference = fp32.last_logits()
     logits = {}
     for level in (0, 4):  # 4: the default (the export the other tests share)
         out = trained_export("ort", quantize=scheme, **({"quant_accuracy_level": 0} if level == 0 else {}))
@@ -509,7 +512,7 @@ def test_quant_accuracy_levels_against_fp32(scheme, trained_export, fp32_export,
         logits[level] = _last_logits(out, photo)
         tokens = _greedy(out, photo, 64)
         same = sum(a == b for a, b in zip(tokens, fp32_tokens))
-        split, margin = split_margin(fp32_pipe, fp32_pipe.prepare(photo, PROMPT), fp32_tokens, tokens)
+        split, margin = split_margin(fp32.pipe, fp32.prepared(), fp32_tokens, tokens)
         print(
             f"{scheme} accuracy level {level}: last-logit cosine "
             f"{logit_cosine(logits[level], reference):.5f} against fp32, "

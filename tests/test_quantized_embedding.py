@@ -25,7 +25,7 @@ from onnx import numpy_helper
 from qwen35_onnx.contract import DEFAULT_QUANT_BLOCK_SIZE, read_manifest
 from qwen35_onnx.export.quantize import quantize_blocks
 
-from .conftest import PROMPT, export_to, forced_logits
+from .conftest import PROMPT, Reference, export_to, forced_logits
 
 BLOCK = DEFAULT_QUANT_BLOCK_SIZE
 
@@ -153,9 +153,19 @@ def test_manifest_record_of_the_embedding(fixed_export):
             ShapeContract.from_dict({**data, "quantize_embedding": value})
 
 
+@pytest.fixture(scope="module")
+def fp32_forced(trained_export, photo) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """fp32's 48 greedy tokens for the photo and its own teacher-forced top-1 along them (the
+    reference of both parametrizations below), computed once for the module."""
+    reference = Reference(trained_export("ort"), photo)
+    tokens = reference.greedy(48)
+    expected = [int(row.argmax()) for row in forced_logits(reference.pipe, reference.prepared(), tokens)]
+    return tuple(tokens), tuple(expected)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ops", ["ort", "portable"])
-def test_quantized_embedding_keeps_int4_agreement(ops, trained_export, photo):
+def test_quantized_embedding_keeps_int4_agreement(ops, trained_export, fp32_forced, photo):
     """Teacher-forced top-1 agreement with fp32 along fp32's 48 greedy tokens, for int4 with the
     float and with the quantized table (the data behind the default; README "Fused operators and quantization" has the
     5-prompt x 64-token study, where the table moved agreement by under one point either way).
@@ -168,9 +178,7 @@ def test_quantized_embedding_keeps_int4_agreement(ops, trained_export, photo):
     layout) fails either: it loses most tokens (the codes and scales themselves are checked exactly above)."""
     from qwen35_onnx.pipeline import Pipeline
 
-    reference = Pipeline.from_exported(trained_export("ort"))
-    tokens = reference.generate(photo, PROMPT, max_new_tokens=48).token_ids
-    expected = [row.argmax() for row in forced_logits(reference, reference.prepare(photo, PROMPT), tokens)]
+    tokens, expected = fp32_forced
     agreement = {}
     for quantized in (True, False):
         pipe = Pipeline.from_exported(

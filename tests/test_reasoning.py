@@ -113,3 +113,37 @@ def test_thinking_switch_of_a_qwen35_style_template(thinking_pipe):
 def test_reserved_template_kwargs_are_refused(thinking_pipe):
     with pytest.raises(ValueError, match=r"may not set \['add_generation_prompt'\]"):
         thinking_pipe.prepare_chat([{"role": "user", "content": "x"}], {"add_generation_prompt": False})
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["plain-markers", "special-markers"])
+def test_a_forced_think_end_splits_the_reply_whatever_the_markers_special_flag(fixed_export, tmp_path, special):
+    """A constrained reply after an open reasoning block gets ``</think>`` forced (by its id) at half its tokens;
+    the reply splits there into reasoning and content whether the tokenizer marks the markers special (decoding
+    with skip_special_tokens drops them) or not."""
+    import json
+
+    from qwen35_onnx.checkpoints import THINKING_CHAT_TEMPLATE, set_chat_template
+    from qwen35_onnx.pipeline import Pipeline
+
+    folder = shutil.copytree(fixed_export, tmp_path / "export")
+    set_chat_template(folder, THINKING_CHAT_TEMPLATE)
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    for token in data["added_tokens"]:
+        if token["content"] in ("<think>", "</think>"):
+            token["special"] = special
+    path.write_text(json.dumps(data))
+    pipe = Pipeline.from_exported(folder)
+    tokenizer = pipe.preprocessor.tokenizer
+    assert tokenizer.decode([pipe.think_end_id], skip_special_tokens=True) == ("" if special else "</think>")
+
+    messages = [{"role": "user", "content": "Describe a cat as JSON."}]
+    reply = pipe.chat(messages, max_new_tokens=24, response_format={"type": "json_object"})
+    tokens = reply.generation.token_ids
+    assert pipe.think_end_id in tokens[:13]  # forced after half the reply at the latest
+    assert reply.reasoning_content is not None and "</think>" not in reply.reasoning_content
+    assert reply.content.lstrip().startswith("{") and "</think>" not in reply.content
+    assert "</think>" in reply.generation.text  # the raw reply keeps its markers
+    deltas = list(pipe.stream_chat(messages, max_new_tokens=24, response_format={"type": "json_object"}))
+    assert "".join(d.content for d in deltas) == reply.content
+    assert "".join(d.reasoning_content for d in deltas) == reply.reasoning_content

@@ -3,7 +3,7 @@ httpx. The model is a "bigram checkpoint" (tests/bigram.py) with the Qwen3.5-sty
 template: for the thinking prompt it writes ``hm,ok</think>`` and then ``é日→ `` forever (multi-byte
 characters split over byte tokens, no end of sequence), so replies are long, deterministic and
 checkable. The server runs with ``--max-queue 1`` and an API key. Everything that needs the export
-(about 35 s to build, once per module) or a server process is marked slow."""
+(conftest's ``bigram_export``, built once per run) or a server process is marked slow."""
 
 from __future__ import annotations
 
@@ -26,14 +26,9 @@ import pytest
 from PIL import Image
 from pydantic import Field
 
+from .bigram import CAPACITY, CYCLE, CYCLE_TOKENS, LEAD_TOKENS, PROMPT_TOKENS, REASONING
 from .conftest import static_grid_export
 
-REASONING = "hm,ok"
-CYCLE = "é日→ "
-CYCLE_TOKENS = 9  # é = 2 byte tokens, 日 = 3, → = 3, space = 1
-LEAD_TOKENS = 5  # h m , ok </think>
-CAPACITY = 2048
-PROMPT_TOKENS = 12  # "Hi" with the thinking template
 KEY = "sk-test-key"
 MAX_BODY = 1024 * 1024
 MAX_IMAGE = 100_000
@@ -83,47 +78,7 @@ def expected_content(n_tokens: int) -> str:
     return CYCLE * cycles
 
 
-# ---- fixtures: checkpoint, export, server process ------------------------------------------------
-@pytest.fixture(scope="module")
-def bigram_export(checkpoint, tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-
-    from qwen35_onnx.checkpoints import THINKING_CHAT_TEMPLATE, set_chat_template
-    from qwen35_onnx.export.exporter import export
-    from qwen35_onnx.export.options import ExportOptions
-
-    from .bigram import build_bigram_checkpoint, chain, reference_greedy
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-
-    def ids(text):
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    think_end = tokenizer.convert_tokens_to_ids("</think>")
-    cycle = ids(CYCLE)
-    assert len(cycle) == CYCLE_TOKENS and tokenizer.decode(cycle) == CYCLE
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}],
-        chat_template=THINKING_CHAT_TEMPLATE,
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    prompt_ids = ids(prompt)
-    assert len(prompt_ids) == PROMPT_TOKENS and prompt.endswith("<think>\n")
-    lead = ids(REASONING) + [think_end]
-    assert len(lead) == LEAD_TOKENS
-    folder = tmp_path_factory.mktemp("bigram")
-    ckpt = build_bigram_checkpoint(checkpoint, folder / "checkpoint", chain(prompt_ids[-1], lead, cycle))
-    set_chat_template(ckpt, THINKING_CHAT_TEMPLATE)
-    # the checkpoint does what the tests expect, in transformers itself
-    n = LEAD_TOKENS + 2 * CYCLE_TOKENS
-    assert tokenizer.decode(reference_greedy(ckpt, prompt_ids, n)) == REASONING + "</think>" + CYCLE * 2
-    out = folder / "bigram-export"
-    # 512: a prompt with the weather tool is about 380 tokens (else prefilled in the capacity's bucket)
-    export(ckpt, out, ExportOptions(capacity=CAPACITY, max_images=2, prefill_buckets=(64, 512, CAPACITY)))
-    return out
-
-
+# ---- fixtures: server process (the export: conftest's bigram_export, shared with test_export_contract) ------
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
         self.log_path = log_path
@@ -937,12 +892,17 @@ def test_failed_generation_ends_the_response_cleanly(bigram_export):
 
     pipe = Pipeline.from_exported(bigram_export, threads=1)
     with in_process_server(pipe) as url:
+        pool = pipe.slot_pool  # the decode slots every generation of the server steps in
+        real = pool.decoder
 
         class Failing:  # a decoder whose step fails, as an ONNX Runtime failure would
             def step(self, *args):
                 raise RuntimeError("injected decode failure")
 
-        pipe.backend.decoder = lambda states: Failing()
+            def states(self):
+                return real.states()
+
+        pool.decoder = Failing()
         body = {"messages": hi(), "max_tokens": 20}
         response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 500
@@ -955,7 +915,7 @@ def test_failed_generation_ends_the_response_cleanly(bigram_export):
         assert "injected decode failure" in json.loads(events[-2])["error"]["message"]
         health = httpx.get(f"{url}/health", timeout=10).json()
         assert (health["failed"], health["running"], health["waiting"]) == (2, 0, 0)
-        del pipe.backend.decoder
+        pool.decoder = real
         reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
         assert reply["choices"][0]["message"]["reasoning_content"] == REASONING
 

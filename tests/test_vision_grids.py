@@ -8,66 +8,26 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from .conftest import shared_export
+from .conftest import IMAGE_BUDGET as BUDGET
+from .conftest import processor_grids
 
 NEW_TOKENS = 32
-BUDGET = 96  # above the processor's minimum (64 tokens), so that a tiny image's upscaled grid (70 tokens) fits
-CAPACITY = 256
 PROMPT = "Describe this image."
 
 
+# The exports (conftest's image_exports) and the test pictures (conftest's shapes) are shared with
+# tests/test_chunked_prefill.py: these tests do not depend on the prefill form (chunks or buckets).
 @pytest.fixture(scope="module")
-def shapes(photo) -> dict[str, Image.Image]:
-    """Pictures made from the shipped photo: square, landscape 3:2, portrait 2:3, a 6:1 panorama and a
-    40 x 30 thumbnail below min_pixels (upscaled by the processor)."""
-    base = Image.open(photo).convert("RGB")
-    return {
-        "square": base,
-        "landscape": base.crop((0, 43, 256, 213)).resize((480, 320)),
-        "portrait": base.crop((43, 0, 213, 256)).resize((320, 480)),
-        "panorama": base.crop((0, 108, 256, 150)).resize((1200, 200)),
-        "tiny": base.resize((40, 30)),
-    }
-
-
-def processor_grids(shapes) -> list[tuple[int, int]]:
-    from qwen35_onnx.image_grids import processor_grid
-
-    return [processor_grid(im.height, im.width, 16, 2, 65536, BUDGET * 32 * 32) for im in shapes.values()]
+def any_grid_exports(image_exports):
+    """``any_grid_exports(ops)``: capacity 256, budget 96, two images, the any-grid vision graph (``--ops
+    ort``: prefill chunks; portable: one prefill bucket)."""
+    return lambda ops: image_exports(f"any-{ops}")
 
 
 @pytest.fixture(scope="module")
-def any_grid_exports(checkpoint, tmp_path_factory):
-    def get(ops: str):
-        return shared_export(
-            tmp_path_factory,
-            checkpoint,
-            f"grids-any-{ops}",
-            capacity=CAPACITY,
-            image_tokens=BUDGET,
-            max_images=2,
-            ops=ops,
-            prefill_buckets=(CAPACITY,),  # every prompt here holds an image (64 tokens or more)
-        )
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def static_export(checkpoint, tmp_path_factory, shapes):
+def static_export(image_exports):
     """Portable, static grids: the processor's grid of every test picture, plus 16 x 18, which none has."""
-    grids = tuple(sorted(set(processor_grids(shapes)) | {(16, 18)}))
-    return shared_export(
-        tmp_path_factory,
-        checkpoint,
-        "grids-static",
-        capacity=CAPACITY,
-        image_tokens=BUDGET,
-        max_images=2,
-        ops="portable",
-        vision_grids=grids,
-        prefill_buckets=(CAPACITY,),
-    )
+    return image_exports("static")
 
 
 @pytest.mark.parametrize("ops", ["ort", "portable"])

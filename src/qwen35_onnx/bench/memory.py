@@ -97,15 +97,17 @@ def weight_bytes(root: Path, graphs: dict[str, str]) -> dict[str, int]:
 def state_bytes(contract) -> int:
     """Bytes of the decode state buffers of :class:`~qwen35_onnx.runtime.onnxruntime.decoders.BoundDecoder`: two sets of
     conv and recurrent states and logits (A/B), the KV cache at capacity once (updated in place,
-    ``--ops ort``) or twice."""
+    ``--ops ort``) or twice; every one of them for each decode slot (``--slots``), plus one sequence's
+    prefill states where there are several slots (a request prefills on states of its own)."""
     from ..contract import STATE_NAMES
 
     itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}
     sizes = {s: int(np.prod(contract.state_shape(s))) * itemsize[contract.state_dtype(s)] for s in STATE_NAMES}
     kv_sets = 1 if contract.kv_in_place else 2
-    return (
-        2 * (sizes["conv_states"] + sizes["recurrent_states"] + 4 * contract.vocab_size) + kv_sets * sizes["kv_cache"]
-    )
+    one = 2 * (sizes["conv_states"] + sizes["recurrent_states"] + 4 * contract.vocab_size) + kv_sets * sizes["kv_cache"]
+    if contract.slots == 1:
+        return one
+    return contract.slots * one + sum(sizes.values())
 
 
 @dataclass
@@ -188,6 +190,7 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
     from ..pipeline import Pipeline
     from ..runtime.generation import Generation
     from ..runtime.onnxruntime.backend import OrtBackend
+    from ..runtime.slots import SlotPool
 
     gc.collect()
     baseline = resident()
@@ -209,7 +212,13 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
 
     def begin(backend):
         """A generation on ``backend`` after one step from a fresh prefill of the pipeline (prefill
-        is deterministic: every generation starts from the same states), and its next token."""
+        is deterministic: every generation starts from the same states), and its next token (an export of
+        several decode slots: in a slot of the backend's own pool, which holds every slot's states)."""
+        if contract.slots > 1:
+            pool = pipe.slot_pool if backend is pipe.backend else SlotPool(backend)
+            generation = Generation(backend, prepared, pool=pool)
+            token = int(np.argmax(generation.prefill()))
+            return generation, int(np.argmax(generation.step(token)))
         prefill = pipe.generation(prepared)
         token = int(np.argmax(prefill.prefill()))
         generation = Generation(backend, prepared, states=prefill.states)

@@ -438,13 +438,11 @@ def dynamic_shapes(job: GraphJob, contract: ShapeContract):
     if contract.kv_mode == KvMode.FIXED:
         if job.kind == GraphKind.DECODE and contract.dynamic_rows:
             rows = Dim("rows", min=1, max=contract.slots)
-            entries = tuple(
-                tuple({0: rows} for _ in range(contract.state_shape(name)[0])) for name in STATE_NAMES
-            )
+            entries = tuple(tuple({0: rows} for _ in range(contract.state_shape(name)[0])) for name in STATE_NAMES)
             return ({0: rows}, {0: rows}, {1: rows}, ({0: rows}, *entries))  # (DecodeGraph.forward's *rest)
         return None
     past = Dim("past_len", min=1, max=contract.capacity - 1)
-    return (None, {1: past + 1}, None, None, None, {3: past})
+    return (None, {1: past + 1}, None, (None, None, {3: past}))  # (the states: DecodeGraph.forward's *rest)
 
 
 def graph_module(kind: GraphKind, model, contract: ShapeContract):

@@ -170,9 +170,7 @@ class BoundDecoder:
             else:  # bound to a prefix of the old array: bound again on next use
                 del self.bindings[key]
 
-    def _bind_entries(
-        self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue, rows: int
-    ) -> None:
+    def _bind_entries(self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue, rows: int) -> None:
         bind_entries(binding, self.contract, self.device, state, prefix, stacked, self.contract.slots, rows)
 
     def states(self) -> dict[str, ort.OrtValue]:

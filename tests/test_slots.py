@@ -1,0 +1,425 @@
+"""Decode slots (``--slots``): several sequences in one decode graph of S rows, each row the tokens transformers
+gives for its sequence alone; a group of generations (the Python API); the slots' contract and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from qwen35_onnx.contract import MAX_SLOTS, ContractError, check_slots, read_manifest
+from qwen35_onnx.export.exporter import check_slot_memory
+from qwen35_onnx.export.options import ExportError, ExportOptions
+from qwen35_onnx.pipeline import Pipeline
+from qwen35_onnx.runtime.generation import Generation
+from qwen35_onnx.runtime.sampling import SamplingConfig
+from qwen35_onnx.runtime.slots import NoFreeSlot, SlotPool
+from qwen35_onnx.verify import reference_generate_prepared
+
+from .conftest import IMAGE_BUDGET, IMAGE_CAPACITY, PHOTO_GRID, PREFILL_CHUNKS, processor_grids, shared_export
+
+SLOTS = 4
+GREEDY = SamplingConfig()
+NO_THINKING = {"enable_thinking": False}
+RUNS = ["onnxruntime-ort", "onnxruntime-portable", "openvino-portable"]
+
+
+@pytest.fixture(scope="module")
+def slot_export(checkpoint, tmp_path_factory, shapes):
+    """``slot_export(ops)``: the demo checkpoint with :data:`SLOTS` decode slots, capacity IMAGE_CAPACITY, two
+    images of up to IMAGE_BUDGET tokens, prefill chunks PREFILL_CHUNKS; ``ort``: the any-grid vision graph;
+    ``portable``: static vision grids (the photo's and the landscape's: OpenVINO runs it)."""
+    grids = {"ort": {}, "portable": {"vision_grids": tuple(sorted({PHOTO_GRID, processor_grids(shapes)[1]}))}}
+
+    def get(ops: str):
+        return shared_export(
+            tmp_path_factory,
+            checkpoint,
+            f"slots-{ops}",
+            ops=ops,
+            slots=SLOTS,
+            capacity=IMAGE_CAPACITY,
+            image_tokens=IMAGE_BUDGET,
+            max_images=2,
+            prefill_chunks=PREFILL_CHUNKS,
+            **grids[ops],
+        )
+
+    return get
+
+
+def _pipe(slot_export, run: str) -> Pipeline:
+    runtime, ops = run.split("-")
+    return Pipeline.from_exported(slot_export(ops), runtime=runtime)
+
+
+def _user(text: str, image=None) -> list[dict]:
+    content = [{"type": "text", "text": text}]
+    if image is not None:
+        content.insert(0, {"type": "image", "image": image})
+    return [{"role": "user", "content": content}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", RUNS)
+def test_rows_of_one_step_give_each_sequence_the_tokens_transformers_gives_it_alone(
+    slot_export, reference_model, shapes, run
+):
+    """Four requests at once (two images of different grids, a short and a long text), a fifth that stops early on
+    a stop string, a sixth cancelled mid-way, and a seventh that joins while three are mid-stream: every finished
+    one has transformers' tokens for its prompt alone, the others a prefix of them."""
+    pipe = _pipe(slot_export, run)
+    eos = pipe.stop_token_ids
+    requests = [
+        (_user("Describe this image.", shapes["square"]), 12),
+        (_user("What is in the picture?", shapes["landscape"]), 10),
+        (_user("Hi"), 9),
+        (_user("Tell me a long story about " + "a cat, a dog and a bird; " * 6), 11),
+    ]
+    prepared = [pipe.prepare_chat(m, NO_THINKING) for m, _ in requests]
+    reference = [reference_generate_prepared(reference_model, p, n, eos) for p, (_, n) in zip(prepared, requests)]
+
+    group = pipe.group()
+    streams = [pipe.stream_chat(m, n, GREEDY, chat_template_kwargs=NO_THINKING, group=group) for m, n in requests[:3]]
+    # one that stops early on a string its own reply holds (from the reply alone), one cancelled after 3 tokens
+    alone = pipe.generate_prepared(prepared[2], 9, GREEDY)
+    stop = alone.text[len(alone.text) // 2 :][:2]
+    stopped = pipe.stream_prepared(prepared[2], 9, GREEDY, stop=[stop], group=group)
+    cancelled = pipe.stream_chat(requests[3][0], 11, GREEDY, chat_template_kwargs=NO_THINKING, group=group)
+    pool = pipe.slot_pool
+    steps, rows = pool.steps, pool.rows_stepped
+    for _ in range(3):  # every slot taken (the cancelled one waits for one)
+        group.step()
+    joiner = pipe.stream_chat(requests[3][0], 11, GREEDY, chat_template_kwargs=NO_THINKING, group=group)
+    while len(cancelled.result.generation.token_ids) < 3:
+        group.step()
+    cancelled.close()
+    group.run()
+
+    for stream, tokens in zip([*streams, joiner], [*reference[:3], reference[3]]):
+        assert stream.result.generation.token_ids == tokens
+    assert stopped.result.finish_reason == "stop" and stop not in stopped.result.text
+    assert stopped.result.token_ids == alone.token_ids[: len(stopped.result.token_ids)]
+    assert len(stopped.result.token_ids) < len(alone.token_ids)
+    kept = cancelled.result.generation.token_ids
+    assert cancelled.result.finish_reason is None and 3 <= len(kept) < 11 and kept == reference[3][: len(kept)]
+    assert pool.busy == 0 and (pool.rows_stepped - rows) / (pool.steps - steps) > 1.5  # rows per step
+
+
+@pytest.mark.parametrize("run", ["onnxruntime-ort", "openvino-portable"])
+def test_identical_requests_at_once_give_identical_answers_equal_to_one_alone(slot_export, run):
+    pipe = _pipe(slot_export, run)
+    messages = _user("Count to ten, please.")
+    alone = pipe.chat(messages, 14, GREEDY, chat_template_kwargs=NO_THINKING)
+    group = pipe.group()
+    streams = [
+        pipe.stream_chat(messages, 14, GREEDY, chat_template_kwargs=NO_THINKING, group=group) for _ in range(SLOTS)
+    ]
+    pieces = list(streams[0])  # iterating one stream runs the group
+    group.run()
+    assert "".join(d.content for d in pieces) == alone.content
+    for stream in streams:
+        assert stream.result.generation.token_ids == alone.generation.token_ids
+        assert stream.result.finish_reason == alone.finish_reason
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_an_idle_row_leaves_its_slot_exactly_as_it_was(slot_export, run):
+    """A slot whose sequence sits out some steps (idle: an all-zero mask row) keeps its conv, recurrent and KV
+    state bit for bit, and then continues as if the steps had not happened."""
+    pipe = _pipe(slot_export, run)
+    pool = SlotPool(pipe.backend)
+    a = Generation(pipe.backend, pipe.prepare(None, "The first sequence"), pool=pool)
+    b = Generation(pipe.backend, pipe.prepare(None, "and a second one, longer than the first"), pool=pool)
+    ta, tb = int(np.argmax(a.prefill())), int(np.argmax(b.prefill()))
+    before = pool.read(b.slot, b.length)
+    for _ in range(4):
+        (logits,) = pool.step([(a, ta)])
+        ta = int(np.argmax(logits))
+    after = pool.read(b.slot, b.length)
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    # b continues as alone
+    solo = Generation(pipe.backend, pipe.prepare(None, "and a second one, longer than the first"), pool=pool)
+    ts = int(np.argmax(solo.prefill()))
+    assert ts == tb
+    for _ in range(3):
+        lb, ls = pool.step([(b, tb), (solo, ts)])
+        np.testing.assert_array_equal(lb, ls)
+        tb = ts = int(np.argmax(ls))
+    for g in (a, b, solo):
+        g.close()
+    assert pool.free == SLOTS and pool.bytes_copied > 0
+
+
+def test_a_full_pool_refuses_a_sequence_and_a_closed_slot_takes_the_next(slot_export):
+    pipe = _pipe(slot_export, "onnxruntime-ort")
+    pool = pipe.slot_pool
+    prepared = pipe.prepare(None, "hello")
+    held = [pipe.generation(prepared) for _ in range(SLOTS)]
+    with pytest.raises(NoFreeSlot, match=f"all {SLOTS} decode slots"):
+        pipe.generation(prepared)
+    held[2].close()  # the slots in use stay first (a dynamic row axis): the last holder moves down
+    assert held[3].slot == 2 and pool.rows == SLOTS - 1
+    held.append(pipe.generation(prepared))
+    assert held[-1].slot == SLOTS - 1 and pool.rows == SLOTS
+    for g in held:
+        g.close()
+    assert pool.free == SLOTS and pool.rows == 1
+    with pytest.raises(ContractError, match="decode slots: its generations run in a SlotPool"):
+        Generation(pipe.backend, prepared)
+
+
+def test_the_manifest_and_the_decode_graph_carry_the_slots(slot_export, tmp_path):
+    export = slot_export("ort")
+    contract = read_manifest(export)
+    assert contract.slots == SLOTS and contract.batch == 1
+    manifest = json.loads((export / "manifest.json").read_text())
+    assert manifest["derived"]["decode_rows"] == SLOTS
+    copy = tmp_path / "copy"
+    shutil.copytree(export, copy)
+    manifest["slots"] = 2
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ContractError, match="slots: 4 != 2"):
+        Pipeline.from_exported(copy)
+
+
+def test_bad_slot_counts_and_layouts_are_refused_before_any_graph(checkpoint, tmp_path):
+    for bad in (0, -1, MAX_SLOTS + 1, 2.5, True):
+        with pytest.raises(ExportError, match=f"--slots: slots {bad!r} must be an integer from 1 to {MAX_SLOTS}"):
+            ExportOptions(slots=bad).validate()
+    with pytest.raises(ExportError, match="needs a fixed KV cache"):
+        ExportOptions(slots=2, kv_mode="dynamic").validate()
+    with pytest.raises(ExportError, match="needs prefill chunks"):
+        ExportOptions(slots=2, prefill_buckets=(64, 2048)).validate()
+    check_slots(MAX_SLOTS, "fixed", (8,))
+
+
+def test_slot_states_over_the_memory_budget_name_the_bytes(slot_export):
+    import dataclasses
+
+    contract = read_manifest(slot_export("ort"))
+    per_slot = contract.slot_state_bytes()
+    check_slot_memory(contract, physical=2 * SLOTS * per_slot)
+    with pytest.raises(ExportError) as err:
+        check_slot_memory(dataclasses.replace(contract, slots=SLOTS), physical=2 * SLOTS * per_slot - 2)
+    assert f"{SLOTS * per_slot:,} bytes of decode state ({per_slot:,} bytes a slot" in str(err.value)
+    assert f"budget of {SLOTS * per_slot - 1:,} bytes" in str(err.value)
+
+
+def test_slots_on_a_device_the_host_cannot_address_are_refused(slot_export):
+    pipe = _pipe(slot_export, "onnxruntime-ort")
+    pipe.backend.device = "cuda"  # as a CUDA session's states would be
+    with pytest.raises(ContractError, match="decode slots run on the CPU.*device 'cuda'"):
+        SlotPool(pipe.backend)
+
+
+@pytest.fixture(scope="module")
+def int4_exports(trained_checkpoint, tmp_path_factory):
+    """The trained demo checkpoint at int4 (``--ops ort``, prefill chunks PREFILL_CHUNKS) with one decode slot and
+    with :data:`SLOTS`."""
+    from .conftest import build_once, export_to
+
+    def build(slots: int):
+        options = {"quantize": "int4", "slots": slots, "prefill_chunks": PREFILL_CHUNKS}
+        return build_once(
+            tmp_path_factory, f"trained-int4-slots-{slots}", lambda out: export_to(trained_checkpoint, out, **options)
+        )
+
+    return build(1), build(SLOTS)
+
+
+INT4_PROMPTS = ["Describe a sunny day.", "What is two plus two?", "x", "Name the colours of the rainbow, please."]
+INT4_TOKENS = 24
+
+
+@pytest.mark.slow
+def test_int4_rows_of_a_batched_step_agree_with_one_sequence_alone(int4_exports):
+    """MatMulNBits computes the S rows of a step as one product (int8 activations at accuracy level 4): the same
+    sequence's logits in a batch and alone (the batch-1 export) differ by rounding, which the int8 activation
+    quantization can amplify. Teacher-forced on the same tokens: every position's logits stay within the bound
+    below (cosine), the greedy choice agrees almost everywhere and the two runs' greedy tokens are reported."""
+    one, many = (Pipeline.from_exported(path) for path in int4_exports)
+    cosines, agree, total = [], 0, 0
+    pool = many.slot_pool
+    alone_logits, tokens = [], []
+    for prompt in INT4_PROMPTS:
+        g = Generation(one.backend, one.prepare(None, prompt))
+        seen = [np.array(g.prefill(), dtype=np.float64)]
+        ids = [int(np.argmax(seen[-1]))]
+        for _ in range(INT4_TOKENS - 1):
+            seen.append(np.array(g.step(ids[-1]), dtype=np.float64))
+            ids.append(int(np.argmax(seen[-1])))
+        alone_logits.append(seen)
+        tokens.append(ids)
+    gens = [Generation(many.backend, many.prepare(None, p), pool=pool) for p in INT4_PROMPTS]
+    batched = [[np.array(g.prefill(), dtype=np.float64)] for g in gens]
+    for k in range(INT4_TOKENS - 1):
+        for seen, logits in zip(batched, pool.step([(g, tokens[i][k]) for i, g in enumerate(gens)])):
+            seen.append(np.array(logits, dtype=np.float64))
+    for a_seq, b_seq in zip(alone_logits, batched):
+        for a, b in zip(a_seq, b_seq):
+            cosines.append(float(a @ b / np.linalg.norm(a) / np.linalg.norm(b)))
+            agree += int(np.argmax(a) == np.argmax(b))
+            total += 1
+    for g in gens:
+        g.close()
+    print(f"int4 batched vs alone: min cosine {min(cosines):.6f}, greedy agreement {agree}/{total}")
+    assert min(cosines) > 0.999
+    assert agree / total >= 0.95
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_soak_twelve_clients_on_four_slots(slot_export, photo):
+    """12 concurrent openai clients x 6 requests (streamed and not, images, every fifth stream dropped mid-way)
+    against ``serve`` on 4 slots with a queue of 8: no wrong answer (each equals its request alone), no 5xx, no
+    429; the server's memory after the storm within 50 MB of before, beyond its kept states; /health and
+    /metrics agree with what was sent."""
+    import base64
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+    from openai import OpenAI
+
+    from qwen35_onnx.bench.streams import free_port
+
+    export = slot_export("ort")
+    image = "data:image/jpeg;base64," + base64.b64encode(photo.read_bytes()).decode()
+    requests = []
+    for i in range(6):
+        text = f"Request {i}: say something about " + "cats and dogs " * (i % 3)
+        content = [{"type": "text", "text": text}]
+        if i % 2:
+            content.insert(0, {"type": "image_url", "image_url": {"url": image}})
+        requests.append([{"role": "user", "content": content}])
+    pipe = Pipeline.from_exported(export)
+    alone = []
+    for messages in requests:
+        reply = pipe.chat(messages, 10, GREEDY)
+        alone.append((reply.content, reply.reasoning_content))
+    del pipe
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "qwen35_onnx.cli", "serve", "--model", str(export), "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--max-queue", "8"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300)
+        client.chat.completions.create(model="m", messages=requests[1], max_tokens=10, temperature=0)  # warm-up
+        before = _rss_bytes(proc.pid)
+        wrong, failures, dropped, sent = [], [], [0], [0]
+        lock = threading.Lock()
+
+        def run(c: int) -> None:
+            for k in range(6):
+                n = c * 6 + k
+                which = (c + k) % len(requests)
+                try:
+                    with lock:
+                        sent[0] += 1
+                    if n % 2 == 0:
+                        stream = client.chat.completions.create(
+                            model="m", messages=requests[which], max_tokens=10, temperature=0, stream=True
+                        )
+                        if n % 10 == 0:  # every fifth stream: the client leaves after its first chunks
+                            for i, _ in enumerate(stream):
+                                if i == 2:
+                                    break
+                            stream.close()
+                            with lock:
+                                dropped[0] += 1
+                            continue
+                        content, reasoning = "", ""
+                        for chunk in stream:
+                            if chunk.choices:
+                                content += chunk.choices[0].delta.content or ""
+                                reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+                        got = (content, reasoning or None)
+                    else:
+                        message = (
+                            client.chat.completions.create(
+                                model="m", messages=requests[which], max_tokens=10, temperature=0
+                            )
+                            .choices[0]
+                            .message
+                        )
+                        got = (message.content or "", getattr(message, "reasoning_content", None) or None)
+                    if got != alone[which]:
+                        with lock:
+                            wrong.append((which, got, alone[which]))
+                except Exception as exc:  # noqa: BLE001 - counted
+                    with lock:
+                        failures.append(repr(exc))
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert failures == [] and wrong == []
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"{base}/health").json())["running"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert health["running"] == 0 and health["waiting"] == 0 and health["slots_busy"] == 0
+        assert health["rejected"] == 0 and health["failed"] == 0
+        assert health["completed"] + health["cancelled"] == sent[0] + 1  # (the warm-up)
+        assert health["cancelled"] <= dropped[0]
+        metrics = httpx.get(f"{base}/metrics").text
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line[:1] != "#"}
+        assert values["qwen35_onnx_decode_batch_rows_count"] == health["decode_steps"]
+        assert values["qwen35_onnx_decode_batch_rows_sum"] == health["decode_rows"]
+        assert health["decode_rows"] / health["decode_steps"] > 1.5  # requests decoded together
+        assert not any(key.startswith('qwen35_onnx_requests_total{status="5') for key in values)
+        assert not any(key.startswith('qwen35_onnx_requests_total{status="429') for key in values)
+        kept = (health["state_cache"] or {}).get("bytes", 0)
+        growth = _rss_bytes(proc.pid) - before
+        print(f"soak: RSS growth {growth / 1e6:.1f} MB, kept states {kept / 1e6:.1f} MB, {dropped[0]} dropped")
+        assert growth - kept < 50e6
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_the_streams_bench_counts_every_token_and_copies_nothing_per_step(slot_export):
+    from qwen35_onnx.bench.streams import group_load, report_lines, summarize
+
+    pipe = _pipe(slot_export, "onnxruntime-ort")
+    load = group_load(pipe, 3, 6)
+    assert load.streams == 3 and load.tokens == 18 and load.decode_tokens_per_s > 0
+    assert load.extra["bytes_copied_per_step"] == 0 and load.extra["bytes_copied_per_join"] > 0
+    assert load.extra["mean_rows"] > 1 and load.itl_p95_ms >= load.itl_p50_ms > 0
+    with pytest.raises(ValueError, match="5 streams need an export with --slots 5 or more"):
+        group_load(pipe, 5, 6)
+    # two streams, tokens at 0.1 s steps after a start at 0: 4 decoded tokens over 0.3 s
+    fixed = summarize(2, 0.0, [[1.0, 1.1, 1.2], [1.1, 1.2, 1.3]])
+    assert fixed.tokens == 6 and abs(fixed.decode_tokens_per_s - 4 / 0.3) < 1e-9
+    assert abs(fixed.itl_p50_ms - 100) < 1e-6 and abs(fixed.ttft_p50_ms - 1050) < 1e-6
+    report = {
+        "run": {"cpu": "CPU", "date": "2026-12-05", "version": "0.10.0"},
+        "threads": 2,
+        "export": "x/ort-int4-slots-4",
+        "max_tokens": 6,
+        "slots_in_process": [load.to_dict(), fixed.to_dict()],
+        "servers": {"ours": {"tokens_per_s": 10.0, "arrival_ttft_ms": {"p50": 5.0, "p95": 9.0}}},
+    }
+    lines = report_lines(report)
+    assert lines[0].startswith("Streams at once (CPU, 2 threads, 2026-12-05, v0.10.0)")
+    assert any(line.startswith("| ours | 10.0 | 5 | 9 |") for line in lines)

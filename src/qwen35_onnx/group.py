@@ -205,11 +205,7 @@ class GenerationGroup:
         except Exception as exc:  # noqa: BLE001
             error = exc
         finally:
-            if generation is None:
-                loop.finalize()
-            else:
-                loop.finalize(generation.timings, generation.cached_tokens)
-                generation.close()
+            loop.finalize(generation)
         if rest:
             member.stream.put(rest)
         member.stream.end(error)

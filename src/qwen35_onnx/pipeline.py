@@ -550,11 +550,7 @@ class Pipeline:
             rest = loop.flush()
             self.keep_states(generation, state_cache)
         finally:
-            if generation is None:
-                loop.finalize()
-            else:
-                loop.finalize(generation.timings, generation.cached_tokens)
-                generation.close()
+            loop.finalize(generation)
         if rest:  # the held-back tail, yielded once the result is final
             yield rest
 

@@ -20,7 +20,7 @@ import numpy as np
 from .conversation.grammar import TokenConstraint
 from .conversation.reasoning import ChatDelta, ReasoningParser
 from .conversation.tool_calls import ToolCall, ToolCallParser
-from .runtime.generation import Timings
+from .runtime.generation import Generation, Timings
 from .runtime.sampling import Sampler, StopStrings
 
 __all__ = [
@@ -344,9 +344,14 @@ class TokenLoop:
             self.emitted.append(rest)
         return rest
 
-    def finalize(self, timings: Timings | None = None, cached_tokens: int = 0) -> GenerationResult:
-        """The final result (``finish_reason`` None when the generation stopped early: cancelled or failed)."""
+    def finalize(self, generation: Generation | None) -> GenerationResult:
+        """The final result (``finish_reason`` None when the generation stopped early: cancelled or failed), with
+        ``generation``'s timings and cached tokens; the generation (None: it never started) is closed (its decode
+        slot freed)."""
+        timings, cached = (Timings(), 0) if generation is None else (generation.timings, generation.cached_tokens)
         self.stream.result = GenerationResult(
-            "".join(self.emitted), self.tokens, self.finish, self.prompt_len, timings or Timings(), cached_tokens
+            "".join(self.emitted), self.tokens, self.finish, self.prompt_len, timings, cached
         )
+        if generation is not None:
+            generation.close()
         return self.stream.result

@@ -474,6 +474,21 @@ def fill_state(target: np.ndarray, value: np.ndarray) -> None:
     target[:, :, :, width:] = 0
 
 
+def host_inputs(contract: ShapeContract, rows: int) -> dict[str, np.ndarray]:
+    """Zeroed host buffers of the decode graph's inputs other than the states
+    (:attr:`ShapeContract.decode_host_inputs`), for a step of ``rows`` rows: ``input_ids [rows, 1]``,
+    ``attention_mask [rows, capacity]``, ``position_ids [4, rows, 1]`` int64, and with several slots
+    ``active_rows [rows]`` bool."""
+    host = {
+        "input_ids": np.zeros((rows, 1), dtype=np.int64),
+        "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
+        "position_ids": np.zeros((4, rows, 1), dtype=np.int64),
+    }
+    if "active_rows" in contract.decode_host_inputs:
+        host["active_rows"] = np.zeros(rows, dtype=np.bool_)
+    return host
+
+
 def zero_state_arrays(contract: ShapeContract) -> dict[str, np.ndarray]:
     """Host zeros of the three states (``present_*`` keys, stacked, KV capacity wide).
 

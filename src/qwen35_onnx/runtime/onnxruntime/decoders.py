@@ -25,6 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract import STATE_NAMES, KvMode, ShapeContract
+from ..backend import host_inputs
 from ..checks import ONNX_TYPES
 from .sessions import GraphSession
 
@@ -219,18 +220,6 @@ class BoundDecoder:
         if self.logits is not None:
             return self.logits[parity] if rows == self.contract.slots else self.logits[parity][:rows]
         return self.buffers[parity]["logits"].numpy()  # a device tensor: copied to the host
-
-
-def host_inputs(contract: ShapeContract, rows: int) -> dict[str, np.ndarray]:
-    """Zeroed host buffers of the decode graph's inputs other than the states, for a step of ``rows`` rows."""
-    host = {
-        "input_ids": np.zeros((rows, 1), dtype=np.int64),
-        "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
-        "position_ids": np.zeros((4, rows, 1), dtype=np.int64),
-    }
-    if "active_rows" in contract.decode_host_inputs:
-        host["active_rows"] = np.zeros(rows, dtype=np.bool_)
-    return host
 
 
 ORT_TYPES = {ONNX_TYPES[dtype]: np_dtype for dtype, np_dtype in NP_DTYPES.items()}

@@ -15,6 +15,7 @@ import numpy as np
 import openvino as ov
 
 from ...contract import STATE_NAMES, ShapeContract
+from ..backend import host_inputs
 
 
 def run_request(request: ov.InferRequest) -> None:
@@ -50,13 +51,7 @@ class OpenVinoDecoder:
             {name: fresh_tensor(compiled.output(name)) for name in names},
             {name: states[name] for name in names},
         ]
-        self.host = {
-            "input_ids": np.zeros((contract.slots, 1), dtype=np.int64),
-            "attention_mask": np.zeros((contract.slots, contract.capacity), dtype=np.int64),
-            "position_ids": np.zeros((4, contract.slots, 1), dtype=np.int64),
-        }
-        if "active_rows" in contract.decode_host_inputs:
-            self.host["active_rows"] = np.zeros(contract.slots, dtype=np.bool_)
+        self.host = host_inputs(contract, contract.slots)
         shared = {name: ov.Tensor(array, shared_memory=True) for name, array in self.host.items()}
         self.logits = []
         for parity, request in enumerate(self.requests):

@@ -356,12 +356,21 @@ class HostDecoder:
         position_ids: np.ndarray,
         active_rows: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Run one decode step; returns logits ``[S, 1, V]`` fp32."""
+        """Run one decode step over ``R = len(input_ids)`` rows (the first ``R`` slots where the graph's row axis is
+        dynamic); returns logits ``[R, 1, V]`` fp32."""
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if active_rows is not None:
             feeds["active_rows"] = active_rows
-        logits, states = run_host(self.session, self.contract, feeds, self.states())
-        self.past = {name: states[f"present_{name}"] for name in STATE_NAMES}
+        rows = int(input_ids.shape[0])
+        past = {name: value[:, :rows] for name, value in self.states().items()}  # (all of them but with fewer rows)
+        logits, states = run_host(self.session, self.contract, feeds, past)
+        for name in STATE_NAMES:
+            new = states[f"present_{name}"]
+            if rows == self.past[name].shape[1]:
+                self.past[name] = new
+            else:
+                self.past[name] = self.past[name].copy()  # the rows in use updated, the others kept
+                self.past[name][:, :rows] = new
         return logits
 
 

@@ -141,9 +141,9 @@ def test_generate_and_chat_sample_as_the_checkpoint_says_and_switch_thinking(fix
         seen.append(chat_template_kwargs)
         return prepare_chat(self, messages, chat_template_kwargs, *args, **kwargs)
 
-    def record_sampling(self, prepared, max_new_tokens=128, sampling=None, stop=(), constraint=None, state_cache=None):
+    def record_sampling(self, prepared, max_new_tokens=128, sampling=None, *args, **kwargs):
         seen.append(sampling)
-        return stream_prepared(self, prepared, max_new_tokens, sampling, stop, constraint, state_cache)
+        return stream_prepared(self, prepared, max_new_tokens, sampling, *args, **kwargs)
 
     monkeypatch.setattr(Pipeline, "prepare_chat", record_template)
     monkeypatch.setattr(Pipeline, "stream_prepared", record_sampling)

@@ -64,7 +64,7 @@ def _user(text: str, image=None) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", ["onnxruntime-ort", "openvino-portable"])  # portable on ONNX Runtime: the next test
 def test_rows_of_one_step_give_each_sequence_the_tokens_transformers_gives_it_alone(
     slot_export, reference_model, shapes, run
 ):
@@ -109,7 +109,7 @@ def test_rows_of_one_step_give_each_sequence_the_tokens_transformers_gives_it_al
     assert pool.busy == 0 and (pool.rows_stepped - rows) / (pool.steps - steps) > 1.5  # rows per step
 
 
-@pytest.mark.parametrize("run", ["onnxruntime-ort", "openvino-portable"])
+@pytest.mark.parametrize("run", RUNS)
 def test_identical_requests_at_once_give_identical_answers_equal_to_one_alone(slot_export, run):
     pipe = _pipe(slot_export, run)
     messages = _user("Count to ten, please.")

@@ -423,3 +423,57 @@ def test_the_streams_bench_counts_every_token_and_copies_nothing_per_step(slot_e
     lines = report_lines(report)
     assert lines[0].startswith("Streams at once (CPU, 2 threads, 2026-12-05, v0.10.0)")
     assert any(line.startswith("| ours | 10.0 | 5 | 9 |") for line in lines)
+
+
+def test_a_group_refuses_to_wait_for_slots_held_outside_it(slot_export):
+    """Every slot held by streams outside the group: its waiting generation ends with NoFreeSlot at once (it would
+    otherwise wait forever, nothing of the group being able to free one)."""
+    pipe = _pipe(slot_export, "onnxruntime-ort")
+    outside = [pipe.stream(None, "x", max_new_tokens=20, sampling=GREEDY) for _ in range(SLOTS)]
+    for stream in outside:
+        next(iter(stream))  # each holds a slot now
+    with pytest.raises(NoFreeSlot, match=f"all {SLOTS} decode slots are held by generations outside this group"):
+        pipe.generate(None, "y", max_new_tokens=3, group=pipe.group())
+    for stream in outside:
+        stream.close()
+    assert pipe.generate(None, "y", max_new_tokens=3, group=pipe.group()).finish_reason == "length"
+
+
+def test_an_interrupted_decode_step_ends_the_rows_it_left_unread(slot_export):
+    """An exception out of a stream's observer in the middle of a round (a Ctrl-C in a notebook): the rows whose
+    logits no token loop read end with an error instead of feeding a stale token; the others go on as alone."""
+    pipe = _pipe(slot_export, "onnxruntime-ort")
+    alone = [pipe.generate(None, p, max_new_tokens=8, sampling=GREEDY).token_ids for p in ("a", "b b", "c c c")]
+    group = pipe.group()
+    streams = [pipe.stream(None, p, max_new_tokens=8, sampling=GREEDY, group=group) for p in ("a", "b b", "c c c")]
+    seen = []
+
+    def interrupt(piece):
+        seen.append(piece)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    streams[0].observe(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        group.run()
+    group.run()
+    assert streams[0].result.token_ids == alone[0]
+    for stream, tokens in zip(streams[1:], alone[1:]):
+        kept = stream.result.token_ids
+        assert kept == tokens or (stream.result.finish_reason is None and kept == tokens[: len(kept)])
+    assert pipe.slot_pool.busy == 0
+
+
+def test_a_dynamic_kv_export_runs_its_group_one_at_a_time(dynamic_export):
+    """No decode slots on a dynamic-KV export: a group (and so ``serve``) runs its generations one after another,
+    each as alone."""
+    from qwen35_onnx.server.scheduler import Scheduler
+
+    pipe = Pipeline.from_exported(dynamic_export)
+    alone = [pipe.generate(None, p, max_new_tokens=5, sampling=GREEDY).token_ids for p in ("one", "two two")]
+    group = pipe.group()
+    assert group.pool is None and group.slots == 1
+    streams = [pipe.stream(None, p, max_new_tokens=5, sampling=GREEDY, group=group) for p in ("one", "two two")]
+    group.run()
+    assert [s.result.token_ids for s in streams] == alone and group.steps == 8
+    assert Scheduler(pipe, 2).state()["slots"] == 1

@@ -443,7 +443,7 @@ def bench(
         from .bench.streams import report_lines, run_streams
 
         try:
-            counts = [int(n) for n in streams.split(",") if n.strip()]
+            counts = [int(n) for n in streams.split(",")]
         except ValueError:
             _fail(ValueError(f"--streams {streams!r} must be comma-separated stream counts, e.g. 1,2,4,8"))
         try:

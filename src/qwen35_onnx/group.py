@@ -38,10 +38,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
+from .contract import KvMode, ShapeContract
 from .runtime.generation import Generation
 from .runtime.masks import CapacityExhausted
 from .runtime.prompt import PreparedPrompt
-from .runtime.slots import SlotPool
+from .runtime.slots import NoFreeSlot, SlotPool
 from .runtime.snapshots import SnapshotCache
 from .streams import TokenLoop
 
@@ -51,6 +52,7 @@ class Generations(Protocol):
     this module, not the other way round)."""
 
     slot_pool: SlotPool
+    contract: ShapeContract
 
     def generation(
         self, prepared: PreparedPrompt, state_cache: SnapshotCache | None = None, pooled: bool = False
@@ -95,8 +97,24 @@ class GenerationGroup:
 
     def __init__(self, pipeline: Generations):
         self.pipeline = pipeline
-        self.pool = pipeline.slot_pool
+        # a dynamic-KV export (one slot, no pool): its generations run one at a time, each with its own decoder
+        self.pool = pipeline.slot_pool if pipeline.contract.kv_mode == KvMode.FIXED else None
         self.members: list[Member] = []
+        self.steps = self.rows_stepped = self.last_rows = 0
+        """Decode steps this group ran, their rows summed, and the rows of the latest."""
+
+    @property
+    def slots(self) -> int:
+        """The export's decode slots."""
+        return self.pool.size if self.pool is not None else 1
+
+    @property
+    def slots_busy(self) -> int:
+        """Slots holding a sequence (of this group or another user of the pipeline)."""
+        return self.pool.busy if self.pool is not None else self.running
+
+    def _free(self) -> bool:
+        return self.pool.free > 0 if self.pool is not None else self.running == 0
 
     def add(self, prepared: PreparedPrompt, loop: TokenLoop, state_cache: SnapshotCache | None = None) -> Member:
         """(The pipeline's stream methods) a new generation, waiting for a slot; its stream is driven by this
@@ -126,9 +144,16 @@ class GenerationGroup:
         for member in list(self.members):
             if member.stream.cancelled:
                 self._end(member)
-        for member in self.members:
-            if member.generation is None and self.pool.free:
+        for member in list(self.members):
+            if member.generation is None and self._free():
                 self._admit(member)
+        if self.waiting and not self.running:  # every slot is held outside this group: none will free up here
+            held = NoFreeSlot(
+                f"all {self.slots} decode slots are held by generations outside this group (close them, or run "
+                "those streams to their end, first)"
+            )
+            for member in [m for m in self.members if m.generation is None]:
+                self._end(member, held)
         prefilling = next((m for m in self.members if m.runs is not None and not m.decoding), None)
         if prefilling is not None:
             self._prefill(prefilling)
@@ -139,7 +164,9 @@ class GenerationGroup:
 
     def _admit(self, member: Member) -> None:
         try:
-            member.generation = self.pipeline.generation(member.prepared, member.state_cache, pooled=True)
+            member.generation = self.pipeline.generation(
+                member.prepared, member.state_cache, pooled=self.pool is not None
+            )
             member.runs = member.generation.prefill_runs()
         except Exception as exc:  # noqa: BLE001 - the member's stream raises it
             self._end(member, exc)
@@ -167,27 +194,58 @@ class GenerationGroup:
 
     def _decode(self, rows: list[Member]) -> None:
         try:
-            results = self.pool.step([(m.generation, m.loop.token) for m in rows])
+            results = self._step(rows)
         except Exception as exc:  # noqa: BLE001 - the step failed for every row
             for member in rows:
                 self._end(member, exc)
             return
-        for member, result in zip(rows, results):
-            if isinstance(result, CapacityExhausted):
-                member.loop.out_of_room()
-                self._end(member)
-                continue
-            if isinstance(result, Exception):
-                self._end(member, result)
-                continue
-            try:
-                piece = member.loop.accept(result)
-            except Exception as exc:  # noqa: BLE001
-                self._end(member, exc)
-                continue
-            member.stream.put(piece)
-            if member.loop.done:
-                self._end(member)
+        handled = 0
+        try:
+            for member, result in zip(rows, results):
+                self._take(member, result)
+                handled += 1
+        except BaseException as exc:  # e.g. KeyboardInterrupt in an observer: the rows not handled yet ran a step
+            for member in rows[handled + 1 :]:  # whose logits no token loop took: they cannot go on
+                self._end(member, RuntimeError(f"the decode step was interrupted ({exc!r}) before this row was read"))
+            raise
+
+    def _step(self, rows: list[Member]) -> list:
+        """One decode step of ``rows``: the pool's batched step, or (no pool) each generation's own."""
+        if self.pool is not None:
+            steps = self.pool.steps
+            results = self.pool.step([(m.generation, m.loop.token) for m in rows])
+            ran = self.pool.steps != steps
+        else:
+            results = []
+            for member in rows:
+                try:
+                    results.append(member.generation.step(member.loop.token))
+                except Exception as exc:  # noqa: BLE001 - that row's own outcome
+                    results.append(exc)
+            ran = True
+        if ran:
+            self.steps += 1
+            self.last_rows = sum(not isinstance(r, Exception) for r in results)
+            self.rows_stepped += self.last_rows
+        return results
+
+    def _take(self, member: Member, result) -> None:
+        """A row's result of a decode step: its next token (and text), or how it ended."""
+        if isinstance(result, CapacityExhausted):
+            member.loop.out_of_room()
+            self._end(member)
+            return
+        if isinstance(result, Exception):
+            self._end(member, result)
+            return
+        try:
+            piece = member.loop.accept(result)
+        except Exception as exc:  # noqa: BLE001
+            self._end(member, exc)
+            return
+        member.stream.put(piece)
+        if member.loop.done:
+            self._end(member)
 
     def _end(self, member: Member, error: BaseException | None = None) -> None:
         """End ``member``: the held-back text and the kept states (when it ended normally or was cancelled), the

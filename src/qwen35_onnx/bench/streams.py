@@ -309,6 +309,7 @@ def run_streams(
 
     if not counts or any(n < 1 or n > MAX_SLOTS for n in counts):
         raise ValueError(f"--streams {counts}: stream counts must be from 1 to {MAX_SLOTS}")
+    counts = sorted(set(counts))
     threads = usable_cpus()
     slots = max(max(counts), PARALLEL if peer else 1)
     folder = Path(work_dir) / f"ort-int4-slots-{slots}"

@@ -197,7 +197,7 @@ class Scheduler:
         self.on_finished, self.on_step = on_finished, on_step
         self.pipeline = pipeline
         self.group = pipeline.group()
-        self.slots = Slots(max_queue, self.group.pool.size)
+        self.slots = Slots(max_queue, self.group.slots)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen35-pipeline")
         self.prepare_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen35-prepare")
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -276,14 +276,14 @@ class Scheduler:
 
     def _round(self) -> None:  # worker thread: one round of the group, then tell the event loop what changed
         self._pumping = False
-        pool, steps = self.group.pool, self.group.pool.steps
+        group, steps = self.group, self.group.steps
         try:
-            self.group.step()
+            group.step()
         except Exception:  # noqa: BLE001 - the group ends its members itself; this is a bug: log it, go on
             log.exception("a round of the generation group failed")
-        if self.on_step is not None and pool.steps != steps:
+        if self.on_step is not None and group.steps != steps:
             try:
-                self.on_step(pool.last_rows)
+                self.on_step(group.last_rows)
             except Exception:  # noqa: BLE001 - an observer must not stop the rounds
                 log.exception("recording a decode step failed")
         for generation in list(self._scheduled):
@@ -326,15 +326,15 @@ class Scheduler:
         """``running``, ``waiting``, ``max_queue``, ``slots`` (the export's decode slots), ``slots_busy`` (those
         holding a sequence now), ``decode_steps`` and ``decode_rows`` (rows summed over the steps), the counters and
         the last generation's outcome."""
-        pool = self.group.pool
+        group = self.group
         return {
             "running": self.slots.running,
             "waiting": self.slots.waiting,
             "max_queue": self.slots.max_queue,
-            "slots": pool.size,
-            "slots_busy": pool.busy,
-            "decode_steps": pool.steps,
-            "decode_rows": pool.rows_stepped,
+            "slots": group.slots,
+            "slots_busy": group.slots_busy,
+            "decode_steps": group.steps,
+            "decode_rows": group.rows_stepped,
             **self.counters,
             "last": self.last,
         }

@@ -4,8 +4,12 @@ gives for its sequence alone; a group of generations (the Python API); the slots
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -313,7 +317,8 @@ def test_soak_twelve_clients_on_four_slots(slot_export, photo):
 
     port = free_port()
     cmd = [sys.executable, "-m", "qwen35_onnx.cli", "serve", "--model", str(export), "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--max-queue", "8"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    env = {**os.environ, "QWEN35_ONNX_THREAD_POOL": "shared"}  # as a user's serve runs: one thread pool
+    proc = subprocess.Popen([*cmd, "--max-queue", "8"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -399,7 +404,7 @@ def test_soak_twelve_clients_on_four_slots(slot_export, photo):
 
 
 def test_the_streams_bench_counts_every_token_and_copies_nothing_per_step(slot_export):
-    from qwen35_onnx.bench.streams import group_load, report_lines, summarize
+    from qwen35_onnx.bench.streams import group_load, report_lines, step_scaling, summarize
 
     pipe = _pipe(slot_export, "onnxruntime-ort")
     load = group_load(pipe, 3, 6)
@@ -412,17 +417,25 @@ def test_the_streams_bench_counts_every_token_and_copies_nothing_per_step(slot_e
     fixed = summarize(2, 0.0, [[1.0, 1.1, 1.2], [1.1, 1.2, 1.3]])
     assert fixed.tokens == 6 and abs(fixed.decode_tokens_per_s - 4 / 0.3) < 1e-9
     assert abs(fixed.itl_p50_ms - 100) < 1e-6 and abs(fixed.ttft_p50_ms - 1050) < 1e-6
+    # both decoding from 1.1 s (the second stream's first token) to 1.2 s (the first's last): 2 tokens in 0.1 s
+    assert abs(fixed.extra["all_decoding_tokens_per_s"] - 20) < 1e-6
+    scaling = step_scaling(pipe, [1, 2], steps=3)
+    assert [r["rows"] for r in scaling] == [1, 2] and scaling[0]["x_1_row"] == 1 and scaling[1]["step_ms"] > 0
+    assert abs(scaling[1]["ideal_speedup"] - 2 / scaling[1]["x_1_row"]) < 1e-9
+    assert pipe.slot_pool.busy == 0  # every sequence it held is closed
     report = {
         "run": {"cpu": "CPU", "date": "2026-12-05", "version": "0.10.0"},
         "threads": 2,
         "export": "x/ort-int4-slots-4",
         "max_tokens": 6,
         "slots_in_process": [load.to_dict(), fixed.to_dict()],
+        "step_scaling": scaling,
         "servers": {"ours": {"tokens_per_s": 10.0, "arrival_ttft_ms": {"p50": 5.0, "p95": 9.0}}},
     }
     lines = report_lines(report)
     assert lines[0].startswith("Streams at once (CPU, 2 threads, 2026-12-05, v0.10.0)")
     assert any(line.startswith("| ours | 10.0 | 5 | 9 |") for line in lines)
+    assert any(line.startswith(f"| 2 | {scaling[1]['step_ms']:.1f} |") for line in lines)
 
 
 def test_a_group_refuses_to_wait_for_slots_held_outside_it(slot_export):
@@ -477,3 +490,96 @@ def test_a_dynamic_kv_export_runs_its_group_one_at_a_time(dynamic_export):
     group.run()
     assert [s.result.token_ids for s in streams] == alone and group.steps == 8
     assert Scheduler(pipe, 2).state()["slots"] == 1
+
+
+THREAD_PROBE = """
+import json, os, sys
+from qwen35_onnx.runtime.onnxruntime.sessions import shared_thread_pool
+if sys.argv[2] == "shared":
+    assert shared_thread_pool(2) and shared_thread_pool(2)  # the same size again: the same pool
+from qwen35_onnx.pipeline import Pipeline
+from qwen35_onnx.runtime.sampling import SamplingConfig
+pipe = Pipeline.from_exported(sys.argv[1], threads=2)
+messages = [{"role": "user", "content": "Tell me about rivers and the sea and the stars above them."}]
+tokens = pipe.chat(messages, 6, SamplingConfig(), chat_template_kwargs={"enable_thinking": False}).generation.token_ids
+sessions = 2 + len(pipe.backend.graphs.loaded_chunks)  # decode, the any-grid vision graph, the chunks run
+errors = []
+if sys.argv[2] == "shared":  # a pool's size is fixed
+    for attempt in (lambda: shared_thread_pool(1), lambda: Pipeline.from_exported(sys.argv[1], threads=1)):
+        try:
+            attempt()
+        except ValueError as exc:
+            errors.append(str(exc))
+threads = len(os.listdir("/proc/self/task"))
+print(json.dumps({"tokens": tokens, "threads": threads, "sessions": sessions, "errors": errors}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_the_sessions_of_an_export_share_one_thread_pool(slot_export, monkeypatch):
+    """With the process's shared thread pool (what the command line and the server use) every ONNX Runtime
+    session of an export runs on one pool of worker threads, no pool per graph whose idle threads spin on the
+    cores the next graph needs; without it (a Python program's default) each session has its own; the tokens
+    are the same. A pool of another size is refused, naming both."""
+    runs = {}
+    for mode in ("shared", "own"):
+        out = subprocess.run(
+            [sys.executable, "-c", THREAD_PROBE, str(slot_export("ort")), mode],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    shared, own = runs["shared"], runs["own"]
+    assert shared["tokens"] == own["tokens"]
+    assert shared["sessions"] >= 3, shared  # decode, vision and a chunk graph at least
+    # a pool each: one worker thread more per loaded session of 2 threads (the calling thread is the other)
+    assert own["threads"] - shared["threads"] >= shared["sessions"] - 1, runs
+    pool, load = shared["errors"]
+    assert "pool has 2 threads; 1 cannot be had in the same process" in pool
+    assert "threads 1: this process runs ONNX Runtime on one shared pool of 2 threads" in load
+    from qwen35_onnx.runtime.select import share_threads
+
+    monkeypatch.setenv("QWEN35_ONNX_THREAD_POOL", "global")
+    with pytest.raises(ValueError, match=r"QWEN35_ONNX_THREAD_POOL 'global' must be 'shared' \(the default\) or"):
+        share_threads()
+
+
+def test_a_newcomer_among_decoding_streams_prefills_within_the_round_budget(slot_export, monkeypatch):
+    """While others decode, a newcomer's prefill runs chunks of at most UNDER_LOAD_PREFILL_TOKENS and at most
+    that many positions between two decode steps (here 16, on an export with chunks 8 and 32: two 8-token
+    chunks a round); alone it takes the larger chunks; its tokens are the same either way."""
+    import qwen35_onnx.group as group_module
+
+    monkeypatch.setattr(group_module, "UNDER_LOAD_PREFILL_TOKENS", 16)
+    pipe = _pipe(slot_export, "onnxruntime-ort")
+    events: list[int | str] = []
+    run_chunk, pool_step = pipe.backend.run_chunk, pipe.slot_pool.step
+
+    def chunk(size, feeds, states):
+        events.append(size)
+        return run_chunk(size, feeds, states)
+
+    def step(rows):
+        events.append("step")
+        return pool_step(rows)
+
+    monkeypatch.setattr(pipe.backend, "run_chunk", chunk)
+    monkeypatch.setattr(pipe.slot_pool, "step", step)
+    prompt = "Tell me everything about rivers, the sea, the stars above them and the boats on them. " * 2
+    alone = pipe.generate(None, prompt, max_new_tokens=5, sampling=GREEDY, group=pipe.group())
+    assert 32 in events, events
+    group = pipe.group()
+    running = pipe.stream(None, "x", max_new_tokens=40, sampling=GREEDY, group=group)
+    next(iter(running))  # decoding now
+    events.clear()
+    newcomer = pipe.stream(None, prompt, max_new_tokens=5, sampling=GREEDY, group=group)
+    while not newcomer.result.token_ids:
+        group.step()
+    chunks = [e for e in events if e != "step"]
+    assert chunks and set(chunks) == {8}, events
+    rounds = "".join("s" if e == "step" else "c" for e in events).split("s")
+    assert max(len(r) for r in rounds) == 2, events  # two 8-token chunks between two steps, never more
+    group.run()
+    assert newcomer.result.token_ids == alone.token_ids

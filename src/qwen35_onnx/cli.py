@@ -173,8 +173,10 @@ def export(
 def _load(model: Path, runtime: RuntimeOptions):
     """The Pipeline of the export at ``model``, or one ``error:`` line."""
     from .pipeline import Pipeline
+    from .runtime.select import share_threads
 
     try:
+        share_threads(runtime)  # this process is the command's: one thread pool for all its graphs
         return Pipeline.from_exported(model, runtime)
     except USER_ERRORS as exc:
         _fail(exc)

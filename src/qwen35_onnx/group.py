@@ -9,15 +9,21 @@ Scheduling, one :meth:`GenerationGroup.step` (a round):
 
 1. generations whose streams were cancelled or closed end (their slots are freed);
 2. waiting generations take the free slots, oldest first;
-3. the oldest generation still prefilling runs ONE graph of its prefill (its vision graphs, or one chunk:
-   :meth:`~qwen35_onnx.runtime.generation.Generation.prefill_runs`); when that was its last, its first token
-   is picked and it decodes from the next step on;
+3. the oldest generation still prefilling runs its prefill's next graph
+   (:meth:`~qwen35_onnx.runtime.generation.Generation.prefill_runs`: its vision graphs, or a chunk), and while
+   others decode its further chunks as long as the round's chunks stay within
+   :data:`UNDER_LOAD_PREFILL_TOKENS` positions; when that was its last, its first token is picked and it
+   decodes from the next step on. A generation that starts its prefill while others decode plans chunks of
+   at most :data:`UNDER_LOAD_PREFILL_TOKENS` tokens (the export's smallest where none is that small), else
+   the export's largest that pay;
 4. one decode step of every decoding generation (:meth:`~qwen35_onnx.runtime.slots.SlotPool.step`), each
    picking its next token in its own :class:`~qwen35_onnx.streams.TokenLoop`.
 
-So a running stream waits at most one prefill run (one chunk, or one request's images) between two of its
-tokens, whatever arrives; a generation ends in the round its stop criterion is met (or at the next round's
-start when cancelled), and its slot takes a newcomer at the next round.
+So a running stream waits at most :data:`UNDER_LOAD_PREFILL_TOKENS` positions of prefill chunks (or one
+request's images) between two of its tokens, whatever arrives, and a short prompt arriving under load is
+prefilled in one round; a generation ends in the round its stop
+criterion is met (or at the next round's start when cancelled), and its slot takes a newcomer at the next
+round.
 
 Example (an export with ``--slots 4``)::
 
@@ -61,7 +67,14 @@ class Generations(Protocol):
     def keep_states(self, generation: Generation, state_cache: SnapshotCache | None) -> None: ...
 
 
-__all__ = ["GenerationGroup", "Generations", "Member"]
+__all__ = ["UNDER_LOAD_PREFILL_TOKENS", "GenerationGroup", "Generations", "Member"]
+
+
+UNDER_LOAD_PREFILL_TOKENS = 128
+"""While others decode: the prefill positions (chunk sizes summed) a round runs between two decode steps,
+and the largest chunk of a generation that starts its prefill then (tokens). A 512-token chunk took 1.8 s at
+0.8B int4 on 2 cores (AMD EPYC, ``benchmarks/results/``), a running stream's pause; 128 tokens cost about a
+quarter of it, at about the same cost per token (32-token chunks: about 15 % more per token)."""
 
 
 class Member:
@@ -71,7 +84,8 @@ class Member:
     def __init__(self, prepared: PreparedPrompt, loop: TokenLoop, state_cache: SnapshotCache | None):
         self.prepared, self.loop, self.state_cache = prepared, loop, state_cache
         self.generation: Generation | None = None
-        self.runs: Iterator[None] | None = None
+        self.runs: Iterator[int] | None = None
+        self.started = False  # its first prefill run has been asked for
         self.decoding = False
         self.ended = False
 
@@ -173,9 +187,19 @@ class GenerationGroup:
 
     def _prefill(self, member: Member) -> None:
         generation, loop = member.generation, member.loop
+        loaded = any(m.decoding for m in self.members)
+        if not member.started:  # its chunk plan is made at its first run: bounded while others decode
+            member.started = True
+            if loaded:
+                generation.max_chunk_tokens = UNDER_LOAD_PREFILL_TOKENS
+        spent = 0
         try:
-            next(member.runs)
-            return
+            while True:
+                ran = next(member.runs)
+                spent += ran
+                coming = generation.next_run_tokens or 0
+                if not (loaded and ran and coming and spent + coming <= UNDER_LOAD_PREFILL_TOKENS):
+                    return
         except StopIteration as done:
             logits = done.value
         except Exception as exc:  # noqa: BLE001

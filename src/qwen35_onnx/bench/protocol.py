@@ -173,8 +173,11 @@ def read_bandwidths(size_bytes: int = 2**30, repeats: int = 5) -> dict[str, floa
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
+    from ..runtime.onnxruntime.sessions import session_options
+
     def best(model, feeds: dict[str, np.ndarray], output: str) -> float:
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        options = session_options()
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         binding = session.io_binding()
         for name, value in feeds.items():
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))

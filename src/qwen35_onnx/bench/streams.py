@@ -6,11 +6,14 @@ same ``max_tokens``:
 
 1. **Slots, in process** (:func:`group_load`): N generations started at once in a
    :class:`~qwen35_onnx.group.GenerationGroup` on an export with ``--slots`` >= N, the group's rounds run to the
-   end. Every token is stamped when the round that made it ends. Reported per N: aggregate decode tokens/s (the
-   tokens after each stream's first, over the time from the first stream's first token to the last token),
-   p50/p95 inter-token latency (every gap between two tokens of one stream), p50 time to first token. The bytes
-   a decode step copies between slot buffers are 0 by construction (the states stay in their slots); the bytes
-   copied when a sequence joins its slot are reported.
+   end. Every token is stamped when the round that made it ends. Reported per N: aggregate decode tokens/s
+   while all N decode (no prefill in that window, as ``llama-batched-bench`` times its generation phase) and
+   over the whole run (the tokens after each stream's first, from the first stream's first token to the last
+   token: the newcomers' prefill runs included), p50/p95 inter-token latency (every gap between two tokens of
+   one stream), p50 time to first token. The bytes a decode step copies between slot buffers are 0 by
+   construction (the states stay in their slots); the bytes copied when a sequence joins its slot are
+   reported. Then the decode step's own cost at each N rows
+   (:func:`step_scaling`): the most a load of N streams can gain on this machine.
 2. **Servers, over HTTP** (:func:`http_load`, :func:`arrival_ttft`): ``qwen35-onnx serve`` on that export and
    ``llama-server --parallel P`` on the GGUF of the bench's ``llama.cpp Q4_0 pure`` row, the same threads, each
    driven by the official ``openai`` client: P concurrent requests (aggregate tokens/s: the completion tokens
@@ -46,6 +49,7 @@ __all__ = [
     "run_streams",
     "serve_llama",
     "serve_ours",
+    "step_scaling",
 ]
 
 PROMPT_WORDS = 24
@@ -88,7 +92,9 @@ class LoadResult:
 
 def summarize(streams: int, start: float, stamps: list[list[float]], extra: dict | None = None) -> LoadResult:
     """A :class:`LoadResult` from each stream's token (or chunk) times ``stamps`` (seconds, ``time.perf_counter``)
-    after ``start``."""
+    after ``start``; ``extra["all_decoding_tokens_per_s"]``: the tokens per second while every stream decodes
+    (from the last stream's first token to the first stream's last: no prefill in it, as llama.cpp's
+    ``llama-batched-bench`` times its text-generation phase)."""
     stamps = [s for s in stamps if s]
     tokens = sum(len(s) for s in stamps)
     first = min(s[0] for s in stamps)
@@ -97,6 +103,10 @@ def summarize(streams: int, start: float, stamps: list[list[float]], extra: dict
     ttft = np.array([s[0] - start for s in stamps]) * 1000
     decoded = tokens - len(stamps)
     rate = decoded / (last - first) if last > first else 0.0
+    # every stream decoding: from the last stream's first token to the first stream's last one
+    begin, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    window = sum(int(np.count_nonzero((np.array(s) > begin) & (np.array(s) <= end))) for s in stamps)
+    extra = {**(extra or {}), "all_decoding_tokens_per_s": window / (end - begin) if end > begin else 0.0}
     return LoadResult(
         streams,
         tokens,
@@ -106,7 +116,7 @@ def summarize(streams: int, start: float, stamps: list[list[float]], extra: dict
         float(np.percentile(gaps, 95)) if gaps.size else 0.0,
         float(np.percentile(ttft, 50)),
         float(np.percentile(ttft, 95)),
-        extra or {},
+        extra,
     )
 
 
@@ -142,6 +152,43 @@ def group_load(pipe, streams: int, max_tokens: int) -> LoadResult:
         "bytes_copied_per_join": (pool.bytes_copied - copied) / streams,
     }
     return summarize(streams, start, stamps, extra)
+
+
+def step_scaling(pipe, counts: list[int], steps: int = 24) -> list[dict]:
+    """The decode step's own cost at each of ``counts`` rows: that many sequences of one short prompt held in
+    the slots of ``pipe``, ``steps`` decode steps of them all (after 4 to warm up), timed step by step.
+    ``[{"rows", "step_ms" (median), "x_1_row", "ideal_speedup"}]`` (``x_1_row``: against the first count;
+    ``ideal_speedup``: rows over that, the most a load of that many streams can gain in decode tokens/s).
+
+    Raises:
+        ValueError: a count above the export's slots.
+    """
+    from ..runtime.generation import Generation
+
+    if max(counts) > pipe.contract.slots:
+        raise ValueError(f"{max(counts)} rows need an export with --slots {max(counts)} or more")
+    pool = pipe.slot_pool
+    prepared = pipe.prepare(None, prompts(1)[0])
+    out = []
+    for rows in counts:
+        generations = [Generation(pipe.backend, prepared, pool=pool) for _ in range(rows)]
+        try:
+            for g in generations:
+                g.prefill()
+            times = []
+            for i in range(steps + 4):
+                begin = time.perf_counter()
+                pool.step([(g, 5) for g in generations])
+                if i >= 4:
+                    times.append(1000 * (time.perf_counter() - begin))
+        finally:
+            for g in generations:
+                g.close()
+        out.append({"rows": rows, "step_ms": float(np.median(times))})
+    for r in out:
+        r["x_1_row"] = r["step_ms"] / out[0]["step_ms"]
+        r["ideal_speedup"] = r["rows"] / out[0]["rows"] / r["x_1_row"]
+    return out
 
 
 # ---- servers ------------------------------------------------------------------------------------
@@ -303,7 +350,8 @@ def run_streams(
     from ..export.exporter import export
     from ..export.options import ExportOptions
     from ..pipeline import Pipeline
-    from ..runtime.backend import usable_cpus
+    from ..runtime.backend import RuntimeOptions, usable_cpus
+    from ..runtime.select import share_threads
     from .results import run_info
     from .speed import _is_cached
 
@@ -319,12 +367,15 @@ def run_streams(
         export(checkpoint, folder, options)
     report: dict = {"run": run_info(), "export": str(folder), "slots": slots, "threads": threads}
     report["max_tokens"] = max_tokens
+    share_threads(RuntimeOptions(threads=threads))  # as serve runs: chunks between decode steps on one pool
     pipe = Pipeline.from_exported(folder, threads=threads)
     group_load(pipe, 1, 8)  # warm-up: every graph loaded, the arenas grown
     report["slots_in_process"] = []
     for n in counts:
         log(f"[bench] {n} stream(s) in one group ...")
         report["slots_in_process"].append(group_load(pipe, n, max_tokens).to_dict())
+    log(f"[bench] the decode step at {', '.join(map(str, counts))} rows ...")
+    report["step_scaling"] = step_scaling(pipe, counts)
     del pipe
     if peer:
         from .llamacpp import gguf_for, prepare_llamacpp
@@ -354,18 +405,35 @@ def report_lines(report: dict) -> list[str]:
         f"Streams at once ({run.get('cpu', '?')}, {report['threads']} threads, {run.get('date', '?')}, "
         f"v{run.get('version', '?')}); export {Path(report['export']).name}, {report['max_tokens']} tokens a stream",
         "",
-        "| streams | decode tokens/s | x 1 stream | ITL p50 ms | ITL p95 ms | x 1 stream | TTFT p50 ms | rows/step |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| streams | decode tokens/s, all decoding | x 1 stream | tokens/s, first token to last | x 1 stream "
+        "| ITL p50 ms | ITL p95 ms | x 1 stream | TTFT p50 ms | rows/step |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = report["slots_in_process"]
     base = rows[0]
+
+    def steady(r: dict) -> float:
+        return r["extra"].get("all_decoding_tokens_per_s", r["decode_tokens_per_s"])
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}" if b else "-"
+
     for r in rows:
-        rate = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         lines.append(
-            f"| {r['streams']} | {r['decode_tokens_per_s']:.1f} | {rate:.2f} "
-            f"| {r['itl_p50_ms']:.1f} | {r['itl_p95_ms']:.1f} | {r['itl_p95_ms'] / base['itl_p95_ms']:.2f} "
+            f"| {r['streams']} | {steady(r):.1f} | {ratio(steady(r), steady(base))} "
+            f"| {r['decode_tokens_per_s']:.1f} | {ratio(r['decode_tokens_per_s'], base['decode_tokens_per_s'])} "
+            f"| {r['itl_p50_ms']:.1f} | {r['itl_p95_ms']:.1f} | {ratio(r['itl_p95_ms'], base['itl_p95_ms'])} "
             f"| {r['ttft_p50_ms']:.0f} | {r['extra'].get('mean_rows', 0):.2f} |"
         )
+    scaling = report.get("step_scaling")
+    if scaling:
+        lines += [
+            "",
+            "| rows in a decode step | step ms | x 1 row | rows / (x 1 row): the most a load can gain |",
+            "|---:|---:|---:|---:|",
+        ]
+        for r in scaling:
+            lines.append(f"| {r['rows']} | {r['step_ms']:.1f} | {r['x_1_row']:.2f} | {r['ideal_speedup']:.2f} |")
     servers = report.get("servers")
     if servers:
         lines += [

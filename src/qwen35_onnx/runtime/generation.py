@@ -140,6 +140,12 @@ class Generation:
             )
         self.start, self.snapshot_at = start, tuple(int(p) for p in snapshot_at)
         self.snapshots: list[StateSnapshot] = []
+        self.max_chunk_tokens: int | None = None
+        """The largest chunk the chunked prefill may run (None: any of the export's; the smallest where none
+        is that small); read when the prefill's first run starts (a scheduler bounds what others wait)."""
+        self.next_run_tokens: int | None = None
+        """Between two runs of :meth:`prefill_runs`: the positions the next one prefills through a chunk graph
+        (0: none; None: not planned yet)."""
         self.bucket = prompt.bucket if contract.prefill_buckets and not self.chunked else None
         if states is None and not self.chunked:
             backend.load_prefill(self.bucket)
@@ -240,10 +246,12 @@ class Generation:
             except StopIteration as done:
                 return done.value
 
-    def prefill_runs(self, image_embeds: np.ndarray | None = None) -> Iterator[None]:
-        """:meth:`prefill` one graph run at a time: a generator that yields after the vision graphs and after each
-        prefill chunk (so that a caller can run other work between them, e.g. the decode steps of a slot pool's
-        other sequences) and returns the last real token's logits ``[V]`` fp32 (``StopIteration.value``).
+    def prefill_runs(self, image_embeds: np.ndarray | None = None) -> Iterator[int]:
+        """:meth:`prefill` one graph run at a time: a generator that yields after the vision graphs (0) and after
+        each prefill chunk (its size in positions), so that a caller can run other work between them (e.g. the
+        decode steps of a slot pool's other sequences), and returns the last real token's logits ``[V]`` fp32
+        (``StopIteration.value``). Between two runs :attr:`next_run_tokens` is the next chunk's size (0: the
+        last run is next but holds no chunk).
 
         Raises:
             See :meth:`prefill`.
@@ -277,7 +285,7 @@ class Generation:
         self.pool.place(self.slot, self.states, self.length)
         self.states = None
 
-    def _chunk_runs(self, image_embeds: np.ndarray | None) -> Iterator[None]:
+    def _chunk_runs(self, image_embeds: np.ndarray | None) -> Iterator[int]:
         """Chunked prefill (:mod:`.chunks`): from the snapshot :attr:`start` or an empty state, the
         prompt's remaining tokens through the chunk graphs (a snapshot taken at each position of
         :attr:`snapshot_at`) and trailing text tokens through decode steps; yields after the vision
@@ -285,7 +293,10 @@ class Generation:
         c, prompt, backend = self.contract, self.prompt, self.backend
         ids = prompt.input_ids[0]
         begin = time.perf_counter()
-        plan = (c.prefill_chunks, c.capacity, c.image_token_id, self.snapshot_at)
+        sizes = c.prefill_chunks
+        if self.max_chunk_tokens is not None:
+            sizes = tuple(n for n in sizes if n <= self.max_chunk_tokens) or (min(sizes),)
+        plan = (sizes, c.capacity, c.image_token_id, self.snapshot_at)
         # in a slot pool a trailing decode step of the prompt is a step of every slot: only where no chunk fits
         step_cost = DECODE_STEP_COST if self.pool is None else POOLED_DECODE_STEP_COST
         try:
@@ -301,8 +312,10 @@ class Generation:
         states = backend.states_from_host(self.start.state_arrays()) if self.start else backend.zero_states()
         rows = self.run_vision(done) if image_embeds is None else image_embeds
         vision_done = time.perf_counter()
+        chunks = [p.size for p in pieces if p.size > 1]
         if self.prompt.pixel_values is not None:
-            yield
+            self.next_run_tokens = chunks[0] if chunks else 0
+            yield 0
         image_pos = np.flatnonzero(ids == c.image_token_id)
         logits = None
         for piece in pieces:
@@ -333,7 +346,10 @@ class Generation:
             if done in self.snapshot_at:
                 self.snapshots.append(self._snapshot(backend.states_to_host(states, kv_length=done), done))
             if piece is not pieces[-1]:
-                yield
+                later = [p.size for p in pieces[pieces.index(piece) + 1 :]]
+                self.next_run_tokens = later[0] if later[0] > 1 else 0
+                yield size
+        self.next_run_tokens = None
         self.states = states
         self.mask = np.zeros((1, c.capacity), dtype=np.int64)
         self.mask[0, :done] = 1

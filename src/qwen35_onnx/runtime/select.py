@@ -3,10 +3,14 @@ backend imports only :mod:`.backend`)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..contract import ShapeContract
 from .backend import Backend, Runtime, RuntimeOptions
+
+THREAD_POOL_ENV = "QWEN35_ONNX_THREAD_POOL"
+"""Environment variable: ``shared`` (the default) or ``session``, see :func:`share_threads`."""
 
 
 def open_backend(root: Path, contract: ShapeContract, options: RuntimeOptions | None = None) -> Backend:
@@ -31,3 +35,24 @@ def open_backend(root: Path, contract: ShapeContract, options: RuntimeOptions | 
             f"runtime 'openvino' needs the openvino package (pip install 'qwen35-onnx[openvino]'): {exc}"
         ) from None
     return OpenVinoBackend(root, contract, options)
+
+
+def share_threads(options: RuntimeOptions | None = None) -> None:
+    """For a program that owns its process (the command line, the server): with ONNX Runtime, run every
+    session on one shared pool of ``options``' intra-op threads
+    (:func:`~.onnxruntime.sessions.shared_thread_pool`, which says why), unless ``$QWEN35_ONNX_THREAD_POOL``
+    is ``session`` (a pool per session, as a Python program gets by default); with OpenVINO nothing.
+
+    Raises:
+        ValueError: bad ``options`` (see :meth:`~.backend.RuntimeOptions.validate`), a bad
+            ``$QWEN35_ONNX_THREAD_POOL``, or a pool of another size made before in this process.
+    """
+    options = options or RuntimeOptions()
+    options.validate()
+    pool = os.environ.get(THREAD_POOL_ENV, "shared").strip() or "shared"
+    if pool not in ("shared", "session"):
+        raise ValueError(f"${THREAD_POOL_ENV} {pool!r} must be 'shared' (the default) or 'session'")
+    if options.runtime == Runtime.ONNXRUNTIME and pool == "shared":
+        from .onnxruntime.sessions import shared_thread_pool
+
+        shared_thread_pool(options.intra_op_threads)

@@ -59,6 +59,7 @@ from ..pipeline import Pipeline
 from ..runtime.backend import RuntimeOptions
 from ..runtime.prompt import PreparedPrompt
 from ..runtime.sampling import SamplingConfig
+from ..runtime.select import share_threads
 from .metrics import ServerMetrics
 from .options import MIB, ServerOptions
 from .protocol import (
@@ -460,6 +461,7 @@ def serve(
     options.validate()
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
+    share_threads(runtime)  # the process is the server's: its graphs on one thread pool (prefill between steps)
     pipeline = Pipeline.from_exported(model, runtime)
     app = create_app(pipeline, options)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

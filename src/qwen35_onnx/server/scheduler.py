@@ -10,10 +10,11 @@ A request asks for one of the ``S`` generation slots (the export's decode slots,
 free one -> it runs; all taken -> it waits in a FIFO queue of at most ``max_queue`` requests; queue full -> 429.
 Running generations are the members of one :class:`~qwen35_onnx.group.GenerationGroup`, whose rounds the
 worker thread runs one after another while any is running, each round one job of the thread (so a new
-request's start runs between two rounds): in a round the oldest generation still prefilling runs one graph of
-its prefill (its images, or one prefill chunk), then one decode step advances every decoding generation by a
-token (see :mod:`qwen35_onnx.group`). A running stream therefore waits at most one decode step and one prefill
-run between two tokens, however many requests arrive. A generation leaves between two rounds when it ends
+request's start runs between two rounds): in a round the oldest generation still prefilling runs its next
+prefill graph (its images, or chunks of at most :data:`~qwen35_onnx.group.UNDER_LOAD_PREFILL_TOKENS` positions
+while others decode), then one decode step advances every decoding generation by a token (see
+:mod:`qwen35_onnx.group`). A running stream therefore waits at most one decode step and that much prefill
+between two tokens, however many requests arrive. A generation leaves between two rounds when it ends
 (stop, length, a tool call), is cancelled (its client gone) or fails; its slot goes to the first waiter.
 """
 

@@ -223,17 +223,14 @@ def test_slots_on_a_device_the_host_cannot_address_are_refused(slot_export):
 
 @pytest.fixture(scope="module")
 def int4_exports(trained_checkpoint, tmp_path_factory):
-    """The trained demo checkpoint at int4 (``--ops ort``, prefill chunks PREFILL_CHUNKS) with one decode slot and
-    with :data:`SLOTS`."""
+    """The trained demo checkpoint at int4 (``--ops ort``, prefill chunks PREFILL_CHUNKS) with :data:`SLOTS`
+    decode slots."""
     from .conftest import build_once, export_to
 
-    def build(slots: int):
-        options = {"quantize": "int4", "slots": slots, "prefill_chunks": PREFILL_CHUNKS}
-        return build_once(
-            tmp_path_factory, f"trained-int4-slots-{slots}", lambda out: export_to(trained_checkpoint, out, **options)
-        )
-
-    return build(1), build(SLOTS)
+    options = {"quantize": "int4", "slots": SLOTS, "prefill_chunks": PREFILL_CHUNKS}
+    return build_once(
+        tmp_path_factory, f"trained-int4-slots-{SLOTS}", lambda out: export_to(trained_checkpoint, out, **options)
+    )
 
 
 INT4_PROMPTS = ["Describe a sunny day.", "What is two plus two?", "x", "Name the colours of the rainbow, please."]
@@ -243,20 +240,23 @@ INT4_TOKENS = 24
 @pytest.mark.slow
 def test_int4_rows_of_a_batched_step_agree_with_one_sequence_alone(int4_exports):
     """MatMulNBits computes the S rows of a step as one product (int8 activations at accuracy level 4): the same
-    sequence's logits in a batch and alone (the batch-1 export) differ by rounding, which the int8 activation
-    quantization can amplify. Teacher-forced on the same tokens: every position's logits stay within the bound
-    below (cosine), the greedy choice agrees almost everywhere and the two runs' greedy tokens are reported."""
-    one, many = (Pipeline.from_exported(path) for path in int4_exports)
+    sequence's logits in a batch and alone (one row: the row axis is dynamic, so the step is the product of a
+    batch-1 export) differ by rounding, which the int8 activation quantization can amplify. Teacher-forced on the
+    same tokens: every position's logits stay within the bound below (cosine), the greedy choice agrees almost
+    everywhere and the two runs' greedy tokens are reported."""
+    many = Pipeline.from_exported(int4_exports)
     cosines, agree, total = [], 0, 0
     pool = many.slot_pool
     alone_logits, tokens = [], []
     for prompt in INT4_PROMPTS:
-        g = Generation(one.backend, one.prepare(None, prompt))
+        g = Generation(many.backend, many.prepare(None, prompt), pool=pool)
         seen = [np.array(g.prefill(), dtype=np.float64)]
         ids = [int(np.argmax(seen[-1]))]
         for _ in range(INT4_TOKENS - 1):
+            assert pool.rows == 1
             seen.append(np.array(g.step(ids[-1]), dtype=np.float64))
             ids.append(int(np.argmax(seen[-1])))
+        g.close()
         alone_logits.append(seen)
         tokens.append(ids)
     gens = [Generation(many.backend, many.prepare(None, p), pool=pool) for p in INT4_PROMPTS]
@@ -583,3 +583,31 @@ def test_a_newcomer_among_decoding_streams_prefills_within_the_round_budget(slot
     assert max(len(r) for r in rounds) == 2, events  # two 8-token chunks between two steps, never more
     group.run()
     assert newcomer.result.token_ids == alone.token_ids
+
+
+def test_a_step_of_fewer_rows_reuses_dropped_logits_and_never_overwrites_held_ones(slot_export):
+    """With a dynamic row axis a step of fewer rows than the slots writes its logits into a prefix of the
+    decoder's array: a caller's view stays as it was over later steps (they get a new array), and once
+    dropped the array is written again two steps later (no new array, no binding made again, per step)."""
+    pipe = _pipe(slot_export, "onnxruntime-ort")
+    pool = pipe.slot_pool
+    g = Generation(pipe.backend, pipe.prepare(None, "Tell me about rivers."), pool=pool)
+    token = int(np.argmax(g.prefill()))
+    held = g.step(token)
+    assert pool.rows == 1 and np.shares_memory(held, pool.decoder.logits[0])
+    kept = held.copy()
+    for _ in range(3):  # steps of both parities while `held` is alive
+        token = int(np.argmax(got := g.step(token)))
+        assert not np.shares_memory(got, held)
+    np.testing.assert_array_equal(held, kept)
+    del held, kept, got
+    bindings = dict(pool.decoder.bindings)
+    addresses = []
+    for _ in range(4):
+        got = g.step(token)
+        token = int(np.argmax(got))
+        addresses.append(got.ctypes.data)
+        del got
+    assert addresses[0] == addresses[2] and addresses[1] == addresses[3] and addresses[0] != addresses[1]
+    assert all(pool.decoder.bindings[key] is binding for key, binding in bindings.items())
+    g.close()

@@ -104,6 +104,10 @@ class BoundDecoder:
         """Rows -> the host input buffers of a step of that many rows (bound once, rewritten per step)."""
         self.bindings: dict[tuple[int, int], ort.IOBinding] = {}
         """(parity, rows) -> the binding of a step (fixed KV; built on first use, kept)."""
+        self.prefixes: dict[tuple[int, int], np.ndarray] = {}
+        """(parity, rows) -> the view of the first ``rows`` of ``logits[parity]`` bound as that step's output
+        (fewer rows than the slots): each references the array once, which :meth:`_claim_logits` counts as
+        this decoder's own (else every step of fewer rows made a new array and bound its step again)."""
         if self.fixed:
             for parity in (0, 1):
                 self._binding(parity, contract.slots)
@@ -131,8 +135,9 @@ class BoundDecoder:
         if self.in_place:
             if rows == self.contract.slots:
                 binding.bind_ortvalue_output("logits", out["logits"])
-            else:  # the first rows of the host logits (a contiguous prefix)
-                binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(self.logits[parity][:rows]))
+            else:  # the first rows of the host logits (a contiguous prefix), a view kept with the binding
+                view = self.prefixes[(parity, rows)] = self.logits[parity][:rows]
+                binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(view))
             for name in STATE_NAMES:
                 key = f"present_{name}"
                 kept = self.updated_in_place.get(key)  # past and present: the same entry
@@ -162,7 +167,8 @@ class BoundDecoder:
         array returned two steps before is reused when every reference to it (and to any view of
         it: a view references its base) is gone, which is the case for a loop that samples and
         drops the logits; otherwise the step gets a new array, rebound as its output."""
-        if sys.getrefcount(self.logits[parity]) <= self.free_refs:
+        prefixes = sum(key[0] == parity for key in self.prefixes)  # each view references the array once
+        if sys.getrefcount(self.logits[parity]) <= self.free_refs + prefixes:
             return
         self.logits[parity] = self._new_logits(parity)
         for key in [key for key in self.bindings if key[0] == parity]:
@@ -170,6 +176,7 @@ class BoundDecoder:
                 self.bindings[key].bind_ortvalue_output("logits", self.buffers[parity]["logits"])
             else:  # bound to a prefix of the old array: bound again on next use
                 del self.bindings[key]
+                self.prefixes.pop(key, None)
 
     def _bind_entries(self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue, rows: int) -> None:
         bind_entries(binding, self.contract, self.device, state, prefix, stacked, self.contract.slots, rows)

@@ -58,7 +58,7 @@ def pytest_configure(config) -> None:
     # the commands run in this process (typer's runner) keep a thread pool per session: ONNX Runtime's
     # process-wide shared pool would bind every later test's sessions to its size (the tests of the shared
     # pool run the command line and the server in processes of their own without this)
-    os.environ.setdefault("QWEN35_ONNX_THREAD_POOL", "session")
+    os.environ["QWEN35_ONNX_THREAD_POOL"] = "session"
 
 
 def shared_root(tmp_path_factory) -> Path:

@@ -493,10 +493,20 @@ def test_a_dynamic_kv_export_runs_its_group_one_at_a_time(dynamic_export):
 
 
 THREAD_PROBE = """
-import json, os, sys
+import json, os, sys, warnings
 from qwen35_onnx.runtime.onnxruntime.sessions import shared_thread_pool
 if sys.argv[2] == "shared":
     assert shared_thread_pool(2) and shared_thread_pool(2)  # the same size again: the same pool
+else:  # a session made before: ONNX Runtime's environment exists, no shared pool can be made any more
+    import onnxruntime
+    from qwen35_onnx.onnxfile.edit import identity_model
+    from qwen35_onnx.runtime.backend import RuntimeOptions
+    from qwen35_onnx.runtime.select import share_threads
+    onnxruntime.InferenceSession(identity_model(), providers=["CPUExecutionProvider"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        share_threads(RuntimeOptions(threads=2))
+    assert any("sessions keep a pool each" in str(w.message) for w in caught), caught
 from qwen35_onnx.pipeline import Pipeline
 from qwen35_onnx.runtime.sampling import SamplingConfig
 pipe = Pipeline.from_exported(sys.argv[1], threads=2)
@@ -519,15 +529,18 @@ print(json.dumps({"tokens": tokens, "threads": threads, "sessions": sessions, "e
 def test_the_sessions_of_an_export_share_one_thread_pool(slot_export, monkeypatch):
     """With the process's shared thread pool (what the command line and the server use) every ONNX Runtime
     session of an export runs on one pool of worker threads, no pool per graph whose idle threads spin on the
-    cores the next graph needs; without it (a Python program's default) each session has its own; the tokens
-    are the same. A pool of another size is refused, naming both."""
+    cores the next graph needs; without it (a Python program's default, or a process whose ONNX Runtime made a
+    session before: a warning says so) each session has its own; the tokens are the same. A pool of another size
+    is refused, naming both."""
     runs = {}
+    env = {**os.environ, "QWEN35_ONNX_THREAD_POOL": "shared"}
     for mode in ("shared", "own"):
         out = subprocess.run(
             [sys.executable, "-c", THREAD_PROBE, str(slot_export("ort")), mode],
             capture_output=True,
             text=True,
             timeout=600,
+            env=env,
         )
         assert out.returncode == 0, out.stderr[-3000:]
         runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -594,7 +607,7 @@ def test_a_step_of_fewer_rows_reuses_dropped_logits_and_never_overwrites_held_on
     g = Generation(pipe.backend, pipe.prepare(None, "Tell me about rivers."), pool=pool)
     token = int(np.argmax(g.prefill()))
     held = g.step(token)
-    assert pool.rows == 1 and np.shares_memory(held, pool.decoder.logits[0])
+    assert pool.rows == 1 and np.shares_memory(held, pool.decoder.logits[(pool.decoder.steps - 1) % 2])
     kept = held.copy()
     for _ in range(3):  # steps of both parities while `held` is alive
         token = int(np.argmax(got := g.step(token)))

@@ -155,9 +155,9 @@ def group_load(pipe, streams: int, max_tokens: int) -> LoadResult:
 
 
 def step_scaling(pipe, counts: list[int], steps: int = 24) -> list[dict]:
-    """The decode step's own cost at each of ``counts`` rows: that many sequences of one short prompt held in
-    the slots of ``pipe``, ``steps`` decode steps of them all (after 4 to warm up), timed step by step.
-    ``[{"rows", "step_ms" (median), "x_1_row", "ideal_speedup"}]`` (``x_1_row``: against the first count;
+    """The decode step's own cost at 1 row and each of ``counts`` rows: that many sequences of one short prompt
+    held in the slots of ``pipe``, ``steps`` decode steps of them all (after 4 to warm up), timed step by step.
+    ``[{"rows", "step_ms" (median), "x_1_row", "ideal_speedup"}]`` (``x_1_row``: against the 1-row step;
     ``ideal_speedup``: rows over that, the most a load of that many streams can gain in decode tokens/s).
 
     Raises:
@@ -170,11 +170,12 @@ def step_scaling(pipe, counts: list[int], steps: int = 24) -> list[dict]:
     pool = pipe.slot_pool
     prepared = pipe.prepare(None, prompts(1)[0])
     out = []
-    for rows in counts:
-        generations = [Generation(pipe.backend, prepared, pool=pool) for _ in range(rows)]
+    for rows in sorted({1, *counts}):
+        generations = []
         try:
-            for g in generations:
-                g.prefill()
+            for _ in range(rows):
+                generations.append(Generation(pipe.backend, prepared, pool=pool))
+                generations[-1].prefill()
             times = []
             for i in range(steps + 4):
                 begin = time.perf_counter()
@@ -187,7 +188,7 @@ def step_scaling(pipe, counts: list[int], steps: int = 24) -> list[dict]:
         out.append({"rows": rows, "step_ms": float(np.median(times))})
     for r in out:
         r["x_1_row"] = r["step_ms"] / out[0]["step_ms"]
-        r["ideal_speedup"] = r["rows"] / out[0]["rows"] / r["x_1_row"]
+        r["ideal_speedup"] = r["rows"] / r["x_1_row"]
     return out
 
 

@@ -4,6 +4,7 @@ backend imports only :mod:`.backend`)."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from ..contract import ShapeContract
@@ -55,4 +56,10 @@ def share_threads(options: RuntimeOptions | None = None) -> None:
     if options.runtime == Runtime.ONNXRUNTIME and pool == "shared":
         from .onnxruntime.sessions import shared_thread_pool
 
-        shared_thread_pool(options.intra_op_threads)
+        if not shared_thread_pool(options.intra_op_threads):
+            warnings.warn(
+                "ONNX Runtime's environment existed before this program asked for one shared thread pool: its "
+                "sessions keep a pool each (a prefill chunk between decode steps runs slower)",
+                RuntimeWarning,
+                stacklevel=2,
+            )

@@ -167,16 +167,19 @@ class BoundDecoder:
         array returned two steps before is reused when every reference to it (and to any view of
         it: a view references its base) is gone, which is the case for a loop that samples and
         drops the logits; otherwise the step gets a new array, rebound as its output."""
-        prefixes = sum(key[0] == parity for key in self.prefixes)  # each view references the array once
-        if sys.getrefcount(self.logits[parity]) <= self.free_refs + prefixes:
+        array = self.logits[parity]  # each of this decoder's views of it references it once
+        prefixes = sum(key[0] == parity and view.base is array for key, view in self.prefixes.items())
+        if sys.getrefcount(array) - 1 <= self.free_refs + prefixes:  # (less the local name's reference)
             return
+        del array
         self.logits[parity] = self._new_logits(parity)
         for key in [key for key in self.bindings if key[0] == parity]:
             if key[1] == self.contract.slots:
                 self.bindings[key].bind_ortvalue_output("logits", self.buffers[parity]["logits"])
             else:  # bound to a prefix of the old array: bound again on next use
                 del self.bindings[key]
-                self.prefixes.pop(key, None)
+        for key in [key for key in self.prefixes if key[0] == parity]:
+            del self.prefixes[key]
 
     def _bind_entries(self, binding: ort.IOBinding, state: str, prefix: str, stacked: ort.OrtValue, rows: int) -> None:
         bind_entries(binding, self.contract, self.device, state, prefix, stacked, self.contract.slots, rows)

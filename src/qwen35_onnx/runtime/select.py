@@ -58,8 +58,8 @@ def share_threads(options: RuntimeOptions | None = None) -> None:
 
         if not shared_thread_pool(options.intra_op_threads):
             warnings.warn(
-                "ONNX Runtime's environment existed before this program asked for one shared thread pool: its "
-                "sessions keep a pool each (a prefill chunk between decode steps runs slower)",
+                "other code in this process made ONNX Runtime's global thread pools first: the sessions run on "
+                f"those, at their size, not at threads={options.intra_op_threads}",
                 RuntimeWarning,
                 stacklevel=2,
             )

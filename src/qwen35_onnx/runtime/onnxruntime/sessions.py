@@ -78,7 +78,8 @@ def shared_arena() -> bool:
 
 
 _THREAD_POOL: list[int] = []
-"""The intra-op threads of the process's shared thread pool once :func:`shared_thread_pool` made it."""
+"""The intra-op threads of the process's shared thread pool once :func:`shared_thread_pool` made it (0: ONNX
+Runtime's default; -1: ONNX Runtime's global pools were made before by other code, at a size unknown here)."""
 
 
 def shared_thread_pool(threads: int = 0) -> bool:
@@ -88,7 +89,8 @@ def shared_thread_pool(threads: int = 0) -> bool:
     commands (``generate``, ``chat``, ``verify``, ``serve``, ``bench --streams``); a Python program opts in by
     calling it before it loads an export. ONNX Runtime's rule then holds for the whole process: every session
     in it, a program's own ones included, must be made with ``use_per_session_threads = False`` (see
-    :func:`session_options`).
+    :func:`session_options`; ONNX Runtime refuses others with "use_per_session_threads must be false when using
+    a global thread pool").
 
     Why: ONNX Runtime's worker threads spin for a while after a run. With a pool per session, the threads of
     the graph that just ran (a prefill chunk) spin on the cores the next graph (a decode step) needs:
@@ -98,21 +100,30 @@ def shared_thread_pool(threads: int = 0) -> bool:
     runs on; one stream alone decodes as fast as before.
 
     Returns:
-        True: the pool is in use (made now, or before with the same ``threads``). False: ONNX Runtime's
-        environment existed before the first call (a session was made already), so sessions keep a pool each.
+        True: the pool is in use (made now, or before with the same ``threads``; 0 accepts any size).
+        False: other code in this process made ONNX Runtime's global pools first; the sessions run on those,
+        at their size.
 
     Raises:
-        ValueError: ``threads`` below 0, or other than the pool made before (a pool's size is fixed).
+        ValueError: ``threads`` not an integer from 0 to the usable CPUs, or other than the pool made before (a
+            pool's size is fixed).
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ValueError(f"a shared thread pool needs threads >= 0 (0: ONNX Runtime's default), got {threads!r}")
+    from ..backend import usable_cpus
+
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= usable_cpus():
+        raise ValueError(
+            f"a shared thread pool needs threads from 0 to {usable_cpus()} (the usable CPUs; 0: ONNX Runtime's "
+            f"default), got {threads!r}"
+        )
     if not _THREAD_POOL:
         try:
             ort.set_global_thread_pool_sizes(threads, 1)
-        except Exception:  # the environment exists already (ONNX Runtime raises its own Fail)
-            return False
-        _THREAD_POOL.append(threads)
-    if _THREAD_POOL[0] != threads:
+            _THREAD_POOL.append(threads)
+        except Exception:  # made before by other code (ONNX Runtime raises its own Fail): those pools rule
+            _THREAD_POOL.append(-1)
+    if _THREAD_POOL[0] == -1:
+        return False
+    if threads and _THREAD_POOL[0] != threads:
         raise ValueError(
             f"this process's shared ONNX Runtime thread pool has {_THREAD_POOL[0] or 'the default number of'} "
             f"threads; {threads} cannot be had in the same process (a pool's size is fixed)"
@@ -221,7 +232,7 @@ class GraphSession(GraphSpec):
         options = session_options()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if _THREAD_POOL:
-            if threads and threads != _THREAD_POOL[0]:
+            if threads and _THREAD_POOL[0] != -1 and threads != _THREAD_POOL[0]:
                 size = _THREAD_POOL[0]
                 raise ValueError(
                     f"threads {threads}: this process runs ONNX Runtime on one shared pool of "

@@ -29,9 +29,11 @@ MANIFEST_NAME = "manifest.json"
 
 class GraphKind(StrEnum):
     """The kinds of graph of an export: vision, prefill (from an empty state, one per bucket),
-    chunk (prefill continuing from a state, one per chunk size) and decode."""
+    chunk (prefill continuing from a state, one per chunk size), decode, and in an export with draft
+    tokens (:attr:`ShapeContract.draft_tokens`) mtp (the checkpoint's multi-token-prediction head, one
+    per size) and verify (k + 1 tokens checked at once, one per draft length k)."""
 
-    VISION, PREFILL, CHUNK, DECODE = "vision", "prefill", "chunk", "decode"
+    VISION, PREFILL, CHUNK, DECODE, MTP, VERIFY = "vision", "prefill", "chunk", "decode", "mtp", "verify"
 
     @classmethod
     def of(cls, key: str) -> GraphKind:
@@ -115,6 +117,9 @@ MIN_CAPACITY = 2
 #: layers, KV cache of the full-attention layers.
 STATE_NAMES = ("conv_states", "recurrent_states", "kv_cache")
 MAX_SLOTS = 64
+MAX_DRAFT_TOKENS = 4
+"""Most draft tokens a verify graph checks (``export --draft-tokens``): reported acceptance falls with each
+further draft position (0.6-0.8 for the first two, issue 39), and a verify run's cost grows with its tokens."""
 """Most decode slots (``--slots``) an export may have: beyond this the S-row decode step is compute-bound on
 any CPU (every row is a matrix row of every product) and the states of the idle rows still cost memory."""
 _STATE_DTYPE_KEYS = dict(zip(STATE_NAMES, ("conv", "recurrent", "kv")))  # keys of ShapeContract.state_dtypes
@@ -270,6 +275,26 @@ def check_slots(slots, kv_mode: KvMode, prefill_chunks) -> None:
         )
 
 
+def check_draft_tokens(draft_tokens, kv_mode: KvMode, prefill_chunks) -> None:
+    """Draft tokens of an export (``--draft-tokens``): an integer from 0 (no MTP and verify graphs) to
+    :data:`MAX_DRAFT_TOKENS`; more than 0 needs a fixed KV cache and prefill chunks (the verify graph writes its
+    tokens' KV slots in a capacity-wide cache, and the MTP head reads the target's hidden state at every prompt
+    position, which the chunk graphs return).
+
+    Raises:
+        ValueError: naming the value and the rule.
+    """
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"draft tokens {draft_tokens!r} must be an integer from 0 to {MAX_DRAFT_TOKENS}")
+    if draft_tokens and kv_mode != KvMode.FIXED:
+        raise ValueError(f"draft tokens {draft_tokens} need a fixed KV cache (--kv-cache fixed)")
+    if draft_tokens and not prefill_chunks:
+        raise ValueError(
+            f"draft tokens {draft_tokens} need prefill chunks (--prefill-chunks): the MTP head reads the hidden state "
+            "of every prompt position, which the chunk graphs return"
+        )
+
+
 def default_buckets(capacity: int) -> tuple[int, ...]:
     """The standard tiers below capacity, plus capacity itself (tokens)."""
     return tuple(b for b in STANDARD_BUCKETS if b < capacity) + (capacity,)
@@ -407,6 +432,7 @@ class ShapeContract:
     vision_grids: tuple[tuple[int, int], ...] = ()
     prefill_chunks: tuple[int, ...] = ()
     slots: int = 1
+    draft_tokens: int = 0
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
@@ -488,6 +514,34 @@ class ShapeContract:
     def chunk_graph_key(self, size: int) -> str:
         """Key in :attr:`graphs` of the chunk graph of ``size`` tokens."""
         return f"chunk_{size}"
+
+    @property
+    def verify_sizes(self) -> tuple[int, ...]:
+        """Tokens of each verify graph: ``k + 1`` for every draft length ``k`` from 1 to :attr:`draft_tokens`
+        (the last sampled token and its k drafts)."""
+        return tuple(range(2, self.draft_tokens + 2)) if self.draft_tokens else ()
+
+    @property
+    def mtp_sizes(self) -> tuple[int, ...]:
+        """Positions of each MTP graph: 1 (a draft step), ``draft_tokens + 1`` (the positions a verify run
+        accepted) and each prefill chunk's size (the prompt's positions); none without draft tokens."""
+        if not self.draft_tokens:
+            return ()
+        return tuple(sorted({1, self.draft_tokens + 1, *self.prefill_chunks}))
+
+    def verify_graph_key(self, size: int) -> str:
+        """Key in :attr:`graphs` of the verify graph of ``size`` tokens."""
+        return f"verify_{size}"
+
+    def mtp_graph_key(self, size: int) -> str:
+        """Key in :attr:`graphs` of the MTP graph of ``size`` positions."""
+        return f"mtp_{size}"
+
+    @property
+    def mtp_kv_shape(self) -> tuple[int, ...]:
+        """The MTP head's own KV cache (its one full-attention layer): ``[2, 1, num_key_value_heads, capacity,
+        head_dim]`` (k at 0, v at 1), in the KV cache's dtype."""
+        return (2, self.batch, self.num_key_value_heads, self.capacity, self.head_dim)
 
     def select_bucket(self, prompt_len: int) -> int:
         """Prefill length (tokens) for a prompt of ``prompt_len`` tokens: the prompt's own length
@@ -641,6 +695,8 @@ class ShapeContract:
             "n_full": self.n_full,
             "conv_state_shape": list(self.conv_state_shape),
             "decode_rows": self.slots,
+            "verify_sizes": list(self.verify_sizes),
+            "mtp_sizes": list(self.mtp_sizes),
             "recurrent_state_shape": list(self.recurrent_state_shape),
             "kv_shape": list(self.kv_shape()) if self.kv_mode == KvMode.FIXED else "dynamic",
             "state_dtypes": self.state_dtypes,
@@ -670,8 +726,9 @@ class ShapeContract:
         names = {f.name for f in dataclasses.fields(cls)}
         # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0;
         # quantize_embedding: False before 0.6.0; vision_grids: none (any grid); prefill_chunks: none
-        # before 0.8.0; slots: 1 before 0.10.0
+        # before 0.8.0; slots: 1 before 0.10.0; draft_tokens: 0 before 0.11.0
         optional = (
+            "draft_tokens",
             "prefill_chunks",
             "graphs",
             "format_version",
@@ -731,7 +788,7 @@ class ShapeContract:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int):
-                low = 0 if f.name.endswith("_token_id") or f.name == "quant_accuracy_level" else 1
+                low = 0 if f.name.endswith("_token_id") or f.name in ("quant_accuracy_level", "draft_tokens") else 1
                 if isinstance(value, bool) or not isinstance(value, int) or value < low:
                     raise ContractError(f"{f.name} must be an integer >= {low}, got {value!r}")
         for name in ("layer_types", "eos_token_ids", "prefill_buckets"):
@@ -743,6 +800,7 @@ class ShapeContract:
             raise ContractError(f"batch {self.batch} is not supported (only batch 1)")
         try:
             check_slots(self.slots, self.kv_mode, self.prefill_chunks)
+            check_draft_tokens(self.draft_tokens, self.kv_mode, self.prefill_chunks)
         except ValueError as exc:
             raise ContractError(str(exc)) from exc
         try:

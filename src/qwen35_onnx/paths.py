@@ -7,7 +7,14 @@ import os
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["cache_root", "check_checkpoint_folder", "check_folder", "demo_checkpoint_dir", "photo_path"]
+__all__ = [
+    "cache_root",
+    "check_checkpoint_folder",
+    "check_folder",
+    "demo_checkpoint_dir",
+    "has_mtp_weights",
+    "photo_path",
+]
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -61,6 +68,26 @@ def check_checkpoint_folder(model_id: str | os.PathLike) -> Path:
         hint = " (it is an export folder: pass the checkpoint it was exported from)" if export else ""
         raise ValueError(f"--model-id {str(model_id)!r} has no checkpoint weights ({' or '.join(WEIGHT_FILES)}){hint}")
     return folder
+
+
+def has_mtp_weights(checkpoint: str | os.PathLike) -> bool:
+    """Whether the safetensors of the checkpoint folder ``checkpoint`` carry ``mtp.*`` tensors (the published
+    Qwen3.5 checkpoints' multi-token-prediction head; transformers' model ignores them). Reads the shard index,
+    or each file's header only."""
+    import json
+
+    folder = Path(checkpoint)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = list(json.loads(index.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open
+
+        names = []
+        for shard in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(shard), "np") as f:
+                names += list(f.keys())
+    return any(n.startswith("mtp.") for n in names)
 
 
 def demo_checkpoint_dir() -> Path:

@@ -59,6 +59,7 @@ from .runtime.sampling import Sampler, SamplingConfig, StopStrings, sampling_def
 from .runtime.select import open_backend
 from .runtime.slots import SlotPool
 from .runtime.snapshots import SnapshotCache, image_digests
+from .runtime.speculative import Speculation, check_draft_tokens
 from .streams import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -120,9 +121,19 @@ class Pipeline:
     thread while a generation streams (the tokenizer is used under ``preprocessor.lock``).
     """
 
-    def __init__(self, root: Path, contract: ShapeContract, backend: Backend, preprocessor: Preprocessor):
-        """Raises ValueError: the export's ``generation_config.json`` is not JSON or holds sampling
-        values out of range (see :func:`~qwen35_onnx.runtime.sampling.sampling_defaults`)."""
+    def __init__(
+        self, root: Path, contract: ShapeContract, backend: Backend, preprocessor: Preprocessor, draft_tokens: int = 0
+    ):
+        """``draft_tokens``: speculative decoding's drafts a round for every generation (0: off; see
+        :attr:`draft_tokens`).
+
+        Raises:
+            ValueError: the export's ``generation_config.json`` is not JSON or holds sampling values out of range
+                (see :func:`~qwen35_onnx.runtime.sampling.sampling_defaults`); bad ``draft_tokens``.
+            ContractError: ``draft_tokens`` above what the export verifies, or on an export without MTP graphs
+                or with several decode slots.
+        """
+        self.draft_tokens = self._check_drafts(contract, draft_tokens)
         self.root = Path(root)
         self.contract = contract
         self.backend = backend
@@ -165,9 +176,20 @@ class Pipeline:
         options.validate()  # bad options fail before the export is read
         root = Path(path)
         contract = read_manifest(root)
+        cls._check_drafts(contract, options.draft_tokens)  # before any graph loads
         backend = open_backend(root, contract, options)
         preprocessor = Preprocessor.from_pretrained(root, ImageSizing.of(contract), contract.image_token_id)
-        return cls(root, contract, backend, preprocessor)
+        return cls(root, contract, backend, preprocessor, options.draft_tokens)
+
+    @staticmethod
+    def _check_drafts(contract: ShapeContract, draft_tokens) -> int:
+        draft_tokens = check_draft_tokens(draft_tokens, contract.draft_tokens)
+        if draft_tokens and contract.slots > 1:
+            raise ContractError(
+                f"draft tokens {draft_tokens}: speculative decoding runs one sequence at a time, and this export "
+                f"decodes {contract.slots} slots together; use an export with --slots 1, or --draft-tokens 0"
+            )
+        return draft_tokens
 
     # ---- host-side preparation -----------------------------------------------------------
     def prepare(
@@ -377,19 +399,21 @@ class Pipeline:
         chat_template_kwargs: dict | None = None,
         max_image_tokens: int | None = None,
         group: GenerationGroup | None = None,
+        draft_tokens: int | None = None,
     ) -> GenerationStream:
         """Start a generation for ``image`` (path, PIL image, a list of them, or None) and
         ``prompt``; iterate the returned stream for text pieces. ``sampling`` None: the
         checkpoint's :attr:`sampling_defaults`; ``SamplingConfig()`` is greedy; ``group``
-        (:meth:`group`): decode together with the group's other generations. All input checks
-        run here, before any graph.
+        (:meth:`group`): decode together with the group's other generations; ``draft_tokens``: speculative
+        decoding's drafts a round (None: :attr:`draft_tokens`, 0: off; see :meth:`stream_prepared`). All input
+        checks run here, before any graph.
 
         Raises:
             ValueError / FileNotFoundError: bad ``max_new_tokens``, sampling options or stop
                 strings, prompt over the largest bucket or capacity, unreadable image.
         """
         prepared = self.prepare(image, prompt, chat_template_kwargs, max_image_tokens)
-        return self.stream_prepared(prepared, max_new_tokens, sampling, stop, group=group)
+        return self.stream_prepared(prepared, max_new_tokens, sampling, stop, group=group, draft_tokens=draft_tokens)
 
     def stream_chat(
         self,
@@ -406,6 +430,7 @@ class Pipeline:
         max_image_tokens: int | None = None,
         state_cache: SnapshotCache | None = None,
         group: GenerationGroup | None = None,
+        draft_tokens: int | None = None,
     ) -> ChatStream:
         """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`), answered by
         streaming :class:`ChatDelta` s; ``max_new_tokens`` None: until end of sequence or capacity.
@@ -414,14 +439,17 @@ class Pipeline:
         ``ChatResult.tool_calls``); a required or named call and a response schema are enforced by
         constrained decoding. ``state_cache`` (:meth:`state_cache`): continue from the longest kept
         state of the prompt's tokens and keep this turn's states there. ``group`` (:meth:`group`):
-        decode together with the group's other generations. All input checks run here, before any graph.
+        decode together with the group's other generations. ``draft_tokens``: see :meth:`stream_prepared`. All input
+        checks run here, before any graph.
 
         Raises:
             ChatInputError / ValueError: see :meth:`reply_format`, :meth:`prepare_chat` and :meth:`stream`.
         """
         reply = self.reply_format(tools, tool_choice, parallel_tool_calls, response_format)
         prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy, reply, max_image_tokens)
-        return self.stream_chat_prepared(prepared, max_new_tokens, sampling, stop, reply, state_cache, group)
+        return self.stream_chat_prepared(
+            prepared, max_new_tokens, sampling, stop, reply, state_cache, group, draft_tokens
+        )
 
     def stream_chat_prepared(
         self,
@@ -432,6 +460,7 @@ class Pipeline:
         reply: ReplyFormat | None = None,
         state_cache: SnapshotCache | None = None,
         group: GenerationGroup | None = None,
+        draft_tokens: int | None = None,
     ) -> ChatStream:
         """:meth:`stream_chat` for input from :meth:`prepare_chat` (``reply``: the same
         :meth:`reply_format` the prompt was prepared with).
@@ -447,7 +476,9 @@ class Pipeline:
             think_end = self.think_end_id if reasoning else None
             budget = max(int(limit) // 2, 1) if isinstance(limit, numbers.Integral) else None
             constraint = self.grammars.constraint(reply, think_end, budget)
-        stream = self.stream_prepared(prepared, max_new_tokens, sampling, stop, constraint, state_cache, group)
+        stream = self.stream_prepared(
+            prepared, max_new_tokens, sampling, stop, constraint, state_cache, group, draft_tokens
+        )
         calls = None
         if reply.parses_calls:
             calls = ToolCallParser(reply.offered_tools, None if reply.parallel_tool_calls else 1)
@@ -482,13 +513,17 @@ class Pipeline:
         constraint: TokenConstraint | None = None,
         state_cache: SnapshotCache | None = None,
         group: GenerationGroup | None = None,
+        draft_tokens: int | None = None,
     ) -> GenerationStream:
         """:meth:`stream` for input from :meth:`prepare` or :meth:`prepare_ids`; ``max_new_tokens``
         None: until end of sequence or capacity; ``constraint``: the grammar every token must keep
         to (see :class:`~qwen35_onnx.conversation.grammar.TokenConstraint`; one per generation);
         ``state_cache``: see :meth:`generation` (the state at the history's end and at the end of
         the generation are kept there); ``group``: decode in that :meth:`group` together with its other
-        generations (iterating any of its streams runs the group)."""
+        generations (iterating any of its streams runs the group); ``draft_tokens``: speculative decoding's
+        drafts a round (None: :attr:`draft_tokens`; 0: off). A constrained reply and a generation in a group decode
+        without speculation (a grammar decides one token at a time; a group steps its rows together)."""
+        draft_tokens = self.draft_tokens if draft_tokens is None else self._check_drafts(self.contract, draft_tokens)
         if state_cache is not None and not isinstance(state_cache, SnapshotCache):
             raise TypeError(f"state_cache must be a SnapshotCache or None, got {type(state_cache).__name__}")
         if group is not None and (not isinstance(group, GenerationGroup) or group.pipeline is not self):
@@ -526,14 +561,20 @@ class Pipeline:
         if group is not None:
             group.add(prepared, loop, state_cache)
         else:
-            stream._pieces = self._generate(prepared, loop, state_cache)
+            drafts = 0 if constraint is not None else draft_tokens
+            stream._pieces = self._generate(prepared, loop, state_cache, drafts)
         return stream
 
-    def _generate(self, prepared: PreparedPrompt, loop: TokenLoop, state_cache: SnapshotCache | None) -> Iterator[str]:
-        """One generation alone: prefill, then one decode step per token, :class:`~.streams.TokenLoop` deciding."""
+    def _generate(
+        self, prepared: PreparedPrompt, loop: TokenLoop, state_cache: SnapshotCache | None, draft_tokens: int = 0
+    ) -> Iterator[str]:
+        """One generation alone: prefill, then one decode step per token, :class:`~.streams.TokenLoop` deciding; with
+        ``draft_tokens``, speculative rounds (:mod:`~.runtime.speculative`) while one can run, each emitting the
+        tokens the loop takes before a decode step would have."""
         stream, generation, rest = loop.stream, None, ""
         try:
             generation = self.generation(prepared, state_cache)
+            speculation = Speculation(generation, draft_tokens) if draft_tokens and generation.chunked else None
             piece = loop.accept(generation.prefill())
             stream.result.timings, stream.result.cached_tokens = generation.timings, generation.cached_tokens
             while True:
@@ -541,11 +582,22 @@ class Pipeline:
                     yield piece
                 if loop.done or stream.cancelled:
                     break
+                if speculation is not None and speculation.drafts_for():
+                    pieces = []
+                    for token in speculation.round(loop.token, loop.sampler):
+                        pieces.append(loop.accept_token(token))
+                        if loop.done:
+                            break
+                    speculation.commit(len(pieces))  # the states after the tokens the loop took, before any is shown
+                    piece = "".join(pieces)
+                    continue
                 try:
                     logits = generation.step(loop.token)
                 except CapacityExhausted:
                     loop.out_of_room()
                     break
+                if speculation is not None:
+                    speculation.stop()  # the decoder holds the states now
                 piece = loop.accept(logits)
             rest = loop.flush()
             self.keep_states(generation, state_cache)

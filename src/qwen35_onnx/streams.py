@@ -313,7 +313,11 @@ class TokenLoop:
         """Pick the next token from ``logits`` ``[V]`` fp32 (the prefill's or a decode step's) and record it;
         returns the text it makes safe to show ('' if none). Sets :attr:`finish` when the token ends the
         generation."""
-        token = self.token = self._pick(logits)
+        return self.accept_token(self._pick(logits))
+
+    def accept_token(self, token: int) -> str:
+        """Record ``token`` (picked elsewhere: a speculative round's) as :meth:`accept` records its pick."""
+        token = self.token = int(token)
         self.tokens.append(token)
         piece = self.stops.feed(self.streamer.put(token))
         if piece:

@@ -39,6 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..paths import has_mtp_weights
 from .protocol import PeerResult, Protocol, run_tool, tool_failure
 
 __all__ = [
@@ -187,21 +188,6 @@ def ensure_converter_venv(venv: Path, llama: LlamaCpp, log=print) -> Path:
 
 
 # ---- GGUF files ----------------------------------------------------------------------------
-def _has_mtp(checkpoint: Path) -> bool:
-    """Whether the checkpoint's safetensors carry ``mtp.*`` tensors (multi-token prediction)."""
-    index = checkpoint / "model.safetensors.index.json"
-    if index.is_file():
-        names = json.loads(index.read_text())["weight_map"]
-    else:
-        from safetensors import safe_open
-
-        names = []
-        for shard in checkpoint.glob("*.safetensors"):
-            with safe_open(str(shard), "np") as f:
-                names += list(f.keys())
-    return any(n.startswith("mtp.") for n in names)
-
-
 def convert(python: Path, llama: LlamaCpp, checkpoint: Path, out_dir: Path, log=print) -> tuple[Path, Path]:
     """The checkpoint as GGUF (once; cached in ``out_dir``): ``(model-BF16.gguf, mmproj-F16.gguf)``,
     through :mod:`.llamacpp_convert` (``--no-mtp`` when the checkpoint has no ``mtp.*`` tensors).
@@ -225,7 +211,7 @@ def convert(python: Path, llama: LlamaCpp, checkpoint: Path, out_dir: Path, log=
             "outfile": str(partial),
             "outtype": outtype,
             "mmproj": mmproj,
-            "no_mtp": not _has_mtp(Path(checkpoint)),
+            "no_mtp": not has_mtp_weights(checkpoint),
         }
         run_tool([str(python), "-P", str(script)], "llama.cpp's convert_hf_to_gguf.py", input=json.dumps(spec))
         written = partial if partial.is_file() else out_dir / f"mmproj-{partial.name}"  # --mmproj prefixes

@@ -40,7 +40,7 @@ from ..contract import (
     write_manifest,
 )
 from ..image_grids import default_grids
-from ..paths import check_checkpoint_folder
+from ..paths import check_checkpoint_folder, has_mtp_weights
 from .options import ALL_COMPONENTS, ANY_GRID, STATIC_GRIDS, ExportError, ExportOptions, component_options
 from .weight_source import CheckpointWeights, WeightsError, peak_rss_bytes
 from .weights import WeightsFileWriter
@@ -184,13 +184,20 @@ FROM_TEXT_CONFIG = (
 
 
 def build_contract(
-    config, generation_config, options: ExportOptions, pixel_range: tuple[int, int] = (65536, 16777216)
+    config,
+    generation_config,
+    options: ExportOptions,
+    pixel_range: tuple[int, int] = (65536, 16777216),
+    has_mtp: bool = False,
 ) -> ShapeContract:
     """The contract of an export of ``config`` (a ``Qwen3_5Config``) with ``options``.
 
     Args:
         pixel_range: the checkpoint image processor's ``(min_pixels, max_pixels)``
             (:func:`processor_pixel_range`; by default the published Qwen3.5 processor's).
+        has_mtp: the checkpoint carries a multi-token-prediction head (``mtp.*`` tensors,
+            :func:`~qwen35_onnx.paths.has_mtp_weights`): the default draft tokens
+            (:meth:`.options.ExportOptions.drafts`).
 
     Raises:
         ExportError: unsupported architecture; an image-token budget or a vision grid outside the
@@ -226,7 +233,7 @@ def build_contract(
     pad = getattr(generation_config, "pad_token_id", None) if generation_config is not None else None
     key_dim = text.linear_num_key_heads * text.linear_key_head_dim
     contract = ShapeContract(
-        **{**options.contract_values(), "vision_grids": tuple(tuple(g) for g in grids)},
+        **{**options.contract_values(has_mtp), "vision_grids": tuple(tuple(g) for g in grids)},
         **{name: getattr(vision, name) for name in FROM_VISION_CONFIG},
         **{name: getattr(text, name) for name in FROM_TEXT_CONFIG},
         batch=1,
@@ -312,6 +319,15 @@ def graph_jobs(contract: ShapeContract, components: Sequence[GraphKind] = tuple(
                 GraphJob(contract.chunk_graph_key(c), kind, f"{TEXT_DIR}/chunk_{c}.onnx", c)
                 for c in contract.prefill_chunks
             ]
+        elif kind == GraphKind.VERIFY:
+            jobs += [
+                GraphJob(contract.verify_graph_key(c), kind, f"{TEXT_DIR}/verify_{c}.onnx", c)
+                for c in contract.verify_sizes
+            ]
+        elif kind == GraphKind.MTP:
+            jobs += [
+                GraphJob(contract.mtp_graph_key(c), kind, f"{TEXT_DIR}/mtp_{c}.onnx", c) for c in contract.mtp_sizes
+            ]
         elif kind == GraphKind.VISION:
             jobs += [
                 GraphJob(contract.vision_graph_key(g), kind, f"{VISION_DIR}/grid_{g[0]}x{g[1]}.onnx", grid=g)
@@ -379,6 +395,28 @@ def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int, grid: t
             torch.randn(seq_len, contract.image_embed_dim),
             *past_states(contract, contract.capacity),
         )
+    if kind == GraphKind.VERIFY:  # seq_len tokens (the graph's size) after a past of one token
+        mask = torch.zeros(b, contract.capacity, dtype=torch.long)
+        mask[:, : seq_len + 1] = 1
+        return (
+            torch.randint(0, contract.vocab_size, (b, seq_len)),
+            mask,
+            torch.arange(1, seq_len + 1).view(1, 1, -1).expand(4, b, seq_len).contiguous(),
+            *past_states(contract, contract.capacity),
+        )
+    if kind == GraphKind.MTP:  # seq_len positions after one
+        mask = torch.zeros(b, contract.capacity, dtype=torch.long)
+        mask[:, : seq_len + 1] = 1
+        kv = torch.zeros(contract.mtp_kv_shape, dtype=torch_dtype(contract.state_dtype("kv_cache")))
+        return (
+            torch.randint(0, contract.vocab_size, (b, seq_len)),
+            torch.randn(b, seq_len, contract.hidden_size),
+            torch.ones(b, seq_len, dtype=torch.long),
+            mask,
+            torch.arange(1, seq_len + 1).view(1, 1, -1).expand(4, b, seq_len).contiguous(),
+            torch.randn(seq_len, contract.image_embed_dim),
+            tuple(kv.unbind(0)) if contract.kv_in_place else kv,
+        )
     # decode: a past of seq_len tokens plus the new one, on every slot (rows)
     rows = contract.slots
     kv_len = contract.capacity if contract.kv_mode == KvMode.FIXED else seq_len
@@ -427,7 +465,7 @@ def dynamic_shapes(job: GraphJob, contract: ShapeContract):
             return None
         patches = contract.spatial_merge_size**2 * Dim("image_tokens", min=2, max=contract.image_tokens)
         return ({0: patches},) * 4
-    if job.bucket is not None:
+    if job.bucket is not None or job.kind in (GraphKind.MTP, GraphKind.VERIFY):
         return None
     if job.kind == GraphKind.PREFILL:
         max_chunks = contract.capacity // contract.chunk_size
@@ -446,7 +484,7 @@ def dynamic_shapes(job: GraphJob, contract: ShapeContract):
 
 
 def graph_module(kind: GraphKind, model, contract: ShapeContract):
-    from .graphs import ChunkGraph, DecodeGraph, PrefillGraph, VisionGraph
+    from .graphs import ChunkGraph, DecodeGraph, MtpGraph, PrefillGraph, VerifyGraph, VisionGraph
 
     if kind == GraphKind.VISION:
         visual = model.model.visual
@@ -457,24 +495,53 @@ def graph_module(kind: GraphKind, model, contract: ShapeContract):
                 "taps for ('bilinear', align_corners=True), Qwen3.5's"
             )
         return VisionGraph(visual, contract)
-    return {GraphKind.PREFILL: PrefillGraph, GraphKind.CHUNK: ChunkGraph, GraphKind.DECODE: DecodeGraph}[kind](
-        model, contract
-    )
+    graphs = {
+        GraphKind.PREFILL: PrefillGraph,
+        GraphKind.CHUNK: ChunkGraph,
+        GraphKind.DECODE: DecodeGraph,
+        GraphKind.VERIFY: VerifyGraph,
+        GraphKind.MTP: MtpGraph,
+    }
+    return graphs[kind](model, contract)
 
 
 def io_names(kind: GraphKind, contract: ShapeContract) -> tuple[list[str], list[str]]:
     """Input and output names of a graph of ``kind`` (the decode state names depend on
     :attr:`ShapeContract.kv_in_place`, see :meth:`ShapeContract.decode_state_names`)."""
-    from .graphs import CHUNK_INPUTS, PREFILL_INPUTS, TEXT_OUTPUTS, VISION_INPUTS, VISION_OUTPUTS
+    from .graphs import (
+        CHUNK_INPUTS,
+        HIDDEN_OUTPUT,
+        MTP_INPUTS,
+        MTP_KV,
+        MTP_OUTPUTS,
+        PREFILL_INPUTS,
+        TEXT_OUTPUTS,
+        VERIFY_INPUTS,
+        VISION_INPUTS,
+        VISION_OUTPUTS,
+    )
 
     if kind == GraphKind.VISION:
         return VISION_INPUTS, VISION_OUTPUTS
     if kind == GraphKind.PREFILL:
         return PREFILL_INPUTS, TEXT_OUTPUTS
-    inputs = CHUNK_INPUTS if kind == GraphKind.CHUNK else [*contract.decode_host_inputs, *STATE_NAMES]
+    if kind == GraphKind.MTP:
+        per_entry = contract.kv_in_place
+        past = [f"past_{MTP_KV}.{j}" for j in range(2)] if per_entry else [f"past_{MTP_KV}"]
+        present = [f"present_{MTP_KV}.{j}" for j in range(2)] if per_entry else [f"present_{MTP_KV}"]
+        return MTP_INPUTS + past, MTP_OUTPUTS + present
+    host = {GraphKind.CHUNK: CHUNK_INPUTS, GraphKind.VERIFY: VERIFY_INPUTS}.get(kind)
+    inputs = host or [*contract.decode_host_inputs, *STATE_NAMES]
     past = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "past")]
     present = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "present")]
-    return inputs[: -len(STATE_NAMES)] + past, TEXT_OUTPUTS[: -len(STATE_NAMES)] + present
+    if kind == GraphKind.VERIFY:  # the conv and recurrent states of every position, stacked position-major
+        present = [
+            "present_conv_states",
+            "present_recurrent_states",
+            *contract.decode_state_names("kv_cache", "present"),
+        ]
+    hidden = [HIDDEN_OUTPUT] if kind == GraphKind.VERIFY or (kind == GraphKind.CHUNK and contract.draft_tokens) else []
+    return inputs[: -len(STATE_NAMES)] + past, ["logits", *hidden, *present]
 
 
 def collapse_reshapes(model) -> None:
@@ -661,7 +728,7 @@ def export(
         options.validate()
     config, generation_config = load_config(model_dir)
     pixel_range = processor_pixel_range(model_dir, config.vision_config)
-    contract = build_contract(config, generation_config, options, pixel_range)
+    contract = build_contract(config, generation_config, options, pixel_range, has_mtp_weights(model_dir))
     contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
     if options.component != ALL_COMPONENTS and existing.same_shapes(contract):
         raise ExportError(
@@ -689,6 +756,13 @@ def export(
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; an export is ordinary data
     try:
         model, source = open_weights(model_dir, config, contract.dtype)
+        if contract.draft_tokens:
+            from .mtp import ExportMtpError, attach_mtp
+
+            try:
+                attach_mtp(model, torch_dtype(contract.dtype))
+            except ExportMtpError as exc:
+                raise ExportError(f"--model-id {str(model_dir)!r}: {exc}") from exc
         if options.component != ALL_COMPONENTS:
             keep = {job.path.split("/")[0] for job in graph_jobs(contract) if job.kind != options.component}
             for name in sorted(keep):

@@ -15,6 +15,13 @@ prefill    input_ids [B,S], attention_mask [B,S], position_ids [4,B,S], image_em
            present_recurrent_states [n_linear,B,Hv,Dk,Dv] fp32, present_kv_cache [2*n_full,B,Hkv,L,D]
 chunk      input_ids [B,C], chunk_mask [B,C], attention_mask [B,L], position_ids [4,B,C],
            image_embeds [C,hidden] and the past states as decode -> as decode (see ChunkGraph)
+verify     input_ids [1,C] (the last sampled token and C-1 drafts), attention_mask [1,L], position_ids [4,1,C] and the
+           past states as decode -> logits [1,C,V], hidden_states [1,C,hidden] fp32, present_conv_states
+           [C,n_linear,1,K-1,conv_dim] and present_recurrent_states [C,n_linear,1,Hv,Dk,Dv] (the states after each
+           position), the KV cache as chunk (see VerifyGraph)
+mtp        input_ids [1,C] (the next tokens), hidden_states [1,C,hidden] fp32, chunk_mask [1,C], attention_mask
+           [1,L], position_ids [4,1,C], image_embeds [C,hidden], past_mtp_kv_cache [2,1,Hkv,L,D] -> logits
+           [1,1,V], mtp_hidden [1,1,hidden] fp32 (the last real position), present_mtp_kv_cache (see MtpGraph)
 decode     input_ids [B,1], attention_mask [B,L], position_ids [4,B,1], (B > 1: active_rows [B] bool), past_conv_states,
            past_recurrent_states, past_kv_cache -> logits [B,1,V] and the three present_* states;
            with --ops ort and fixed KV every state goes one entry at a time: past_conv_states.{n},
@@ -58,6 +65,15 @@ CHUNK_INPUTS = [
 ]
 STATE_OUTPUTS = ["present_conv_states", "present_recurrent_states", "present_kv_cache"]
 TEXT_OUTPUTS = ["logits", *STATE_OUTPUTS]
+HIDDEN_OUTPUT = "hidden_states"
+"""The chunk and verify graphs' extra output in an export with draft tokens: the target's hidden state at every
+position (after the final norm), which the MTP head reads."""
+VERIFY_INPUTS = DECODE_INPUTS
+MTP_INPUTS = ["input_ids", "hidden_states", "chunk_mask", "attention_mask", "position_ids", "image_embeds"]
+MTP_OUTPUTS = ["logits", "mtp_hidden"]
+MTP_KV = "mtp_kv_cache"
+"""The MTP head's own KV cache: ``past_mtp_kv_cache`` / ``present_mtp_kv_cache`` stacked ``[2, 1, Hkv, L, D]``, or
+with ``--ops ort`` per entry ``.0`` (k) and ``.1`` (v), written in place."""
 
 
 #: Projections that read the same input, merged into one MatMul with ``--ops ort`` (one
@@ -175,13 +191,22 @@ class _TextGraph(nn.Module):
             self.register_buffer("rope_cos", (freqs.cos() * rotary.attention_scaling).to(dtype), persistent=False)
             self.register_buffer("rope_sin", (freqs.sin() * rotary.attention_scaling).to(dtype), persistent=False)
 
+    def decoder_layers(self) -> list[tuple[int, nn.Module, str]]:
+        """``(index, decoder layer, layer type)`` of every decoder layer this graph runs (the index names its
+        merged constants, see :meth:`projections`)."""
+        return [(i, layer, self.contract.layer_types[i]) for i, layer in enumerate(self.text.layers)]
+
+    def layer(self, i: int) -> nn.Module:
+        """The decoder layer of index ``i`` (:meth:`decoder_layers`)."""
+        return self.text.layers[i]
+
     def _merge_projections(self) -> None:
         """Register, for every group of :data:`MERGED_PROJECTIONS` in every layer, the
         concatenated ``W^T`` ``[hidden, sum(out)]`` as a constant (groups with a bias stay
         separate)."""
-        for i, layer in enumerate(self.text.layers):
+        for i, layer, layer_type in self.decoder_layers():
             for group, (kind, owner, names) in MERGED_PROJECTIONS.items():
-                if kind not in (None, self.contract.layer_types[i]):
+                if kind not in (None, layer_type):
                     continue
                 linears = [getattr(getattr(layer, owner), name) for name in names]
                 if any(linear.bias is not None for linear in linears):
@@ -206,7 +231,7 @@ class _TextGraph(nn.Module):
                 sizes = [*first_parts, *sizes[1:]]
             return list(torch.split(hidden @ getattr(self, f"{group}_t_{i}"), sizes, dim=-1))
         _, owner, names = MERGED_PROJECTIONS[group]
-        module = getattr(self.text.layers[i], owner)
+        module = getattr(self.layer(i), owner)
         outputs = [getattr(module, name)(hidden) for name in names]
         if first_parts:
             outputs[:1] = torch.split(outputs[0], list(first_parts), dim=-1)
@@ -415,6 +440,24 @@ class _TextGraph(nn.Module):
         total = torch.full((), steps, dtype=torch.int32, device=q.device)
         out = fused.prompt_attention(q, k, v, seqlens_k, total, *heads, attn.scaling)
         return out.masked_fill(~valid.unsqueeze(-1), 0)
+
+    def chunk_attention(self, attn: nn.Module, q, k, v, past_k, past_v, past_len: torch.Tensor):
+        """Attention of ``T`` new tokens (q ``[B, Hq, T, D]``, k / v ``[B, Hkv, T, D]``) written to slots
+        ``past_len .. past_len + T - 1`` of the capacity-wide ``past_k`` / ``past_v`` ``[B, Hkv, L, D]``, token ``t``
+        attending to slots ``<= past_len + t`` (``past_len [B]`` int64): one GroupQueryAttention with ``--ops
+        ort`` (written in place when the runtime binds present to past), else a scatter and a masked attention.
+        Returns ``(out [B, T, Hq*D], k_all, v_all)``."""
+        steps, width = q.shape[2], past_k.shape[2]
+        if self.contract.kv_in_place:
+            seqlens_k = (past_len + steps - 1).to(torch.int32)
+            total = (past_len + steps).to(torch.int32).reshape(())
+            return self.attention_in_place(attn, q, k, v, past_k, past_v, seqlens_k, total)
+        slots = past_len.view(-1, 1) + torch.arange(steps, device=q.device).view(1, -1)  # [B, T]
+        allowed = torch.arange(width, device=q.device).view(1, 1, -1) <= slots.unsqueeze(-1)  # [B, T, L]
+        index = slots.view(slots.shape[0], 1, steps, 1).expand(k.shape)
+        k_all, v_all = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
+        out = layers.masked_attention(q, k_all, v_all, allowed.unsqueeze(1), attn.scaling)
+        return out, k_all, v_all
 
     @staticmethod
     def attention_output(attn: nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -633,17 +676,11 @@ class ChunkGraph(_TextGraph):
         valid_f = valid.unsqueeze(-1).to(torch.float32)
         n_new = chunk_mask.sum(dim=-1)  # [B]
         past_len = attention_mask.sum(dim=-1) - n_new  # [B]
-        steps, width = input_ids.shape[1], attention_mask.shape[1]
         hidden = self.text.embed_tokens(input_ids)
         hidden = layers.inject_image_embeds(hidden, input_ids, image_embeds, contract.image_token_id)
         rope = self.rotary(hidden, position_ids)
-        slots = past_len.view(-1, 1) + torch.arange(steps, device=input_ids.device).view(1, -1)  # [B, C]
-        allowed = torch.arange(width, device=input_ids.device).view(1, 1, -1) <= slots.unsqueeze(-1)  # [B, C, L]
         if not contract.kv_in_place:
             past_conv, past_rec, past_kv = past_conv.unbind(0), past_rec.unbind(0), past_kv.unbind(0)
-        else:
-            seqlens_k = (past_len + steps - 1).to(torch.int32)
-            total = (past_len + steps).to(torch.int32).reshape(())
         conv_states, rec_states, kv = [], [], []
 
         def linear_mixer(i, layer, h):
@@ -658,22 +695,146 @@ class ChunkGraph(_TextGraph):
             attn = layer.self_attn
             n = self.full_slot[i]
             q, k, v, gate = self.attention_qkv(i, attn, h, rope)
-            past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
-            if contract.kv_in_place:
-                out, k_all, v_all = self.attention_in_place(attn, q, k, v, past_k, past_v, seqlens_k, total)
-                kv.extend([k_all, v_all])
-                return self.attention_output(attn, out, gate)
-            index = slots.view(slots.shape[0], 1, steps, 1).expand(k.shape)
-            k_all, v_all = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
+            out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[2 * n], past_kv[2 * n + 1], past_len)
             kv.extend([k_all, v_all])
-            out = layers.masked_attention(q, k_all, v_all, allowed.unsqueeze(1), attn.scaling)
             return self.attention_output(attn, out, gate)
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
+        every = hidden
         if contract.prefill_logits == PrefillLogits.LAST:
             last = (n_new - 1).view(-1, 1, 1).expand(hidden.shape[0], 1, hidden.shape[2])
             hidden = torch.gather(hidden, 1, last)
         logits = self.logits(hidden)
+        extra = (every.float(),) if contract.draft_tokens else ()  # the MTP head reads every position's
         if contract.kv_in_place:
-            return logits, *conv_states, *rec_states, *kv
-        return logits, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)
+            return logits, *extra, *conv_states, *rec_states, *kv
+        return logits, *extra, torch.stack(conv_states), torch.stack(rec_states), torch.stack(kv)
+
+
+class VerifyGraph(DecodeGraph):
+    """Speculative decoding's check: ``C`` tokens (the last sampled token and ``C - 1`` drafts) continuing from
+    the states of the tokens before them, with the logits, the hidden state and the conv and recurrent states
+    after EACH position, so that the runtime keeps exactly the accepted prefix.
+
+    Inputs as the chunk graph's without ``chunk_mask`` and ``image_embeds`` (every token is real, none an image
+    token): ``input_ids [1, C]``, ``attention_mask [1, L]`` (the slots in use once the C tokens are written),
+    ``position_ids [4, 1, C]`` and the past states as decode takes them. Outputs ``logits [1, C, V]`` fp32,
+    ``hidden_states [1, C, hidden]`` fp32 (after the final norm), ``present_conv_states [C, n_linear, 1, K-1,
+    conv_dim]`` and ``present_recurrent_states [C, n_linear, 1, Hv, Dk, Dv]`` (position-major: the stacked states
+    after position ``t`` are one contiguous block ``[t]``, which the runtime binds as the next run's past), and
+    the KV cache as the chunk graph writes it (slots ``past .. past + C - 1``, in place with ``--ops ort``; the
+    slots of rejected drafts are simply not claimed by the mask and are written over later).
+
+    The linear-attention layers run the decode step's recurrence one position at a time (the conv step and the
+    gated delta rule of :class:`DecodeGraph`), so each position's state exists; the projections, MLPs and
+    lm_head run all ``C`` positions at once (each weight read once). Source: speculative decoding's verification
+    (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"); per-position recurrent
+    states for rollback as llama.cpp keeps them for Qwen3.5 MTP (llama.cpp issue 28120).
+    """
+
+    def forward(self, input_ids, attention_mask, position_ids, past_conv, past_rec, past_kv):
+        contract = self.contract
+        steps = input_ids.shape[1]
+        past_len = attention_mask.sum(dim=-1) - steps  # [1]
+        hidden = self.text.embed_tokens(input_ids)
+        rope = self.rotary(hidden, position_ids)
+        if not contract.kv_in_place:
+            past_conv, past_rec, past_kv = past_conv.unbind(0), past_rec.unbind(0), past_kv.unbind(0)
+        conv_at = [[] for _ in range(steps)]  # [position][linear layer]
+        rec_at = [[] for _ in range(steps)]
+        kv = []
+
+        def linear_mixer(i, layer, h):
+            attn = layer.linear_attn
+            n = self.linear_slot[i]
+            qkv, z, g, beta = self.gdn_projections(i, attn, h)
+            conv_state, state, mixed, cores = past_conv[n], past_rec[n], [], []
+            for t in range(steps):
+                y, conv_state = self.conv_step(i, qkv[:, t : t + 1], conv_state)
+                mixed.append(y)
+                conv_at[t].append(conv_state)
+            sizes = self.qkv_sizes(attn)
+            q, k, v = self.qkv_heads(attn, *torch.split(torch.cat(mixed, dim=1), sizes, dim=-1))
+            for t in range(steps):
+                at = slice(t, t + 1)
+                core, state = self.recurrence(q[:, at], k[:, at], v[:, at], g[:, at], beta[:, at], state, prompt=False)
+                cores.append(core)
+                rec_at[t].append(state)
+            return self.gdn_output(attn, torch.cat(cores, dim=1), z)
+
+        def full_mixer(i, layer, h):
+            attn = layer.self_attn
+            n = self.full_slot[i]
+            q, k, v, gate = self.attention_qkv(i, attn, h, rope)
+            out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[2 * n], past_kv[2 * n + 1], past_len)
+            kv.extend([k_all, v_all])
+            return self.attention_output(attn, out, gate)
+
+        hidden = self.run_layers(hidden, linear_mixer, full_mixer)
+        logits = self.logits(hidden)
+        conv = torch.stack([torch.stack(states) for states in conv_at])
+        rec = torch.stack([torch.stack(states) for states in rec_at])
+        if contract.kv_in_place:
+            return logits, hidden.float(), conv, rec, *kv
+        return logits, hidden.float(), conv, rec, torch.stack(kv)
+
+
+MTP_LAYER = -1
+"""Index of the MTP head's decoder layer among a graph's :meth:`_TextGraph.decoder_layers` (after the model's)."""
+
+
+class MtpGraph(_TextGraph):
+    """The checkpoint's multi-token-prediction head (:mod:`.mtp`) over ``C`` positions, continuing from its own
+    KV cache: the draft logits of the last real position and its output hidden state.
+
+    Inputs: ``input_ids [1, C]``, the token at ``i + 1`` for each position ``i``; ``hidden_states [1, C,
+    hidden]`` fp32, the target's hidden state at ``i`` (or, for a further draft step, the head's own
+    ``mtp_hidden`` of the position before); ``chunk_mask [1, C]`` a prefix of ones over the real positions;
+    ``attention_mask [1, L]`` the head's KV slots in use once they are written (a prefix of ones); ``position_ids
+    [4, 1, C]`` the positions ``i`` (the target's mRoPE rows); ``image_embeds [C, hidden]`` the image embeddings
+    of the image tokens among ``input_ids`` in order (vLLM merges them into the head's input embeddings too);
+    the head's KV cache (:data:`MTP_KV`). Outputs ``logits [1, 1, V]`` fp32 and ``mtp_hidden [1, 1, hidden]``
+    fp32 of the last real position, and the KV cache (slots ``past .. past + C - 1`` written as the chunk graph
+    writes its own).
+    """
+
+    def __init__(self, model: nn.Module, contract: ShapeContract):
+        if not isinstance(getattr(model, "mtp", None), nn.Module):
+            raise ValueError("the model has no MTP head (export.mtp.attach_mtp)")
+        object.__setattr__(self, "_mtp_layer", model.mtp.layers[0])  # (registered below, as part of self.mtp)
+        super().__init__(model, contract)
+        self.mtp = model.mtp
+
+    def decoder_layers(self) -> list[tuple[int, nn.Module, str]]:
+        return [(MTP_LAYER, self._mtp_layer, "full_attention")]
+
+    def layer(self, i: int) -> nn.Module:
+        return self._mtp_layer
+
+    def forward(self, input_ids, hidden_states, chunk_mask, attention_mask, position_ids, image_embeds, past_kv):
+        contract, mtp, layer = self.contract, self.mtp, self._mtp_layer
+        if not contract.kv_in_place:
+            past_kv = past_kv.unbind(0)
+        n_new = chunk_mask.sum(dim=-1)  # [1]
+        past_len = attention_mask.sum(dim=-1) - n_new
+        embeds = self.text.embed_tokens(input_ids)
+        embeds = layers.inject_image_embeds(embeds, input_ids, image_embeds, contract.image_token_id)
+        dtype = embeds.dtype
+        both = torch.cat(
+            [self.norm(mtp.pre_fc_norm_embedding, embeds), self.norm(mtp.pre_fc_norm_hidden, hidden_states.to(dtype))],
+            dim=-1,
+        )
+        x = mtp.fc(both)
+        rope = self.rotary(x, position_ids)
+        attn = layer.self_attn
+        q, k, v, gate = self.attention_qkv(MTP_LAYER, attn, self.norm(layer.input_layernorm, x), rope)
+        out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[0], past_kv[1], past_len)
+        x = x + self.attention_output(attn, out, gate)
+        x = x + self.mlp(MTP_LAYER, layer, self.norm(layer.post_attention_layernorm, x))
+        x = self.norm(mtp.norm, x)
+        last = (n_new - 1).view(-1, 1, 1).expand(x.shape[0], 1, x.shape[2])
+        x = torch.gather(x, 1, last)
+        logits = self.logits(x)
+        if contract.kv_in_place:
+            return logits, x.float(), k_all, v_all
+        return logits, x.float(), torch.stack([k_all, v_all])

@@ -16,6 +16,7 @@ from typing import Any
 from ..contract import (
     DEFAULT_QUANT_ACCURACY_LEVEL,
     DEFAULT_QUANT_BLOCK_SIZE,
+    MAX_DRAFT_TOKENS,
     QUANT_ACCURACY_LEVELS,
     Dtype,
     GraphKind,
@@ -27,6 +28,7 @@ from ..contract import (
     check_buckets,
     check_capacity,
     check_chunks,
+    check_draft_tokens,
     check_dummy_seq_len,
     check_slots,
     default_buckets,
@@ -164,6 +166,12 @@ class ExportOptions:
                              "each with its own states, mask and positions), so a server decodes that many requests "
                              "together (continuous batching); 1 keeps the batch-1 graph for compilers that take no "
                              "batch. More than 1 needs --kv-cache fixed and prefill chunks.")
+    draft_tokens: int | None = option(
+        None, "--draft-tokens", contract=True,
+        help="Most draft tokens a speculative decoding round checks (0 to 4): the checkpoint's multi-token-"
+             "prediction head (its mtp.* tensors) as MTP graphs, and a verify graph for each draft length; by "
+             "default 4 when the checkpoint has an MTP head and the export prefills in chunks with a fixed KV cache, "
+             "else 0 (no MTP graphs: the export is as without MTP).")
     # fmt: on
     overwrite: bool = option(False, "--overwrite", "Replace a previous export in --output-dir.")
     chunk_size: int = 64
@@ -226,6 +234,11 @@ class ExportOptions:
             check_slots(self.slots, self.kv_mode, self.chunks)
         except ValueError as exc:
             raise ExportError(f"--slots: {exc}") from exc
+        if self.draft_tokens is not None:
+            try:
+                check_draft_tokens(self.draft_tokens, self.kv_mode, self.chunks)
+            except ValueError as exc:
+                raise ExportError(f"--draft-tokens: {exc}") from exc
         if self.prefill_buckets is not None:
             if self.kv_mode != KvMode.FIXED:
                 raise ExportError(
@@ -285,16 +298,35 @@ class ExportOptions:
         """The graph kinds this export writes."""
         return tuple(GraphKind) if self.component == ALL_COMPONENTS else (GraphKind(self.component),)
 
-    def contract_values(self) -> dict[str, Any]:
+    def contract_values(self, has_mtp: bool = False) -> dict[str, Any]:
         """The contract-shaping options as the contract records them: defaults resolved
-        (:attr:`buckets`, :attr:`embedding_quantized`)."""
+        (:attr:`buckets`, :attr:`embedding_quantized`, :meth:`drafts`; ``has_mtp``: the checkpoint has an MTP
+        head)."""
         values = {name: getattr(self, name) for name in self.contract_fields()}
         values.update(
             prefill_buckets=self.buckets,
             prefill_chunks=self.chunks,
             quantize_embedding=self.embedding_quantized,
+            draft_tokens=self.drafts(has_mtp),
         )
         return values
+
+    def drafts(self, has_mtp: bool) -> int:
+        """The export's draft tokens for a checkpoint with (``has_mtp``) or without an MTP head: as given; by
+        default (None) :data:`~qwen35_onnx.contract.MAX_DRAFT_TOKENS` where the checkpoint has the head and the
+        export prefills in chunks with a fixed KV cache, else 0.
+
+        Raises:
+            ExportError: draft tokens asked of a checkpoint without an MTP head.
+        """
+        if self.draft_tokens is None:
+            return MAX_DRAFT_TOKENS if has_mtp and self.chunks and self.kv_mode == KvMode.FIXED else 0
+        if self.draft_tokens and not has_mtp:
+            raise ExportError(
+                f"--draft-tokens {self.draft_tokens}: the checkpoint has no multi-token-prediction head (no mtp.* "
+                "tensors), which drafts the tokens; export it with --draft-tokens 0"
+            )
+        return self.draft_tokens
 
     @classmethod
     def from_contract(cls, contract: ShapeContract, **others) -> ExportOptions:

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..contract import ContractError, ShapeContract, plain
+from ..contract import MAX_DRAFT_TOKENS, ContractError, ShapeContract, plain
 from ..options import option
 from .checks import (
     GraphSpec,
@@ -44,7 +44,9 @@ from .checks import (
     check_export_files,
     check_external_data,
     check_metadata,
+    check_mtp,
     check_prefill,
+    check_verify,
     check_vision,
 )
 from .vision_positions import vision_position_inputs
@@ -81,6 +83,8 @@ class RuntimeOptions:
             0: ``$QWEN35_ONNX_THREADS`` if set (e.g. for several processes on one machine), else the
             runtime's default (see :attr:`intra_op_threads`).
         host_state_roundtrip: copy every state to host every decode step (for comparison).
+        draft_tokens: speculative decoding with the export's MTP head, this many draft tokens a round (1 to the
+            export's ``--draft-tokens``; 0: off), see :mod:`.speculative`.
         profile_dir: ONNX Runtime only: profile every graph session (its profiler: each node's
             kernel time, in microseconds) and write each profile into this folder as
             ``<graph>_<time>.json`` (Chrome trace format) when the session ends; '' (the default):
@@ -105,6 +109,13 @@ class RuntimeOptions:
     )
     host_state_roundtrip: bool = option(
         False, "--host-state-roundtrip", "Copy states to host every decode step (for comparison)."
+    )
+    draft_tokens: int = option(
+        0,
+        "--draft-tokens",
+        "Speculative decoding: draft this many tokens a round with the export's MTP head and check them in one run "
+        "(1 to the export's --draft-tokens; 0: off). Greedy output is unchanged; sampled output keeps its "
+        "distribution.",
     )
     profile_dir: str = option(
         "",
@@ -134,6 +145,12 @@ class RuntimeOptions:
                 f"threads {self.threads} is more than the {usable_cpus()} CPUs this process may run on "
                 "(more threads than CPUs only wait for each other)"
             )
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, numbers.Integral):
+            raise ValueError(
+                f"draft_tokens must be an integer from 0 (off) to {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}"
+            )
+        if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens {self.draft_tokens} must be from 0 (off) to {MAX_DRAFT_TOKENS}")
         if not isinstance(self.host_state_roundtrip, bool):
             raise ValueError(f"host_state_roundtrip must be true or false, got {self.host_state_roundtrip!r}")
         if not isinstance(self.profile_dir, (str, os.PathLike)):
@@ -213,6 +230,8 @@ class GraphSet(abc.ABC):
         self.root, self.contract = Path(root), contract
         self._prefill: dict[int | None, GraphSpec] = {}
         self._chunk: dict[int, GraphSpec] = {}
+        self._verify: dict[int, GraphSpec] = {}
+        self._mtp: dict[int, GraphSpec] = {}
         self._vision: dict[tuple[int, int] | None, GraphSpec] = {}
         check_export_files(self.root, contract)
         if not contract.static_vision:
@@ -284,6 +303,38 @@ class GraphSet(abc.ABC):
             key = self.contract.chunk_graph_key(size)
             self._chunk[size] = self._load(key, lambda contract, graph: check_chunk(contract, graph, size))
         return self._chunk[size]
+
+    def verify(self, size: int) -> GraphSpec:
+        """The verify graph of ``size`` tokens (a draft length of ``size - 1``; loaded and cross-checked on its
+        first use).
+
+        Raises:
+            ContractError: the export has no verify graph of that size, or it disagrees with the manifest.
+        """
+        if size not in self._verify:
+            if size not in self.contract.verify_sizes:
+                raise ContractError(
+                    f"the export has no verify graph of {size} tokens (draft tokens {size - 1}; the export verifies "
+                    f"up to {self.contract.draft_tokens})"
+                )
+            key = self.contract.verify_graph_key(size)
+            self._verify[size] = self._load(key, lambda contract, graph: check_verify(contract, graph, size))
+        return self._verify[size]
+
+    def mtp(self, size: int) -> GraphSpec:
+        """The MTP graph of ``size`` positions (loaded and cross-checked on its first use).
+
+        Raises:
+            ContractError: the export has no MTP graph of that size, or it disagrees with the manifest.
+        """
+        if size not in self._mtp:
+            if size not in self.contract.mtp_sizes:
+                raise ContractError(
+                    f"the export has no MTP graph of {size} positions (sizes {list(self.contract.mtp_sizes)})"
+                )
+            key = self.contract.mtp_graph_key(size)
+            self._mtp[size] = self._load(key, lambda contract, graph: check_mtp(contract, graph, size))
+        return self._mtp[size]
 
     @property
     def loaded_chunks(self) -> list[int]:
@@ -383,16 +434,57 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def run_chunk(
         self, size: int, feeds: dict[str, np.ndarray], states: dict[str, Any]
-    ) -> tuple[np.ndarray, dict[str, Any]]:
+    ) -> tuple[np.ndarray, dict[str, Any], np.ndarray | None]:
         """The chunk graph of ``size`` tokens (:class:`~qwen35_onnx.export.graphs.ChunkGraph`) on host
         ``feeds`` (``input_ids``, ``chunk_mask``, ``attention_mask``, ``position_ids``,
         ``image_embeds``) after ``states`` (keyed as :meth:`run_prefill` returns them, which this
         call takes over: the KV cache may be written in place); returns the logits ``[1, R, V]``
-        (host) and the new states in the same form.
+        (host), the new states in the same form, and in an export with draft tokens the hidden states of
+        every position ``[1, size, hidden]`` fp32 (host; else None).
 
         Raises:
             ContractError: the export has no chunk graph of ``size``.
         """
+
+    def run_verify(
+        self, size: int, feeds: dict[str, np.ndarray], states: dict[str, Any], buffers: Any
+    ) -> tuple[np.ndarray, np.ndarray, Any]:
+        """The verify graph of ``size`` tokens (:class:`~qwen35_onnx.export.graphs.VerifyGraph`) on host ``feeds``
+        (``input_ids [1, size]``, ``attention_mask [1, L]``, ``position_ids [4, 1, size]``) after ``states`` (keyed
+        as :meth:`run_prefill` returns them; the KV cache may be written in place), writing the states of every
+        position into ``buffers`` (from :meth:`verify_buffers`, not the ones ``states`` point into). Returns the
+        logits ``[1, size, V]`` and hidden states ``[1, size, hidden]`` (host, fp32) and the run's result for
+        :meth:`states_after`.
+
+        Raises:
+            ContractError: this backend does not run speculative decoding, or the export has no such graph.
+        """
+        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+
+    def verify_buffers(self) -> Any:
+        """Buffers for the states of every position of a verify run (the largest one, :attr:`ShapeContract.
+        draft_tokens` + 1 positions), in this backend's form; a speculation alternates two of them.
+
+        Raises:
+            ContractError: this backend does not run speculative decoding.
+        """
+        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+
+    def states_after(self, result: Any, position: int) -> dict[str, Any]:
+        """The states after ``position`` (0-based, among the verify run's tokens) of a :meth:`run_verify` result,
+        keyed as :meth:`run_prefill` returns them: views of the run's buffers, no copy (the KV cache holds every
+        position's slots; the mask decides which are in use)."""
+        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+
+    def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: Any) -> tuple[np.ndarray, np.ndarray, Any]:
+        """The MTP graph of ``size`` positions (:class:`~qwen35_onnx.export.graphs.MtpGraph`) on host ``feeds``
+        after the head's KV cache ``kv`` (from :meth:`mtp_cache`, which this call takes over); returns the draft
+        logits ``[1, 1, V]`` and ``mtp_hidden [1, 1, hidden]`` (host, fp32) and the KV cache after the run."""
+        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+
+    def mtp_cache(self) -> Any:
+        """The MTP head's empty KV cache (:attr:`ShapeContract.mtp_kv_shape`, zeros) in this backend's form."""
+        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
 
     @abc.abstractmethod
     def states_to_host(self, states: dict[str, Any], kv_length: int | None = None) -> dict[str, np.ndarray]:

@@ -32,6 +32,12 @@ HOST_FP32 = (
     ("chunk", "input", "image_embeds"),
     ("chunk", "output", "logits"),
     ("decode", "output", "logits"),
+    ("verify", "output", "logits"),
+    ("verify", "output", "hidden_states"),
+    ("mtp", "input", "hidden_states"),
+    ("mtp", "input", "image_embeds"),
+    ("mtp", "output", "logits"),
+    ("mtp", "output", "mtp_hidden"),
 )
 
 
@@ -77,6 +83,8 @@ def check_export_files(root: Path, contract: ShapeContract) -> None:
     expected = {"decode", *contract.vision_graph_keys()}
     expected |= set(contract.prefill_keys)
     expected |= {contract.chunk_graph_key(c) for c in contract.prefill_chunks}
+    expected |= {contract.verify_graph_key(c) for c in contract.verify_sizes}
+    expected |= {contract.mtp_graph_key(c) for c in contract.mtp_sizes}
     missing = sorted(expected - set(contract.graphs))
     if missing:
         raise ContractError(f"manifest.json lists no graph for {missing} (has {sorted(contract.graphs)})")
@@ -233,7 +241,10 @@ def check_chunk(contract: ShapeContract, chunk: GraphSpec, size: int) -> None:
     """As :func:`check_decode` with the chunk graph's host inputs (:data:`CHUNK_HOST_INPUTS`):
     ``input_ids`` and ``chunk_mask`` ``[1, size]``, ``image_embeds [size, image_embed_dim]``
     fp32, and one logits row with ``prefill_logits='last'``."""
-    check_decode(contract, chunk, CHUNK_HOST_INPUTS, "chunk")
+    hidden = ["hidden_states"] if contract.draft_tokens else []
+    check_decode(contract, chunk, CHUNK_HOST_INPUTS, "chunk", hidden)
+    if hidden:  # the MTP head reads every position's
+        _check_tensor(chunk, "output", "hidden_states", [contract.batch, size, contract.hidden_size], "fp32")
     for name in ("input_ids", "chunk_mask"):
         _expect(f"{chunk.name} {name} shape", chunk.inputs.get(name), [contract.batch, size])
     _expect(f"{chunk.name} image_embeds shape", chunk.inputs.get("image_embeds"), [size, contract.image_embed_dim])
@@ -242,7 +253,11 @@ def check_chunk(contract: ShapeContract, chunk: GraphSpec, size: int) -> None:
 
 
 def check_decode(
-    contract: ShapeContract, decode: GraphSpec, host_inputs: list[str] = DECODE_HOST_INPUTS, what: str = "decode"
+    contract: ShapeContract,
+    decode: GraphSpec,
+    host_inputs: list[str] = DECODE_HOST_INPUTS,
+    what: str = "decode",
+    extra_outputs: list[str] = (),
 ) -> None:
     """Input and output names exactly as the contract says (``host_inputs`` and the states); state
     shapes and element types; and in fixed mode: mask width == past KV width == present KV width ==
@@ -260,7 +275,7 @@ def check_decode(
             _expect(f"{what} active_rows element type", decode.types.get("active_rows"), "tensor(bool)")
     for kind, prefix, fixed in (
         ("input", "past", list(host_inputs)),
-        ("output", "present", ["logits"]),
+        ("output", "present", ["logits", *extra_outputs]),
     ):
         _check_names(
             decode, kind, fixed + [n for state in STATE_NAMES for n in contract.decode_state_names(state, prefix)]
@@ -298,6 +313,54 @@ def check_decode(
                 f"{what} present_kv_cache token axis": decode.dim("output", "present_kv_cache", 3),
             },
         )
+
+
+def check_verify(contract: ShapeContract, verify: GraphSpec, size: int) -> None:
+    """The verify graph of ``size`` tokens (:class:`~qwen35_onnx.export.graphs.VerifyGraph`): the decode graph's
+    host inputs and past states (one row); outputs ``logits [1, size, V]`` and ``hidden_states [1, size, hidden]``
+    fp32, the conv and recurrent states of every position ``[size, *state_shape]`` and the KV cache as the chunk
+    graph's (capacity wide)."""
+    kv = contract.decode_state_names("kv_cache", "present")
+    past = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "past")]
+    _check_names(verify, "input", DECODE_HOST_INPUTS + past)
+    _check_names(verify, "output", ["logits", "hidden_states", "present_conv_states", "present_recurrent_states", *kv])
+    _check_host_types(verify, "verify")
+    _expect(f"{verify.name} input_ids shape", verify.inputs.get("input_ids"), [contract.batch, size])
+    _expect(f"{verify.name} logits shape", verify.outputs.get("logits"), [contract.batch, size, contract.vocab_size])
+    _expect(
+        f"{verify.name} hidden_states shape",
+        verify.outputs.get("hidden_states"),
+        [contract.batch, size, contract.hidden_size],
+    )
+    for state in STATE_NAMES[:2]:
+        shape = [size, *contract.state_shape(state)]
+        _check_tensor(verify, "output", f"present_{state}", shape, contract.state_dtype(state))
+    widths = {f"{verify.name} attention_mask width": verify.dim("input", "attention_mask", 1)}
+    for name in contract.decode_state_names("kv_cache", "past"):
+        widths[f"{verify.name} {name} token axis"] = verify.inputs[name][-2]
+    _check_capacity(contract, widths)
+
+
+def check_mtp(contract: ShapeContract, mtp: GraphSpec, size: int) -> None:
+    """The MTP graph of ``size`` positions (:class:`~qwen35_onnx.export.graphs.MtpGraph`): host inputs
+    ``input_ids``, ``chunk_mask [1, size]``, ``hidden_states [1, size, hidden]`` fp32, ``attention_mask [1, L]``,
+    ``position_ids``, ``image_embeds``; its KV cache ``[2, 1, Hkv, L, D]`` (or its two entries); outputs
+    ``logits [1, 1, V]`` and ``mtp_hidden [1, 1, hidden]`` fp32."""
+    entries = [".0", ".1"] if contract.kv_in_place else [""]
+    host = ["input_ids", "hidden_states", "chunk_mask", "attention_mask", "position_ids", "image_embeds"]
+    _check_names(mtp, "input", host + [f"past_mtp_kv_cache{e}" for e in entries])
+    _check_names(mtp, "output", ["logits", "mtp_hidden"] + [f"present_mtp_kv_cache{e}" for e in entries])
+    _check_host_types(mtp, "mtp")
+    b, h = contract.batch, contract.hidden_size
+    for name, shape in (("input_ids", [b, size]), ("chunk_mask", [b, size]), ("hidden_states", [b, size, h])):
+        _expect(f"{mtp.name} {name} shape", mtp.inputs.get(name), shape)
+    _expect(f"{mtp.name} logits shape", mtp.outputs.get("logits"), [b, 1, contract.vocab_size])
+    _expect(f"{mtp.name} mtp_hidden shape", mtp.outputs.get("mtp_hidden"), [b, 1, h])
+    kv = list(contract.mtp_kv_shape[1:]) if contract.kv_in_place else list(contract.mtp_kv_shape)
+    for e in entries:
+        _check_tensor(mtp, "input", f"past_mtp_kv_cache{e}", kv, contract.state_dtype("kv_cache"))
+        _check_tensor(mtp, "output", f"present_mtp_kv_cache{e}", kv, contract.state_dtype("kv_cache"))
+    _check_capacity(contract, {f"{mtp.name} attention_mask width": mtp.dim("input", "attention_mask", 1)})
 
 
 def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | None) -> None:

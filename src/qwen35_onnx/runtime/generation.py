@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,12 +45,18 @@ step of every slot: the chunk plan takes one only where no chunk fits below the 
 @dataclass
 class Timings:
     """Wall-clock times in milliseconds (``vision_ms`` is None for a text-only prompt);
-    ``decode_steps`` counts decode-graph runs."""
+    ``decode_steps`` counts the tokens fed after the prefill: one per decode-graph run, or with speculative
+    decoding the tokens each verify run kept (``verify_runs`` of them; ``drafted`` draft tokens proposed,
+    ``accepted`` of them kept; ``draft_ms`` the MTP head's share of ``decode_ms``)."""
 
     vision_ms: float | None = 0.0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     decode_steps: int = 0
+    verify_runs: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -58,16 +64,24 @@ class Timings:
 
     @property
     def tokens_per_s(self) -> float:
-        """Decode throughput: decode steps per second of decode time."""
+        """Decode throughput: tokens fed per second of decode time."""
         return 1000.0 * self.decode_steps / self.decode_ms if self.decode_ms else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        """Share of the draft tokens kept (None: nothing drafted)."""
+        return self.accepted / self.drafted if self.drafted else None
 
     def summary(self) -> str:
         vision = "no image" if self.vision_ms is None else f"{self.vision_ms:.1f} ms"
-        return (
+        text = (
             f"vision {vision} | prefill {self.prefill_ms:.1f} ms | "
             f"decode {self.decode_ms_per_token:.2f} ms/token over {self.decode_steps} steps | "
             f"{self.tokens_per_s:.1f} tokens/s"
         )
+        if self.drafted:
+            text += f" | {self.accepted}/{self.drafted} drafts accepted in {self.verify_runs} verify runs"
+        return text
 
 
 class Generation:
@@ -146,6 +160,13 @@ class Generation:
         self.next_run_tokens: int | None = None
         """Between two runs of :meth:`prefill_runs`: the positions the next one prefills through a chunk graph
         (0: none; None: not planned yet)."""
+        self.chunk_observer: Callable[[int, int, np.ndarray | None], None] | None = None
+        """Set before the prefill (speculative decoding's MTP head): called after each prefill chunk with its first
+        position, its real tokens and their hidden states ``[real, hidden]`` fp32, and with None for a prompt token
+        fed through a decode step (whose hidden state no graph returns); the chunk plan then avoids decode steps
+        where a chunk fits."""
+        self._verified: tuple | None = None  # the last verify run, until commit
+        self._verify_buffers: list = []
         self.bucket = prompt.bucket if contract.prefill_buckets and not self.chunked else None
         if states is None and not self.chunked:
             backend.load_prefill(self.bucket)
@@ -298,7 +319,8 @@ class Generation:
             sizes = tuple(n for n in sizes if n <= self.max_chunk_tokens) or (min(sizes),)
         plan = (sizes, c.capacity, c.image_token_id, self.snapshot_at)
         # in a slot pool a trailing decode step of the prompt is a step of every slot: only where no chunk fits
-        step_cost = DECODE_STEP_COST if self.pool is None else POOLED_DECODE_STEP_COST
+        pooled = self.pool is not None or self.chunk_observer is not None
+        step_cost = POOLED_DECODE_STEP_COST if pooled else DECODE_STEP_COST
         try:
             pieces = plan_chunks(ids, self.cached_tokens, *plan, decode_step_cost=step_cost)
         except PromptTooLongError:
@@ -311,6 +333,7 @@ class Generation:
         done = self.cached_tokens
         states = backend.states_from_host(self.start.state_arrays()) if self.start else backend.zero_states()
         rows = self.run_vision(done) if image_embeds is None else image_embeds
+        self.image_rows = rows  # (the MTP head reads the image embeddings of the prompt's image tokens too)
         vision_done = time.perf_counter()
         chunks = [p.size for p in pieces if p.size > 1]
         if self.prompt.pixel_values is not None:
@@ -340,8 +363,10 @@ class Generation:
                 "position_ids": positions,
                 "image_embeds": embeds,
             }
-            out, states = backend.run_chunk(size, feeds, states)
+            out, states, hidden = backend.run_chunk(size, feeds, states)
             logits = out[0, 0 if out.shape[1] == 1 else real - 1]
+            if self.chunk_observer is not None:
+                self.chunk_observer(a, real, None if hidden is None else hidden[0, :real])
             done = piece.end
             if done in self.snapshot_at:
                 self.snapshots.append(self._snapshot(backend.states_to_host(states, kv_length=done), done))
@@ -358,6 +383,8 @@ class Generation:
         try:
             for piece in pieces[len(pieces) - sum(p.size == 1 for p in pieces) :]:  # trailing decode steps
                 logits = self._step(int(ids[piece.start]))
+                if self.chunk_observer is not None:
+                    self.chunk_observer(piece.start, 1, None)
         finally:
             self._prefilling = False
         end = time.perf_counter()
@@ -453,6 +480,70 @@ class Generation:
         self.timings.decode_ms += 1000 * (time.perf_counter() - start)
         self.timings.decode_steps += 1
         return _finite(logits[0, -1], f"decode step {self.timings.decode_steps}")
+
+    def verify(self, tokens: list[int], draft_ms: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """Speculative decoding's check: feed ``tokens`` (the one sampled last, then the drafts; 2 to
+        :attr:`ShapeContract.draft_tokens` + 1 of them) through one run of the verify graph of that size, from the
+        states after the prefill or the last :meth:`commit`; returns the logits ``[C, V]`` after each token and the
+        hidden states ``[C, hidden]`` (fp32, host). Nothing is kept until :meth:`commit` says how many of the tokens
+        to keep (the KV slots of the others are written but not claimed). ``draft_ms``: the time spent drafting
+        them, counted with the decode time.
+
+        Raises:
+            RuntimeError: no prefill yet, a decode step ran already (its decoder holds the states), or the last
+                verify run is not committed.
+            CapacityExhausted: fewer than ``len(tokens)`` free KV slots (nothing is run).
+            ContractError: the export has no verify graph of that size; the logits are not finite.
+        """
+        if self.states is None:
+            raise RuntimeError(
+                "verify continues from the prefill's or the last commit's states: prefill first, and do not mix "
+                "decode steps in before it"
+            )
+        if self._verified is not None:
+            raise RuntimeError("commit the last verify run before the next one")
+        size, start = len(tokens), self.length
+        if start + size > self.contract.capacity:
+            raise CapacityExhausted(start + size - 1, self.contract.capacity)
+        mask = self.mask.copy()
+        mask[0, start : start + size] = 1
+        positions = np.concatenate(
+            [decode_position_ids(start + t, self.prompt.rope_deltas) for t in range(size)], axis=2
+        )
+        if not self._verify_buffers:
+            self._verify_buffers = [self.backend.verify_buffers(), self.backend.verify_buffers()]
+        buffers = self._verify_buffers[self.timings.verify_runs % 2]  # not the ones the states point into
+        feeds = {"input_ids": np.array([tokens], dtype=np.int64), "attention_mask": mask, "position_ids": positions}
+        begin = time.perf_counter()
+        logits, hidden, result = self.backend.run_verify(size, feeds, self.states, buffers)
+        self.timings.decode_ms += 1000 * (time.perf_counter() - begin) + draft_ms
+        self.timings.draft_ms += draft_ms
+        self.timings.verify_runs += 1
+        self._verified = (result, list(tokens))
+        return _finite(logits[0], f"verify run {self.timings.verify_runs}"), hidden[0]
+
+    def commit(self, kept: int) -> None:
+        """Keep the first ``kept`` tokens of the last :meth:`verify` run (1 to its size): the states after the
+        last of them become the generation's (views of the run's buffers, no copy), their KV slots are claimed
+        and they join :attr:`token_ids`; the rest are dropped (their KV slots are written over later).
+
+        Raises:
+            RuntimeError: no verify run to commit.
+            ValueError: ``kept`` outside 1 .. the run's size.
+        """
+        if self._verified is None:
+            raise RuntimeError("no verify run to commit")
+        result, tokens = self._verified
+        if isinstance(kept, bool) or not isinstance(kept, int) or not 1 <= kept <= len(tokens):
+            raise ValueError(f"kept {kept!r} must be an integer from 1 to the verify run's {len(tokens)} tokens")
+        self._verified = None
+        start = self.length
+        self.states = self.backend.states_after(result, kept - 1)
+        self.mask[0, start : start + kept] = 1
+        self.token_ids.extend(int(t) for t in tokens[:kept])
+        self.timings.decode_steps += kept
+        self.timings.drafted += len(tokens) - 1
+        self.timings.accepted += kept - 1
 
     def claim(self) -> int:
         """Claim the KV slot of the token about to be fed (for a batched step: :meth:`~.slots.SlotPool.step`);

@@ -60,6 +60,20 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> int:
         if self.config.greedy:  # no copy on the hot path
             return int(np.argmax(logits))
+        return self.draw(self.probabilities(logits))
+
+    def draw(self, probs: np.ndarray) -> int:
+        """A token id drawn from the distribution ``probs [V]`` (float64, summing to 1) with this sampler's
+        random generator."""
+        return int(self.rng.choice(probs.size, p=probs))
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution this sampler draws from for ``logits [V]``: softmax at the temperature, then top-k and
+        top-p, renormalized (float64 ``[V]``); greedy: all mass on the argmax."""
+        if self.config.greedy:
+            probs = np.zeros(np.asarray(logits).size, dtype=np.float64)
+            probs[int(np.argmax(logits))] = 1.0
+            return probs
         logits = np.asarray(logits, dtype=np.float64).reshape(-1)
         # shift before dividing, so that a tiny temperature cannot overflow to inf - inf
         with np.errstate(over="ignore"):
@@ -78,7 +92,7 @@ class Sampler:
             mask[order[keep]] = True
             probs = np.where(mask, probs, 0.0)
             probs /= probs.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+        return probs
 
 
 class StopStrings:

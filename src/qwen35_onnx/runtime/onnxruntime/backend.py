@@ -14,6 +14,7 @@ from ...contract import STATE_NAMES, ContractError, ShapeContract
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
 from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, bind_state_output, run_chunk_bound, run_host
 from .sessions import OrtGraphSet, providers_for, run_options
+from .speculative import MtpCache, VerifyBuffers, VerifyResult, run_mtp, run_verify_bound, run_verify_host
 
 
 class OrtBackend(Backend):
@@ -86,6 +87,34 @@ class OrtBackend(Backend):
         if self.host_state_roundtrip:
             return run_host(session, self.contract, feeds, states, options)
         return run_chunk_bound(session, self.contract, self.device, feeds, states, options)
+
+    def _check_speculation_device(self) -> None:
+        if self.device != "cpu":
+            raise ContractError(
+                f"speculative decoding runs on the CPU (its per-position states are host buffers), not on device "
+                f"{self.device!r}; run with --draft-tokens 0"
+            )
+
+    def verify_buffers(self) -> VerifyBuffers:
+        self._check_speculation_device()
+        return VerifyBuffers.new(self.contract)
+
+    def run_verify(self, size: int, feeds: dict[str, np.ndarray], states: dict, buffers: VerifyBuffers):
+        self._check_speculation_device()
+        session = self.graphs.verify(size).session
+        run = run_verify_host if self.host_state_roundtrip else run_verify_bound
+        return run(session, self.contract, feeds, states, buffers, run_options(size))
+
+    def states_after(self, result: VerifyResult, position: int) -> dict:
+        return result.states_after(position, host=self.host_state_roundtrip)
+
+    def mtp_cache(self) -> MtpCache:
+        self._check_speculation_device()
+        return MtpCache.new(self.contract)
+
+    def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: MtpCache):
+        session = self.graphs.mtp(size).session
+        return run_mtp(session, self.contract, feeds, kv, run_options(size))
 
     def states_to_host(self, states: dict, kv_length: int | None = None) -> dict[str, np.ndarray]:
         arrays = {}

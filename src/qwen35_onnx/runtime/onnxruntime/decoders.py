@@ -290,24 +290,30 @@ def run_chunk_bound(
     feeds: dict[str, np.ndarray],
     states: dict[str, ort.OrtValue],
     options: ort.RunOptions | None = None,
-) -> tuple[np.ndarray, dict[str, ort.OrtValue]]:
+) -> tuple[np.ndarray, dict[str, ort.OrtValue], np.ndarray | None]:
     """One run of a chunk graph with IOBinding: the host ``feeds``, the past ``states``
     (``present_*`` OrtValues on ``device``) bound as inputs; the conv and recurrent outputs in new
     buffers (:func:`bind_state_output`); the KV cache written in place in ``states['present_kv_cache']`` with
     :attr:`ShapeContract.kv_in_place` (a new buffer otherwise); ``options``: the run's RunOptions
-    (:func:`.sessions.run_options`). Returns the logits (host) and the new states."""
+    (:func:`.sessions.run_options`). Returns the logits (host), the new states and in an export with draft tokens
+    the hidden states of every position (host; else None)."""
     binding = session.io_binding()
     for name, value in feeds.items():
         binding.bind_cpu_input(name, np.ascontiguousarray(value))
     binding.bind_output("logits", device)
+    hidden = bool(contract.draft_tokens)
+    if hidden:
+        binding.bind_output("hidden_states", device)
+    first = 2 if hidden else 1  # the outputs before the states
     if not contract.kv_in_place:
         graph_outputs = {o.name: o for o in session.get_outputs()}
         for state in STATE_NAMES:
             binding.bind_ortvalue_input(f"past_{state}", states[f"present_{state}"])
             bind_state_output(binding, graph_outputs[f"present_{state}"], device)
         session.run_with_iobinding(binding, options)
-        outputs = dict(zip(["logits", *(f"present_{s}" for s in STATE_NAMES)], binding.get_outputs()))
-        return outputs.pop("logits").numpy(), outputs
+        values = binding.get_outputs()
+        outputs = dict(zip((f"present_{s}" for s in STATE_NAMES), values[first:]))
+        return values[0].numpy(), outputs, values[1].numpy() if hidden else None
     new = {}
     for state in STATE_NAMES[:2]:
         shape, dtype = contract.state_shape(state), NP_DTYPES[contract.state_dtype(state)]
@@ -318,7 +324,8 @@ def run_chunk_bound(
     bind_entries(binding, contract, device, "kv_cache", "past", kv)
     bind_entries(binding, contract, device, "kv_cache", "present", kv)  # in place
     session.run_with_iobinding(binding, options)
-    return binding.get_outputs()[0].numpy(), new
+    values = binding.get_outputs()
+    return values[0].numpy(), new, values[1].numpy() if hidden else None
 
 
 def run_host(
@@ -327,10 +334,11 @@ def run_host(
     feeds: dict[str, np.ndarray],
     states: dict,
     options: ort.RunOptions | None = None,
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
     """One run of a decode or chunk graph with every state through numpy (``--host-state-roundtrip``):
     the host ``feeds`` and the past ``states`` (``present_*``, stacked; split into entries where the
-    graph takes them one by one) in; the logits and the new stacked states out; ``options``: the
+    graph takes them one by one) in; the logits, the new stacked states and the hidden states (a chunk graph of an
+    export with draft tokens; else None) out; ``options``: the
     run's RunOptions."""
     feeds = dict(feeds)
     per_entry = contract.kv_in_place
@@ -343,7 +351,7 @@ def run_host(
     for state in STATE_NAMES:
         names = contract.decode_state_names(state, "present")
         new[f"present_{state}"] = np.stack([outputs[n] for n in names]) if per_entry else outputs[names[0]]
-    return outputs["logits"], new
+    return outputs["logits"], new, outputs.get("hidden_states")
 
 
 class HostDecoder:
@@ -373,7 +381,7 @@ class HostDecoder:
             feeds["active_rows"] = active_rows
         rows = int(input_ids.shape[0])
         past = {name: value[:, :rows] for name, value in self.states().items()}  # (all of them but with fewer rows)
-        logits, states = run_host(self.session, self.contract, feeds, past)
+        logits, states, _ = run_host(self.session, self.contract, feeds, past)
         for name in STATE_NAMES:
             new = states[f"present_{name}"]
             if rows == self.past[name].shape[1]:

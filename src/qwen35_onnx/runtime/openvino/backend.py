@@ -258,7 +258,7 @@ class OpenVinoBackend(Backend):
             states = {name: request.get_tensor(name).data.copy() for name in graph.outputs if name != "logits"}
         return logits, states
 
-    def run_chunk(self, size: int, feeds: dict[str, np.ndarray], states: dict) -> tuple[np.ndarray, dict]:
+    def run_chunk(self, size: int, feeds: dict[str, np.ndarray], states: dict) -> tuple[np.ndarray, dict, object]:
         graph = self.graphs.chunk(size)
         request = graph.request
         for name, value in feeds.items():
@@ -271,9 +271,10 @@ class OpenVinoBackend(Backend):
             request.set_tensor(f"present_{state}", new[f"present_{state}"])
         run_request(request)
         logits = request.get_tensor("logits").data.copy()
+        hidden = request.get_tensor("hidden_states").data.copy() if self.contract.draft_tokens else None
         if self.host_state_roundtrip:
             new = {name: tensor.data.copy() for name, tensor in new.items()}
-        return logits, new
+        return logits, new, hidden
 
     def states_to_host(self, states: dict, kv_length: int | None = None) -> dict[str, np.ndarray]:
         arrays = {}

@@ -1,0 +1,179 @@
+"""Speculative decoding's graph runs on ONNX Runtime (CPU, no torch): the verify graph, whose conv and recurrent
+states of every position go into buffers the speculation alternates (:class:`VerifyBuffers`: a round writes the
+pair its states do not point into, and the accepted position's states are views of it, no copy), and the MTP
+head's graph with its own KV cache (:class:`MtpCache`).
+
+The KV caches are written in place with ``--ops ort`` (GroupQueryAttention over the capacity-wide entries: the
+slots of rejected drafts are left to be written over); with ``--ops portable`` a run returns the whole cache, into
+the buffer of an A/B pair that the run does not read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnxruntime as ort
+
+from ...contract import ShapeContract
+from .decoders import NP_DTYPES, bind_entries
+
+MTP_KV = "mtp_kv_cache"
+
+
+@dataclass
+class VerifyBuffers:
+    """Host buffers for one verify run's per-position states: ``conv [P, n_linear, 1, K-1, conv_dim]`` and
+    ``rec [P, n_linear, 1, Hv, Dk, Dv]`` (P = draft tokens + 1; a run of C tokens fills the first C), and where the
+    KV cache is not written in place the whole cache ``kv`` (``state_shape('kv_cache')``)."""
+
+    conv: np.ndarray
+    rec: np.ndarray
+    kv: np.ndarray | None = None
+
+    @classmethod
+    def new(cls, contract: ShapeContract) -> VerifyBuffers:
+        def empty(state: str, positions: int | None) -> np.ndarray:
+            shape = contract.state_shape(state)
+            dtype = NP_DTYPES[contract.state_dtype(state)]
+            return np.zeros(shape if positions is None else (positions, *shape), dtype=dtype)
+
+        positions = contract.draft_tokens + 1
+        kv = None if contract.kv_in_place else empty("kv_cache", None)
+        return cls(empty("conv_states", positions), empty("recurrent_states", positions), kv)
+
+
+@dataclass
+class VerifyResult:
+    """What a verify run left: the buffers holding each position's conv and recurrent states, and the KV cache
+    after it (an OrtValue, or a host array on the host path)."""
+
+    buffers: VerifyBuffers
+    kv: object
+
+    def states_after(self, position: int, host: bool = False) -> dict:
+        """The states after ``position`` (0-based), keyed ``present_*``: OrtValues over the buffers' rows (no
+        copy), or with ``host`` the host arrays."""
+        conv, rec = self.buffers.conv[position], self.buffers.rec[position]
+        if host:
+            return {"present_conv_states": conv, "present_recurrent_states": rec, "present_kv_cache": self.kv}
+        wrap = ort.OrtValue.ortvalue_from_numpy
+        return {"present_conv_states": wrap(conv), "present_recurrent_states": wrap(rec), "present_kv_cache": self.kv}
+
+
+def _bind_host(binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> None:
+    for name, value in feeds.items():
+        binding.bind_cpu_input(name, np.ascontiguousarray(value))
+
+
+def _bind_array_output(binding: ort.IOBinding, name: str, array: np.ndarray) -> None:
+    binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+
+def run_verify_bound(
+    session: ort.InferenceSession,
+    contract: ShapeContract,
+    feeds: dict[str, np.ndarray],
+    states: dict,
+    buffers: VerifyBuffers,
+    options: ort.RunOptions | None = None,
+) -> tuple[np.ndarray, np.ndarray, VerifyResult]:
+    """One verify run with IOBinding on the CPU: host ``feeds``; the past ``states`` (``present_*`` OrtValues,
+    stacked; bound entry by entry where the graph takes them so); each position's conv and recurrent states into
+    the first rows of ``buffers``; the KV cache in place (``--ops ort``) or into ``buffers.kv``. Returns the
+    logits ``[1, C, V]``, the hidden states ``[1, C, hidden]`` and the :class:`VerifyResult`."""
+    size = int(feeds["input_ids"].shape[1])
+    binding = session.io_binding()
+    _bind_host(binding, feeds)
+    binding.bind_output("logits", "cpu")
+    binding.bind_output("hidden_states", "cpu")
+    for state, buffer in (("conv_states", buffers.conv), ("recurrent_states", buffers.rec)):
+        past = states[f"present_{state}"]
+        if contract.kv_in_place:
+            bind_entries(binding, contract, "cpu", state, "past", past)
+        else:
+            binding.bind_ortvalue_input(f"past_{state}", past)
+        _bind_array_output(binding, f"present_{state}", buffer[:size])
+    kv = states["present_kv_cache"]
+    if contract.kv_in_place:
+        bind_entries(binding, contract, "cpu", "kv_cache", "past", kv)
+        bind_entries(binding, contract, "cpu", "kv_cache", "present", kv)  # in place
+    else:
+        binding.bind_ortvalue_input("past_kv_cache", kv)
+        _bind_array_output(binding, "present_kv_cache", buffers.kv)
+        kv = ort.OrtValue.ortvalue_from_numpy(buffers.kv)
+    session.run_with_iobinding(binding, options)
+    logits, hidden = (value.numpy() for value in binding.get_outputs()[:2])
+    return logits, hidden, VerifyResult(buffers, kv)
+
+
+def run_verify_host(
+    session: ort.InferenceSession,
+    contract: ShapeContract,
+    feeds: dict[str, np.ndarray],
+    states: dict,
+    buffers: VerifyBuffers,
+    options: ort.RunOptions | None = None,
+) -> tuple[np.ndarray, np.ndarray, VerifyResult]:
+    """:func:`run_verify_bound` with every state through numpy (``--host-state-roundtrip``): the per-position
+    states are copied into ``buffers``; the KV cache comes back stacked (a new array)."""
+    feeds = dict(feeds)
+    for state in ("conv_states", "recurrent_states", "kv_cache"):
+        names = contract.decode_state_names(state, "past")
+        value = np.asarray(states[f"present_{state}"])
+        feeds.update(zip(names, value) if contract.kv_in_place else {names[0]: value})
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds, options)))
+    size = int(feeds["input_ids"].shape[1])
+    buffers.conv[:size] = outputs["present_conv_states"]
+    buffers.rec[:size] = outputs["present_recurrent_states"]
+    kv_names = contract.decode_state_names("kv_cache", "present")
+    kv = np.stack([outputs[n] for n in kv_names]) if contract.kv_in_place else outputs[kv_names[0]]
+    return outputs["logits"], outputs["hidden_states"], VerifyResult(buffers, kv)
+
+
+@dataclass
+class MtpCache:
+    """The MTP head's KV cache ``[2, 1, Hkv, L, D]``: one buffer written in place (``--ops ort``), or an A/B pair
+    whose ``current`` one holds the cache (a run reads it and writes the other)."""
+
+    buffers: list[np.ndarray] = field(default_factory=list)
+    current: int = 0
+
+    @classmethod
+    def new(cls, contract: ShapeContract) -> MtpCache:
+        dtype = NP_DTYPES[contract.state_dtype("kv_cache")]
+        count = 1 if contract.kv_in_place else 2
+        return cls([np.zeros(contract.mtp_kv_shape, dtype=dtype) for _ in range(count)])
+
+    @property
+    def kv(self) -> np.ndarray:
+        return self.buffers[self.current]
+
+
+def run_mtp(
+    session: ort.InferenceSession,
+    contract: ShapeContract,
+    feeds: dict[str, np.ndarray],
+    cache: MtpCache,
+    options: ort.RunOptions | None = None,
+) -> tuple[np.ndarray, np.ndarray, MtpCache]:
+    """One run of an MTP graph with IOBinding on the CPU: host ``feeds`` after ``cache`` (updated: in place, or
+    its other buffer becomes current). Returns the draft logits ``[1, 1, V]``, ``mtp_hidden [1, 1, hidden]`` and
+    the cache."""
+    binding = session.io_binding()
+    _bind_host(binding, feeds)
+    binding.bind_output("logits", "cpu")
+    binding.bind_output("mtp_hidden", "cpu")
+    kv = cache.kv
+    if contract.kv_in_place:
+        entry = kv.nbytes // 2
+        for j in range(2):
+            for prefix, bind in (("past", binding.bind_input), ("present", binding.bind_output)):
+                bind(f"{prefix}_{MTP_KV}.{j}", "cpu", 0, kv.dtype, list(kv.shape[1:]), kv.ctypes.data + j * entry)
+    else:
+        binding.bind_cpu_input(f"past_{MTP_KV}", kv)
+        cache.current = 1 - cache.current
+        _bind_array_output(binding, f"present_{MTP_KV}", cache.kv)
+    session.run_with_iobinding(binding, options)
+    logits, hidden = (value.numpy() for value in binding.get_outputs()[:2])
+    return logits, hidden, cache

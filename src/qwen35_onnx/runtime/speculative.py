@@ -1,0 +1,317 @@
+"""Speculative decoding with the checkpoint's own multi-token-prediction (MTP) head (numpy only, no torch).
+
+A round (:meth:`Speculation.round`) drafts ``k`` tokens with the export's MTP graphs, checks the last sampled token
+and the drafts in ONE run of the target's verify graph (:meth:`~.generation.Generation.verify`), and decides how
+many drafts to keep: greedy keeps the drafts equal to the target's argmax and adds the target's own next token,
+so the tokens are exactly plain greedy decoding's; with sampling, standard speculative (rejection) sampling keeps
+draft ``d_i`` with probability ``min(1, p_i(d_i) / q_i(d_i))`` and otherwise draws from ``max(p_i - q_i, 0)``
+renormalized, so the tokens follow the target's distribution ``p`` (Leviathan et al. 2023, "Fast Inference from
+Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with
+Speculative Sampling"). The caller feeds the round's tokens to its token loop and :meth:`Speculation.commit`
+keeps the states after the ones it used (the verify graph returns the states after each position).
+
+The MTP head's input at position ``i`` is the target's hidden state there and the token at ``i + 1`` (vLLM's
+MTP proposer): the chunked prefill hands each chunk's hidden states to :meth:`Speculation.observe_chunk`, which
+runs the head over the prompt (its own KV cache), and each verify run's hidden states of the kept positions are
+run through it at the start of the next round. Draft step ``i > 1`` feeds the head its own output hidden state
+with the token it drafted last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..contract import MAX_DRAFT_TOKENS, ContractError
+from .positions import decode_position_ids
+from .sampling import Sampler
+
+__all__ = ["Drafts", "Speculation", "accept_greedy", "accept_sampled", "check_draft_tokens"]
+
+
+def check_draft_tokens(draft_tokens, export_draft_tokens: int) -> int:
+    """``draft_tokens`` (``--draft-tokens``: 0 = off) as an int, checked against what the export verifies.
+
+    Raises:
+        ValueError: not an integer from 0 to :data:`~qwen35_onnx.contract.MAX_DRAFT_TOKENS`.
+        ContractError: more than the export's verify graphs check (``export --draft-tokens``), naming both; an
+            export without MTP graphs.
+    """
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)):
+        raise ValueError(f"draft tokens must be an integer from 0 (off) to {MAX_DRAFT_TOKENS}, got {draft_tokens!r}")
+    if not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"draft tokens {draft_tokens} must be from 0 (off) to {MAX_DRAFT_TOKENS}")
+    if draft_tokens and not export_draft_tokens:
+        raise ContractError(
+            f"draft tokens {draft_tokens}: this export has no MTP graph to draft with (exported from a checkpoint "
+            "without mtp.* tensors, or with --draft-tokens 0); run with --draft-tokens 0"
+        )
+    if draft_tokens > export_draft_tokens:
+        raise ContractError(
+            f"draft tokens {draft_tokens} is more than this export verifies ({export_draft_tokens}, its "
+            f"--draft-tokens); give at most {export_draft_tokens}"
+        )
+    return int(draft_tokens)
+
+
+def accept_greedy(drafts: list[int], logits: np.ndarray) -> list[int]:
+    """Greedy acceptance: the drafts equal to the target's argmax after the token before each (``logits [k+1, V]``
+    of the verify run), then the target's own token after the last kept one. Returns 1 to ``k + 1`` tokens,
+    exactly what plain greedy decoding would emit next."""
+    out = []
+    for i, draft in enumerate(drafts):
+        best = int(np.argmax(logits[i]))
+        out.append(best)
+        if best != draft:
+            return out
+    out.append(int(np.argmax(logits[len(drafts)])))
+    return out
+
+
+def accept_sampled(drafts: list[int], draft_probs: list[np.ndarray], logits: np.ndarray, sampler: Sampler) -> list[int]:
+    """Speculative (rejection) sampling: draft ``d_i``, drawn from ``q_i`` (``draft_probs[i]``, the sampler's
+    distribution of the MTP head's logits), is kept with probability ``min(1, p_i(d_i) / q_i(d_i))`` where ``p_i``
+    is the sampler's distribution of the verify run's ``logits[i]``; the first rejected one is replaced by a draw
+    from ``max(p_i - q_i, 0)`` renormalized and the round ends; when every draft is kept, one more token is drawn
+    from ``p_k``. The tokens follow ``p`` exactly (Leviathan et al. 2023, Theorem 1). Returns 1 to ``k + 1``
+    tokens."""
+    out = []
+    for i, draft in enumerate(drafts):
+        p = sampler.probabilities(logits[i])
+        q = draft_probs[i]
+        if q[draft] > 0 and sampler.rng.random() * q[draft] < p[draft]:
+            out.append(draft)
+            continue
+        residual = np.maximum(p - q, 0.0)
+        total = residual.sum()
+        out.append(sampler.draw(residual / total) if total > 0 else sampler.draw(p))
+        return out
+    out.append(sampler.draw(sampler.probabilities(logits[len(drafts)])))
+    return out
+
+
+@dataclass
+class Drafts:
+    """One round's drafts: the tokens, the sampler's distribution of each (for :func:`accept_sampled`; None when
+    greedy), and the time the MTP head took (ms)."""
+
+    tokens: list[int]
+    probs: list[np.ndarray] | None
+    ms: float
+
+
+@dataclass
+class _Backlog:
+    """Positions whose target hidden state the MTP head has not read yet: the first position, the hidden rows
+    ``[n, hidden]``, and the tokens after each but the last (whose next token the next round brings)."""
+
+    start: int
+    hidden: np.ndarray
+    next_tokens: list[int] = field(default_factory=list)
+
+
+class Speculation:
+    """Speculative decoding of one :class:`~.generation.Generation` with the export's MTP head, ``draft_tokens``
+    (1 to the export's :attr:`~qwen35_onnx.contract.ShapeContract.draft_tokens`) drafts a round. Make it before
+    the generation's prefill (it watches the prefill's chunks); then each round is :meth:`round` and
+    :meth:`commit`. ``drafter``: replaces the MTP head (called with the last sampled token and the number of
+    drafts, it returns the draft tokens; the bench and the tests force drafts of a chosen acceptance with it).
+
+    Raises (constructor):
+        ValueError, ContractError: see :func:`check_draft_tokens`; a generation in a slot pool (speculative
+            decoding runs one sequence at a time) or one that has prefilled already.
+    """
+
+    def __init__(self, generation, draft_tokens: int, drafter: Callable[[int, int], list[int]] | None = None):
+        contract = generation.contract
+        self.draft_tokens = check_draft_tokens(draft_tokens, contract.draft_tokens)
+        if generation.pool is not None:
+            raise ContractError(
+                "speculative decoding runs one sequence at a time, not in a slot pool (the export has "
+                f"{contract.slots} decode slots); run with --draft-tokens 0"
+            )
+        if generation.states is not None or generation.decoder is not None or not generation.chunked:
+            raise ValueError("make the Speculation before the generation's prefill (it reads the prompt's chunks)")
+        self.generation, self.drafter = generation, drafter
+        backend = generation.backend
+        self.cache = backend.mtp_cache() if drafter is None else None
+        for size in range(2, self.draft_tokens + 2):  # load and cross-check every graph a round may run, now
+            backend.graphs.verify(size)
+        for size in contract.mtp_sizes if drafter is None else ():
+            backend.graphs.mtp(size)
+        self.usable = True
+        """False once the MTP head lacks a position's hidden state (a prompt token fed by a decode step) or a
+        decode step took over the states: the generation goes on with plain decode steps."""
+        self._backlog: _Backlog | None = None
+        self._round_tokens: list[int] = []
+        generation.chunk_observer = self.observe_chunk
+
+    # ---- the MTP head ----------------------------------------------------------------------------------
+    def observe_chunk(self, start: int, real: int, hidden: np.ndarray | None) -> None:
+        """The chunked prefill ran positions ``start .. start + real - 1`` (``hidden [real, hidden]``, None for a
+        token fed by a decode step): run the MTP head over every position whose next token is now known."""
+        if hidden is None:
+            self.usable = False
+            return
+        if not self.usable or self.cache is None:
+            self._backlog = _Backlog(start + real - 1, hidden[-1:].copy())
+            return
+        ids = self.generation.prompt.input_ids[0]
+        if self._backlog is not None and self._backlog.start + len(self._backlog.hidden) == start:
+            rows = np.concatenate([self._backlog.hidden, hidden])
+            first = self._backlog.start
+        else:
+            rows, first = hidden, start
+        n = len(rows) - 1  # the last row's next token is not known yet
+        if n:
+            self._run_mtp(first, rows[:n], ids[first + 1 : first + 1 + n])
+        self._backlog = _Backlog(first + n, rows[n:].copy())
+
+    def _mtp_feeds(self, first: int, hidden: np.ndarray, tokens, size: int) -> dict[str, np.ndarray]:
+        """Feeds of the MTP graph of ``size`` positions for positions ``first ..`` (``hidden [n, hidden]``, the
+        tokens after each)."""
+        generation = self.generation
+        c, prompt = generation.contract, generation.prompt
+        n = len(hidden)
+        ids = np.zeros((1, size), dtype=np.int64)
+        ids[0, :n] = tokens
+        rows = np.zeros((1, size, c.hidden_size), dtype=np.float32)
+        rows[0, :n] = hidden
+        chunk_mask = np.zeros((1, size), dtype=np.int64)
+        chunk_mask[0, :n] = 1
+        mask = np.zeros((1, c.capacity), dtype=np.int64)
+        mask[0, : first + n] = 1
+        positions = np.zeros((4, 1, size), dtype=np.int64)
+        for t in range(n):
+            p = first + t
+            positions[:, :, t] = (
+                prompt.position_ids[:, :, p]
+                if p < prompt.prompt_len
+                else decode_position_ids(p, prompt.rope_deltas)[:, :, 0]
+            )
+        embeds = np.zeros((size, c.image_embed_dim), dtype=np.float32)
+        image_rows = getattr(generation, "image_rows", None)
+        if image_rows is not None and prompt.pixel_values is not None:
+            # the image tokens among the positions' next tokens: rows by their rank among the prompt's image tokens
+            image_pos = np.flatnonzero(prompt.input_ids[0] == c.image_token_id)
+            nexts = np.arange(first + 1, first + 1 + n)
+            ranks = np.searchsorted(image_pos, nexts)
+            hits = (ranks < image_pos.size) & (image_pos[np.minimum(ranks, image_pos.size - 1)] == nexts)
+            embeds[: int(hits.sum())] = image_rows[ranks[hits]]
+        return {
+            "input_ids": ids,
+            "hidden_states": rows,
+            "chunk_mask": chunk_mask,
+            "attention_mask": mask,
+            "position_ids": positions,
+            "image_embeds": embeds,
+        }
+
+    def _run_mtp(self, first: int, hidden: np.ndarray, tokens) -> tuple[np.ndarray, np.ndarray]:
+        """The MTP head over positions ``first .. first + n - 1``, in as few runs as its graph sizes allow; returns
+        the last position's draft logits ``[V]`` and output hidden state ``[1, hidden]``."""
+        c, backend = self.generation.contract, self.generation.backend
+        sizes = c.mtp_sizes
+        done, logits, out = 0, None, None
+        while done < len(hidden):
+            left = len(hidden) - done
+            size = next((s for s in sizes if s >= left), sizes[-1])
+            n = min(left, size)
+            feeds = self._mtp_feeds(first + done, hidden[done : done + n], tokens[done : done + n], size)
+            logits, out, self.cache = backend.run_mtp(size, feeds, self.cache)
+            done += n
+        return logits[0, -1], out[0]
+
+    def _draft(self, token: int, k: int, sampler: Sampler) -> Drafts:
+        """``k`` drafts after ``token`` (the last sampled one) with the MTP head: its first run reads the backlog
+        (the positions the last verify run kept, the last one followed by ``token``), each further one its own
+        output hidden state and the token it drafted last."""
+        begin = time.perf_counter()
+        if self.drafter is not None:
+            return Drafts([int(t) for t in self.drafter(token, k)], None, 1000 * (time.perf_counter() - begin))
+        backlog = self._backlog
+        tokens, probs = [], [] if not sampler.config.greedy else None
+        logits, hidden = self._run_mtp(backlog.start, backlog.hidden, [*backlog.next_tokens, token])
+        position = backlog.start + len(backlog.hidden)
+        for i in range(k):
+            if probs is None:
+                draft = int(np.argmax(logits))
+            else:
+                q = sampler.probabilities(logits)
+                draft = sampler.draw(q)
+                probs.append(q)
+            tokens.append(draft)
+            if i + 1 < k:
+                feeds = self._mtp_feeds(position, hidden, [draft], 1)
+                out_logits, out_hidden, self.cache = self.generation.backend.run_mtp(1, feeds, self.cache)
+                logits, hidden, position = out_logits[0, -1], out_hidden[0], position + 1
+        return Drafts(tokens, probs, 1000 * (time.perf_counter() - begin))
+
+    # ---- rounds ------------------------------------------------------------------------------------------
+    def drafts_for(self) -> int:
+        """The drafts the next round can verify: :attr:`draft_tokens`, fewer where the KV cache has no room for
+        them all (a verify run writes the slots of the token and its drafts); 0 where no round can run (the
+        generation goes on with decode steps)."""
+        generation = self.generation
+        if not self.usable or generation.states is None:
+            return 0
+        room = generation.contract.capacity - generation.length - 1
+        return max(0, min(self.draft_tokens, room))
+
+    def round(self, token: int, sampler: Sampler) -> list[int]:
+        """One round after ``token`` (the last sampled token, not yet fed): draft, verify, accept. Returns the
+        tokens the target emits next (1 to k + 1: the kept drafts and the target's own token after them); feed
+        them to the token loop, then :meth:`commit` how many of them it used.
+
+        Raises:
+            RuntimeError: no round can run (:meth:`drafts_for` is 0) or the last round is not committed.
+        """
+        k = self.drafts_for()
+        if k < 1:
+            raise RuntimeError("no speculative round can run now (see drafts_for): feed the token with a decode step")
+        drafts = self._draft(token, k, sampler)
+        fed = [int(token), *drafts.tokens]
+        logits, hidden = self.generation.verify(fed, drafts.ms)
+        self._round_tokens, self._round_hidden = fed, hidden
+        if drafts.probs is None:
+            return (
+                accept_greedy(drafts.tokens, logits)
+                if sampler.config.greedy
+                else self._sample_forced(drafts, logits, sampler)
+            )
+        return accept_sampled(drafts.tokens, drafts.probs, logits, sampler)
+
+    @staticmethod
+    def _sample_forced(drafts: Drafts, logits: np.ndarray, sampler: Sampler) -> list[int]:
+        """Sampling with drafts of a drafter that gives no distribution (deterministic drafts: ``q`` is all mass on
+        the draft)."""
+        probs = []
+        for draft in drafts.tokens:
+            q = np.zeros(logits.shape[-1], dtype=np.float64)
+            q[draft] = 1.0
+            probs.append(q)
+        return accept_sampled(drafts.tokens, probs, logits, sampler)
+
+    def commit(self, used: int) -> None:
+        """Keep the states after the first ``used`` fed tokens of the round (``used`` = the emitted tokens the token
+        loop took: the last sampled token and the kept drafts before the one it took last), and queue their hidden
+        states for the MTP head's next run."""
+        self.generation.commit(used)
+        fed = self._round_tokens
+        start = self.generation.length - used
+        self._backlog = _Backlog(start, self._round_hidden[:used].copy(), fed[1:used])
+
+    def stop(self) -> None:
+        """No more rounds (the generation goes on with decode steps)."""
+        self.usable = False
+
+
+def speculation_for(generation, draft_tokens: int, drafter=None) -> Speculation | None:
+    """A :class:`Speculation` of ``generation`` with ``draft_tokens`` drafts a round, or None for 0."""
+    if not draft_tokens:
+        check_draft_tokens(draft_tokens, generation.contract.draft_tokens)
+        return None
+    return Speculation(generation, draft_tokens, drafter)

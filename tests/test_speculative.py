@@ -1,0 +1,320 @@
+"""Speculative decoding with the checkpoint's MTP head (issue 39): the MTP and verify graphs, exactness of
+greedy speculative decoding against plain decoding and transformers, rejection sampling's distribution, and
+the errors.
+
+The demo checkpoint gets a random MTP head (its acceptance is about 0, which exercises the rejection path); the
+accepting paths run with a drafter that proposes the target's own tokens at a chosen rate.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from .conftest import build_once, export_to
+
+SPEC_CAPACITY = 96
+SPEC_CHUNKS = (8, 32)
+TEXT_PROMPT = "Describe the weather in a few words please."
+
+
+@pytest.fixture(scope="session")
+def mtp_checkpoint(checkpoint, tmp_path_factory):
+    """The demo checkpoint with a random MTP head (``mtp.*`` tensors, as the published checkpoints carry)."""
+    from qwen35_onnx.export.mtp import write_mtp_head
+
+    def build(folder):
+        shutil.copytree(checkpoint, folder)
+        write_mtp_head(folder, seed=5)
+
+    return build_once(tmp_path_factory, "checkpoint-mtp", build)
+
+
+@pytest.fixture(scope="session")
+def mtp_export(mtp_checkpoint, tmp_path_factory):
+    """``mtp_export(ops) -> Path``: --ops ort with 4 draft tokens (the default), --ops portable with 2."""
+
+    def get(ops: str):
+        drafts = 4 if ops == "ort" else 2
+        options = {"ops": ops, "prefill_chunks": SPEC_CHUNKS, "capacity": SPEC_CAPACITY, "draft_tokens": drafts}
+        if ops == "ort":
+            options.pop("draft_tokens")  # the default for a checkpoint with an MTP head
+        return build_once(tmp_path_factory, f"export-mtp-{ops}", lambda out: export_to(mtp_checkpoint, out, **options))
+
+    return get
+
+
+def oracle(truth: list[int], rate: float, seed: int):
+    """A drafter that proposes the target's own next tokens (``truth``, the plain greedy continuation after the
+    prompt), each replaced by another token with probability ``1 - rate``."""
+    rng = random.Random(seed)
+    emitted: list[int] = []
+
+    def drafter(token: int, n: int) -> list[int]:
+        emitted.append(token)
+        at = len(emitted)
+        drafts = truth[at : at + n] + [0] * max(0, at + n - len(truth))
+        return [t if rng.random() < rate else (t + 1) % 1000 for t in drafts]
+
+    return drafter
+
+
+def speculative_greedy(pipe, prepared, n: int, draft_tokens: int, drafter=None) -> tuple[list[int], object]:
+    """``n`` greedy tokens of ``prepared`` (fewer at an end-of-sequence token) through :class:`Speculation` rounds
+    (decode steps where no round fits); returns the tokens and the generation's timings."""
+    from qwen35_onnx.runtime.generation import Generation
+    from qwen35_onnx.runtime.masks import CapacityExhausted
+    from qwen35_onnx.runtime.sampling import Sampler, SamplingConfig
+    from qwen35_onnx.runtime.speculative import Speculation
+
+    generation = Generation(pipe.backend, prepared)
+    speculation = Speculation(generation, draft_tokens, drafter)
+    sampler = Sampler(SamplingConfig())
+    tokens = [sampler(generation.prefill())]
+    while len(tokens) < n and tokens[-1] not in pipe.stop_token_ids:
+        if speculation.drafts_for():
+            emitted = []
+            for token in speculation.round(tokens[-1], sampler)[: n - len(tokens)]:
+                emitted.append(token)
+                if token in pipe.stop_token_ids:
+                    break
+            tokens += emitted
+            speculation.commit(len(emitted))
+            continue
+        try:
+            tokens.append(sampler(generation.step(tokens[-1])))
+        except CapacityExhausted:
+            break
+        speculation.stop()
+    return tokens, generation.timings
+
+
+# ---- the graphs -----------------------------------------------------------------------------------------
+def test_export_lists_mtp_and_verify_graphs(mtp_export, checkpoint):
+    """A checkpoint with an MTP head exports MTP graphs (sizes 1, drafts + 1 and the chunks) and a verify graph
+    per draft length; without ``mtp.*`` tensors the export has none, and asking for drafts fails."""
+    from qwen35_onnx.contract import read_manifest
+    from qwen35_onnx.export.exporter import export
+    from qwen35_onnx.export.options import ExportError, ExportOptions
+
+    contract = read_manifest(mtp_export("ort"))
+    assert contract.draft_tokens == 4
+    assert contract.mtp_sizes == (1, 5, 8, 32) and contract.verify_sizes == (2, 3, 4, 5)
+    assert {k for k in contract.graphs if k.startswith(("mtp_", "verify_"))} == {
+        "mtp_1", "mtp_5", "mtp_8", "mtp_32", "verify_2", "verify_3", "verify_4", "verify_5"
+    }  # fmt: skip
+    with pytest.raises(ExportError, match=r"--draft-tokens 2: the checkpoint has no multi-token-prediction head"):
+        export(checkpoint, "/tmp/never-written", ExportOptions(capacity=SPEC_CAPACITY, image_tokens=64, draft_tokens=2))
+    with pytest.raises(ExportError, match=r"--draft-tokens: draft tokens 5 must be an integer from 0 to 4"):
+        ExportOptions(draft_tokens=5).validate()
+
+
+@pytest.mark.parametrize("ops", ["ort", "portable"])
+def test_hidden_states_and_mtp_graph_match_the_reference(mtp_export, mtp_checkpoint, ops):
+    """The chunk graphs' hidden states are transformers' ``last_hidden_state`` (after the final norm: what
+    lm_head reads, vLLM's MTP input), and the MTP graph computes vLLM's ``Qwen3_5MultiTokenPredictor`` on them
+    (the torch reference :class:`~qwen35_onnx.export.mtp.MtpHead` with the checkpoint's ``mtp.*`` weights)."""
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from qwen35_onnx.export import layers
+    from qwen35_onnx.export.mtp import load_mtp_head
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.generation import Generation
+
+    pipe = Pipeline.from_exported(mtp_export(ops))
+    prepared = pipe.prepare(None, TEXT_PROMPT)
+    generation = Generation(pipe.backend, prepared)
+    seen = []
+    generation.chunk_observer = lambda start, real, hidden: seen.append((start, hidden))
+    generation.prefill()
+    ours = np.concatenate([h for _, h in seen])
+    n = prepared.prompt_len
+    assert [s for s, _ in seen][0] == 0 and ours.shape == (n, pipe.contract.hidden_size)
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(mtp_checkpoint).eval()
+    head = load_mtp_head(mtp_checkpoint)
+    ids = torch.from_numpy(prepared.input_ids)
+    positions = torch.from_numpy(prepared.position_ids)
+    with torch.no_grad():
+        reference = model.model.language_model(input_ids=ids, position_ids=positions).last_hidden_state[0].numpy()
+    np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+
+    # the MTP head over positions 0 .. n-2 (each with the token after it), in one run of the graph of 32
+    size, m = 32, n - 1
+    feeds = {
+        "input_ids": np.zeros((1, size), np.int64),
+        "hidden_states": np.zeros((1, size, pipe.contract.hidden_size), np.float32),
+        "chunk_mask": np.zeros((1, size), np.int64),
+        "attention_mask": np.zeros((1, pipe.contract.capacity), np.int64),
+        "position_ids": np.zeros((4, 1, size), np.int64),
+        "image_embeds": np.zeros((size, pipe.contract.image_embed_dim), np.float32),
+    }
+    feeds["input_ids"][0, :m] = prepared.input_ids[0, 1:n]
+    feeds["hidden_states"][0, :m] = ours[:m]
+    feeds["chunk_mask"][0, :m] = 1
+    feeds["attention_mask"][0, :m] = 1
+    feeds["position_ids"][:, :, :m] = prepared.position_ids[:, :, :m]
+    logits, mtp_hidden, _ = pipe.backend.run_mtp(size, feeds, pipe.backend.mtp_cache())
+    with torch.no_grad():
+        embeds = model.model.language_model.embed_tokens(ids[:, 1:n])
+        rope = layers.mrope_cos_sin(model.model.language_model.rotary_emb, embeds, positions[1:, :, : n - 1])
+        causal = torch.full((m, m), float("-inf")).triu(1)[None, None]
+        out = head(embeds, torch.from_numpy(reference[None, :m]), rope, causal)
+        expected_logits = model.lm_head(out)[0, -1].numpy()
+    np.testing.assert_allclose(mtp_hidden[0, 0], out[0, -1].numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits[0, 0], expected_logits, rtol=1e-4, atol=1e-4)
+
+
+# ---- exactness ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ops", ["ort", "portable"])
+def test_speculative_greedy_equals_plain_and_transformers(mtp_export, mtp_checkpoint, photo, ops):
+    """Greedy speculative decoding gives exactly plain greedy decoding's tokens, which are transformers': text
+    and image prompts, every draft length, the MTP head's own drafts (acceptance about 0) and drafts of the
+    target's own tokens at acceptance 0.5 and 0.9; 64 tokens (the image prompt: 24, its prompt fills the rest)."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+    from qwen35_onnx.verify import reference_generate_prepared
+
+    from .conftest import IMAGE_TOKENS
+
+    pipe = Pipeline.from_exported(mtp_export(ops))
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(mtp_checkpoint).eval()
+    drafts = pipe.contract.draft_tokens
+    for image, n in ((None, 64), (photo, 24)):
+        prepared = pipe.prepare(image, TEXT_PROMPT, max_image_tokens=IMAGE_TOKENS if image else None)
+        plain = pipe.generate_prepared(prepared, n, SamplingConfig()).token_ids
+        reference = reference_generate_prepared(model, prepared, n, ())
+        assert plain == reference[: len(plain)]
+        for k in range(1, drafts + 1):
+            tokens, timings = speculative_greedy(pipe, prepared, n, k)
+            assert tokens == plain, (image, k)
+            assert timings.verify_runs > 0
+            for rate in (0.5, 0.9):
+                tokens, timings = speculative_greedy(pipe, prepared, n, k, oracle(plain, rate, seed=k))
+                assert tokens == plain, (image, k, rate)
+                assert timings.accepted > 0
+    # through the pipeline's own loop (the MTP head's drafts)
+    prepared = pipe.prepare(None, TEXT_PROMPT)
+    result = pipe.generate_prepared(prepared, 64, SamplingConfig(), draft_tokens=drafts)
+    assert result.token_ids == pipe.generate_prepared(prepared, 64, SamplingConfig()).token_ids
+    assert result.timings.drafted == drafts * result.timings.verify_runs
+
+
+def test_speculation_at_the_capacity_keeps_every_token(mtp_export):
+    """Near the capacity the rounds draft fewer tokens (a verify run writes every draft's KV slot), then decode
+    steps fill the last slots: the same tokens and finish reason as plain decoding, none lost."""
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    pipe = Pipeline.from_exported(mtp_export("ort"))
+    prepared = pipe.prepare(None, TEXT_PROMPT)
+    plain = pipe.generate_prepared(prepared, None, SamplingConfig())
+    assert plain.finish_reason == "length" and len(plain.token_ids) == pipe.token_room(prepared)
+    for k in (1, 4):
+        tokens, _ = speculative_greedy(pipe, prepared, len(plain.token_ids) + 5, k, oracle(plain.token_ids, 1.0, 0))
+        assert tokens == plain.token_ids
+        result = pipe.generate_prepared(prepared, None, SamplingConfig(), draft_tokens=k)
+        assert result.token_ids == plain.token_ids and result.finish_reason == "length"
+
+
+def test_speculation_continues_a_conversation_from_kept_states(mtp_export):
+    """A chat continued from the state cache's kept states: the speculative turns equal the plain ones."""
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    pipe = Pipeline.from_exported(mtp_export("ort"))
+    replies = {}
+    for drafts in (0, 3):
+        pipe.draft_tokens = drafts
+        cache, messages, replies[drafts] = pipe.state_cache(), [], []
+        for question in ("Hello there.", "And then?", "Why?"):
+            messages.append({"role": "user", "content": question})
+            result = pipe.chat(messages, max_new_tokens=12, sampling=SamplingConfig(), state_cache=cache)
+            timings = result.generation.timings
+            replies[drafts].append((result.generation.token_ids, result.generation.cached_tokens, timings.verify_runs))
+            messages.append({"role": "assistant", "content": result.content})
+    assert [r[:2] for r in replies[3]] == [r[:2] for r in replies[0]]
+    assert replies[3][2][1] > 0 and all(r[2] > 0 for r in replies[3]) and not any(r[2] for r in replies[0])
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------
+def test_rejection_sampling_keeps_the_target_distribution():
+    """On a vocabulary of 6 tokens, the first token a round emits (draft kept, or the residual draw) follows the
+    target's distribution p whatever the draft distribution q: a chi-square test over 40000 rounds at the 0.001
+    level (critical value 20.52 for 5 degrees of freedom); and with q = p every draft is kept."""
+    from qwen35_onnx.runtime.sampling import Sampler, SamplingConfig
+    from qwen35_onnx.runtime.speculative import accept_sampled
+
+    sampler = Sampler(SamplingConfig(temperature=1.0, seed=3))
+    target = np.log(np.array([0.05, 0.4, 0.1, 0.25, 0.15, 0.05]))
+    p = sampler.probabilities(target)
+    for q in (np.array([0.5, 0.1, 0.1, 0.1, 0.1, 0.1]), np.full(6, 1 / 6), np.array([0, 0, 0, 0, 0.5, 0.5])):
+        counts = np.zeros(6)
+        rounds = 40000
+        for _ in range(rounds):
+            draft = sampler.draw(q)
+            first = accept_sampled([draft], [q], np.stack([target, target]), sampler)[0]
+            counts[first] += 1
+        expected = p * rounds
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 20.52, (q, counts, expected)
+    kept = sum(
+        len(accept_sampled([sampler.draw(p)], [p], np.stack([target, target]), sampler)) == 2 for _ in range(500)
+    )
+    assert kept == 500
+
+
+def test_sampled_speculation_runs_through_the_pipeline(mtp_export):
+    """Sampling with speculation: a seeded generation is reproducible and every token comes from the vocabulary."""
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    pipe = Pipeline.from_exported(mtp_export("ort"))
+    prepared = pipe.prepare(None, TEXT_PROMPT)
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9, seed=11)
+    first = pipe.generate_prepared(prepared, 24, sampling, draft_tokens=2)
+    again = pipe.generate_prepared(prepared, 24, sampling, draft_tokens=2)
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 24
+    assert first.timings.verify_runs > 0
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+def test_bad_draft_tokens_fail_before_any_graph_runs(mtp_export, tmp_path):
+    """Draft tokens out of range, more than the export verifies, and an MTP graph from another export: clear
+    errors, before a graph runs."""
+    from qwen35_onnx.contract import ContractError
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.backend import RuntimeOptions
+
+    for bad, match in ((5, r"draft_tokens 5 must be from 0 \(off\) to 4"), (-1, "must be from 0"), (True, "integer")):
+        with pytest.raises(ValueError, match=match):
+            RuntimeOptions(draft_tokens=bad).validate()
+    portable = mtp_export("portable")
+    with pytest.raises(ContractError, match=r"draft tokens 3 is more than this export verifies \(2"):
+        Pipeline.from_exported(portable, draft_tokens=3)
+    pipe = Pipeline.from_exported(portable)
+    with pytest.raises(ContractError, match="more than this export verifies"):
+        pipe.generate(None, "hi", 4, draft_tokens=4)
+
+    # an MTP graph of another export (--ops ort) in place of this one's: refused when speculation starts
+    broken = tmp_path / "broken"
+    shutil.copytree(portable, broken)
+    shutil.copy(mtp_export("ort") / "text" / "mtp_1.onnx", broken / "text" / "mtp_1.onnx")
+    pipe = Pipeline.from_exported(broken, draft_tokens=1)
+    with pytest.raises(ContractError, match="mtp_1"):
+        pipe.generate(None, "hi", 4)
+
+
+def test_no_draft_tokens_on_an_export_without_mtp(small_export):
+    """An export of a checkpoint without an MTP head refuses draft tokens, naming why."""
+    from qwen35_onnx.contract import ContractError
+    from qwen35_onnx.pipeline import Pipeline
+
+    with pytest.raises(ContractError, match="this export has no MTP graph to draft with"):
+        Pipeline.from_exported(small_export, draft_tokens=1)

@@ -118,6 +118,7 @@ HEAVY_FIRST = (
     "test_dtypes.py",
     "test_server.py",
     "test_slots.py",
+    "test_speculative.py",
     "test_openvino.py",
     "test_quantized_embedding.py",
     "test_chunked_prefill.py",

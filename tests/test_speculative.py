@@ -2,8 +2,9 @@
 greedy speculative decoding against plain decoding and transformers, rejection sampling's distribution, and
 the errors.
 
-The demo checkpoint gets a random MTP head (its acceptance is about 0, which exercises the rejection path); the
-accepting paths run with a drafter that proposes the target's own tokens at a chosen rate.
+The trained test checkpoint gets an MTP head trained by self-distillation on its own outputs
+(``tests/training.py``: acceptance about 0.5 for one draft); the drafter that proposes the target's own tokens at
+a chosen rate covers the acceptance rates the head does not reach.
 """
 
 from __future__ import annotations
@@ -22,15 +23,12 @@ TEXT_PROMPT = "Describe the weather in a few words please."
 
 
 @pytest.fixture(scope="session")
-def mtp_checkpoint(checkpoint, tmp_path_factory):
-    """The demo checkpoint with a random MTP head (``mtp.*`` tensors, as the published checkpoints carry)."""
-    from qwen35_onnx.export.mtp import write_mtp_head
+def mtp_checkpoint(trained_checkpoint, tmp_path_factory):
+    """The trained test checkpoint with an MTP head (``mtp.*`` tensors, as the published checkpoints carry) trained
+    by self-distillation (:func:`tests.training.train_mtp_head`)."""
+    from .training import train_mtp_head
 
-    def build(folder):
-        shutil.copytree(checkpoint, folder)
-        write_mtp_head(folder, seed=5)
-
-    return build_once(tmp_path_factory, "checkpoint-mtp", build)
+    return build_once(tmp_path_factory, "checkpoint-mtp", lambda out: train_mtp_head(trained_checkpoint, out))
 
 
 @pytest.fixture(scope="session")
@@ -199,11 +197,15 @@ def test_speculative_greedy_equals_plain_and_transformers(mtp_export, mtp_checkp
                 tokens, timings = speculative_greedy(pipe, prepared, n, k, oracle(plain, rate, seed=k))
                 assert tokens == plain, (image, k, rate)
                 assert timings.accepted > 0
-    # through the pipeline's own loop (the MTP head's drafts)
+    # through the pipeline's own loop (the MTP head's drafts): the self-distilled head's drafts are often kept
     prepared = pipe.prepare(None, TEXT_PROMPT)
-    result = pipe.generate_prepared(prepared, 64, SamplingConfig(), draft_tokens=drafts)
-    assert result.token_ids == pipe.generate_prepared(prepared, 64, SamplingConfig()).token_ids
-    assert result.timings.drafted == drafts * result.timings.verify_runs
+    plain = pipe.generate_prepared(prepared, 64, SamplingConfig()).token_ids
+    for k in (1, drafts):
+        result = pipe.generate_prepared(prepared, 64, SamplingConfig(), draft_tokens=k)
+        assert result.token_ids == plain
+        timings = result.timings
+        assert timings.drafted == k * timings.verify_runs and timings.decode_steps == len(plain) - 1
+        assert timings.acceptance > (0.4 if k == 1 else 0.15), (k, timings.acceptance)
 
 
 def test_speculation_at_the_capacity_keeps_every_token(mtp_export):
@@ -213,6 +215,7 @@ def test_speculation_at_the_capacity_keeps_every_token(mtp_export):
     from qwen35_onnx.runtime.sampling import SamplingConfig
 
     pipe = Pipeline.from_exported(mtp_export("ort"))
+    pipe.stop_token_ids = ()  # (no end of sequence: every generation runs into the capacity)
     prepared = pipe.prepare(None, TEXT_PROMPT)
     plain = pipe.generate_prepared(prepared, None, SamplingConfig())
     assert plain.finish_reason == "length" and len(plain.token_ids) == pipe.token_room(prepared)
@@ -295,6 +298,8 @@ def test_bad_draft_tokens_fail_before_any_graph_runs(mtp_export, tmp_path):
     for bad, match in ((5, r"draft_tokens 5 must be from 0 \(off\) to 4"), (-1, "must be from 0"), (True, "integer")):
         with pytest.raises(ValueError, match=match):
             RuntimeOptions(draft_tokens=bad).validate()
+    with pytest.raises(ValueError, match="runs on ONNX Runtime's CPU for now, not on openvino"):
+        RuntimeOptions(draft_tokens=2, runtime="openvino").validate()
     portable = mtp_export("portable")
     with pytest.raises(ContractError, match=r"draft tokens 3 is more than this export verifies \(2"):
         Pipeline.from_exported(portable, draft_tokens=3)
@@ -318,3 +323,45 @@ def test_no_draft_tokens_on_an_export_without_mtp(small_export):
 
     with pytest.raises(ContractError, match="this export has no MTP graph to draft with"):
         Pipeline.from_exported(small_export, draft_tokens=1)
+
+
+# ---- the server ------------------------------------------------------------------------------------------
+def test_serve_with_draft_tokens(mtp_export, tmp_path):
+    """``serve --draft-tokens 2`` on an export of one slot: the openai client's streamed and whole replies equal
+    the plain greedy reply, ``usage`` reports the draft tokens kept and dropped, and ``/metrics`` counts them."""
+    import openai
+
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    from .test_server import ServerProcess, scrape
+
+    export = mtp_export("ort")
+    messages = [{"role": "user", "content": "Hello there."}]
+    plain = Pipeline.from_exported(export).chat(messages, max_new_tokens=20, sampling=SamplingConfig())
+    server = ServerProcess(
+        ["--model", str(export), "--port", "0", "--model-name", "mtp", "--threads", "1", "--draft-tokens", "2"],
+        tmp_path / "server.log",
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        whole = client.chat.completions.create(model="mtp", messages=messages, max_tokens=20, temperature=0)
+        parts = client.chat.completions.create(
+            model="mtp",
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(parts)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert whole.choices[0].message.content == streamed == plain.content
+        details = whole.usage.completion_tokens_details
+        drafted = details.accepted_prediction_tokens + details.rejected_prediction_tokens
+        assert drafted > 0 and chunks[-1].usage.completion_tokens_details is not None
+        metrics = scrape(server, key=None)
+        assert metrics[("qwen35_onnx_spec_decode_draft_tokens_total", ())] == 2 * drafted
+    finally:
+        server.stop()
+    assert "Traceback" not in (tmp_path / "server.log").read_text()

@@ -371,6 +371,13 @@ def bench(
         "slots, aggregate decode tokens/s and inter-token latency per stream count (in one process, a "
         "generation group), then qwen35-onnx serve against llama-server --parallel 4 under the same client load.",
     ),
+    speculative: bool = typer.Option(
+        False,
+        "--speculative",
+        help="Instead: speculative decoding with an MTP head: the preset exported at int4 with its MTP and verify "
+        "graphs, the cost of a verify run and of a draft step against a decode step, and decode tokens/s at each "
+        "draft length, at fixed acceptance rates 0.5 / 0.7 / 0.9 and at the MTP head's own drafts.",
+    ),
     profile: Optional[Path] = typer.Option(
         None,
         "--profile",
@@ -431,6 +438,8 @@ def bench(
         _fail(ValueError(f"--preset {preset!r} is not one of {', '.join(PRESETS)}"))
     if streams.strip() and (publish or rounds != 1):
         _fail(ValueError("--streams measures concurrent streams: not with --publish or --rounds"))
+    if speculative and (publish or rounds != 1 or streams.strip()):
+        _fail(ValueError("--speculative measures speculative decoding: not with --publish, --rounds or --streams"))
     parsed = _lengths(lengths)
     try:
         chosen = check_rows(None if rows.strip() == "all" else [r.strip() for r in rows.split(",") if r.strip()])
@@ -441,6 +450,16 @@ def bench(
     else:
         typer.echo(f"[bench] building the {preset} checkpoint (once, cached) ...", err=True)
         checkpoint = build_demo_checkpoint(demo_checkpoint_dir().parent / f"checkpoint-{preset}", preset=preset)
+    if speculative:
+        from .bench.speculative import report_lines as speculative_lines
+        from .bench.speculative import run_speculative
+
+        try:
+            report = run_speculative(checkpoint, work_dir / preset, log=lambda m: typer.echo(m, err=True))
+        except USER_ERRORS as exc:
+            _fail(exc)
+        typer.echo("\n".join(speculative_lines(report)))
+        return
     if streams.strip():
         from .bench.streams import report_lines, run_streams
 

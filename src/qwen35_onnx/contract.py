@@ -529,6 +529,11 @@ class ShapeContract:
             return ()
         return tuple(sorted({1, self.draft_tokens + 1, *self.prefill_chunks}))
 
+    def verify_state_names(self, state: str, size: int) -> list[str]:
+        """The verify graph of ``size`` tokens' outputs for ``state`` (conv_states or recurrent_states): one per
+        position ``t`` and linear layer ``n``, ``present_{state}.{t}.{n}``, position-major."""
+        return [f"present_{state}.{t}.{n}" for t in range(size) for n in range(self.n_linear)]
+
     def verify_graph_key(self, size: int) -> str:
         """Key in :attr:`graphs` of the verify graph of ``size`` tokens."""
         return f"verify_{size}"

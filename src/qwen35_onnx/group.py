@@ -17,7 +17,10 @@ Scheduling, one :meth:`GenerationGroup.step` (a round):
    at most :data:`UNDER_LOAD_PREFILL_TOKENS` tokens (the export's smallest where none is that small), else
    the export's largest that pay;
 4. one decode step of every decoding generation (:meth:`~qwen35_onnx.runtime.slots.SlotPool.step`), each
-   picking its next token in its own :class:`~qwen35_onnx.streams.TokenLoop`.
+   picking its next token in its own :class:`~qwen35_onnx.streams.TokenLoop`; or, on an export of one decode
+   slot with the pipeline's draft tokens (speculative decoding, :mod:`~qwen35_onnx.runtime.speculative`), the
+   decoding generation's speculative round (its tokens go to its loop at once) while one can run (a
+   constrained reply decodes one token a step).
 
 So a running stream waits at most :data:`UNDER_LOAD_PREFILL_TOKENS` positions of prefill chunks (or one
 request's images) between two of its tokens, whatever arrives, and a short prompt arriving under load is
@@ -50,6 +53,7 @@ from .runtime.masks import CapacityExhausted
 from .runtime.prompt import PreparedPrompt
 from .runtime.slots import NoFreeSlot, SlotPool
 from .runtime.snapshots import SnapshotCache
+from .runtime.speculative import Speculation
 from .streams import TokenLoop
 
 
@@ -59,6 +63,7 @@ class Generations(Protocol):
 
     slot_pool: SlotPool
     contract: ShapeContract
+    draft_tokens: int
 
     def generation(
         self, prepared: PreparedPrompt, state_cache: SnapshotCache | None = None, pooled: bool = False
@@ -84,6 +89,7 @@ class Member:
     def __init__(self, prepared: PreparedPrompt, loop: TokenLoop, state_cache: SnapshotCache | None):
         self.prepared, self.loop, self.state_cache = prepared, loop, state_cache
         self.generation: Generation | None = None
+        self.speculation: Speculation | None = None
         self.runs: Iterator[int] | None = None
         self.started = False  # its first prefill run has been asked for
         self.decoding = False
@@ -111,8 +117,12 @@ class GenerationGroup:
 
     def __init__(self, pipeline: Generations):
         self.pipeline = pipeline
-        # a dynamic-KV export (one slot, no pool): its generations run one at a time, each with its own decoder
-        self.pool = pipeline.slot_pool if pipeline.contract.kv_mode == KvMode.FIXED else None
+        # a dynamic-KV export, or one slot with speculative decoding (no pool): its generations run one at a time,
+        # each with its own decoder or speculation
+        contract = pipeline.contract
+        drafts = getattr(pipeline, "draft_tokens", 0) and contract.slots == 1
+        self.pool = pipeline.slot_pool if contract.kv_mode == KvMode.FIXED and not drafts else None
+        self.draft_tokens = int(getattr(pipeline, "draft_tokens", 0)) if self.pool is None else 0
         self.members: list[Member] = []
         self.steps = self.rows_stepped = self.last_rows = 0
         """Decode steps this group ran, their rows summed, and the rows of the latest."""
@@ -181,6 +191,8 @@ class GenerationGroup:
             member.generation = self.pipeline.generation(
                 member.prepared, member.state_cache, pooled=self.pool is not None
             )
+            if self.draft_tokens and member.loop.constraint is None and member.generation.chunked:
+                member.speculation = Speculation(member.generation, self.draft_tokens)
             member.runs = member.generation.prefill_runs()
         except Exception as exc:  # noqa: BLE001 - the member's stream raises it
             self._end(member, exc)
@@ -217,6 +229,11 @@ class GenerationGroup:
             self._end(member)
 
     def _decode(self, rows: list[Member]) -> None:
+        for member in [m for m in rows if m.speculation is not None and m.speculation.drafts_for()]:
+            rows.remove(member)
+            self._speculate(member)
+        if not rows:
+            return
         try:
             results = self._step(rows)
         except Exception as exc:  # noqa: BLE001 - the step failed for every row
@@ -246,12 +263,34 @@ class GenerationGroup:
                     results.append(member.generation.step(member.loop.token))
                 except Exception as exc:  # noqa: BLE001 - that row's own outcome
                     results.append(exc)
+                if member.speculation is not None:
+                    member.speculation.stop()  # its decoder holds the states now
             ran = True
         if ran:
             self.steps += 1
             self.last_rows = sum(not isinstance(r, Exception) for r in results)
             self.rows_stepped += self.last_rows
         return results
+
+    def _speculate(self, member: Member) -> None:
+        """A speculative round of ``member`` (alone: an export of one slot): its tokens go to its loop until it is
+        done, the states after those it took are kept."""
+        loop, pieces = member.loop, []
+        try:
+            for token in member.speculation.round(loop.token, loop.sampler):
+                pieces.append(loop.accept_token(token))
+                if loop.done:
+                    break
+            member.speculation.commit(len(pieces))
+        except Exception as exc:  # noqa: BLE001 - the member's stream raises it
+            self._end(member, exc)
+            return
+        self.steps += 1
+        self.last_rows = 1
+        self.rows_stepped += 1
+        member.stream.put("".join(pieces))
+        if loop.done:
+            self._end(member)
 
     def _take(self, member: Member, result) -> None:
         """A row's result of a decode step: its next token (and text), or how it ended."""

@@ -505,9 +505,10 @@ def graph_module(kind: GraphKind, model, contract: ShapeContract):
     return graphs[kind](model, contract)
 
 
-def io_names(kind: GraphKind, contract: ShapeContract) -> tuple[list[str], list[str]]:
+def io_names(kind: GraphKind, contract: ShapeContract, job_size: int | None = None) -> tuple[list[str], list[str]]:
     """Input and output names of a graph of ``kind`` (the decode state names depend on
-    :attr:`ShapeContract.kv_in_place`, see :meth:`ShapeContract.decode_state_names`)."""
+    :attr:`ShapeContract.kv_in_place`, see :meth:`ShapeContract.decode_state_names`; a verify graph's on its
+    tokens, ``job_size``)."""
     from .graphs import (
         CHUNK_INPUTS,
         HIDDEN_OUTPUT,
@@ -534,12 +535,9 @@ def io_names(kind: GraphKind, contract: ShapeContract) -> tuple[list[str], list[
     inputs = host or [*contract.decode_host_inputs, *STATE_NAMES]
     past = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "past")]
     present = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "present")]
-    if kind == GraphKind.VERIFY:  # the conv and recurrent states of every position, stacked position-major
-        present = [
-            "present_conv_states",
-            "present_recurrent_states",
-            *contract.decode_state_names("kv_cache", "present"),
-        ]
+    if kind == GraphKind.VERIFY:  # the conv and recurrent state of every position and layer, position-major
+        per_position = [n for state in STATE_NAMES[:2] for n in contract.verify_state_names(state, job_size)]
+        present = [*per_position, *contract.decode_state_names("kv_cache", "present")]
     hidden = [HIDDEN_OUTPUT] if kind == GraphKind.VERIFY or (kind == GraphKind.CHUNK and contract.draft_tokens) else []
     return inputs[: -len(STATE_NAMES)] + past, ["logits", *hidden, *present]
 
@@ -577,7 +575,7 @@ def export_graph(
     from .lazy_weights import attach_weights, fold_weight_transposes
 
     module = graph_module(job.kind, model, contract).eval()
-    inputs, outputs = io_names(job.kind, contract)
+    inputs, outputs = io_names(job.kind, contract, job.bucket)
     path = root / job.path
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad(), quiet_torch_export():

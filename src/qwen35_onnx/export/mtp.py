@@ -169,3 +169,49 @@ def load_mtp_head(folder, dtype: torch.dtype = torch.float32) -> MtpHead:
     except RuntimeError as exc:
         raise ExportMtpError(f"the MTP head of {str(folder)!r} does not fit its config: {exc}") from exc
     return head.to(dtype).eval()
+
+
+def link_mtp_checkpoint(source, dest, head: MtpHead | None = None, seed: int = 0):
+    """A checkpoint folder ``dest`` that is ``source`` (one ``model.safetensors``, linked, not copied: a 4B
+    checkpoint is 8.5 GB) with an MTP head added as a second shard (``model.safetensors.index.json`` lists both;
+    the head as :func:`write_mtp_head` draws it, in the checkpoint's dtype); the other files are copied, and
+    ``config.json`` says ``mtp_num_hidden_layers`` = 1. Returns ``dest`` (a Path); an existing ``dest`` is
+    replaced.
+
+    Raises:
+        FileNotFoundError: ``source`` has no ``model.safetensors``.
+    """
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    source, dest = Path(source).resolve(), Path(dest)
+    weights = source / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{str(weights)!r} not found: the MTP head is linked beside one safetensors file")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.is_file() and path.name != "model.safetensors" and not path.name.startswith("model.safetensors"):
+            shutil.copy2(path, dest / path.name)
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    (dest / first).symlink_to(weights)
+    with safe_open(str(weights), framework="pt") as f:
+        keys = list(f.keys())
+        dtype = f.get_tensor(keys[0]).dtype
+    if head is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            head = MtpHead(AutoConfig.from_pretrained(source).text_config)
+    tensors = {MTP_PREFIX + k: v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()}
+    save_file(tensors, dest / second, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {**dict.fromkeys(keys, first), **dict.fromkeys(tensors, second)}}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((dest / "config.json").read_text())
+    config.setdefault("text_config", {})["mtp_num_hidden_layers"] = 1
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return dest

@@ -151,6 +151,11 @@ class RuntimeOptions:
             )
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens {self.draft_tokens} must be from 0 (off) to {MAX_DRAFT_TOKENS}")
+        if self.draft_tokens and (self.runtime != Runtime.ONNXRUNTIME or str(self.device).lower() != "cpu"):
+            raise ValueError(
+                f"draft_tokens {self.draft_tokens}: speculative decoding runs on ONNX Runtime's CPU for now, not on "
+                f"{plain(self.runtime)} {self.device!r}; run with draft_tokens 0 there"
+            )
         if not isinstance(self.host_state_roundtrip, bool):
             raise ValueError(f"host_state_roundtrip must be true or false, got {self.host_state_roundtrip!r}")
         if not isinstance(self.profile_dir, (str, os.PathLike)):

@@ -318,23 +318,27 @@ def check_decode(
 def check_verify(contract: ShapeContract, verify: GraphSpec, size: int) -> None:
     """The verify graph of ``size`` tokens (:class:`~qwen35_onnx.export.graphs.VerifyGraph`): the decode graph's
     host inputs and past states (one row); outputs ``logits [1, size, V]`` and ``hidden_states [1, size, hidden]``
-    fp32, the conv and recurrent states of every position ``[size, *state_shape]`` and the KV cache as the chunk
-    graph's (capacity wide)."""
+    fp32, the conv and recurrent state after each position of each linear layer
+    (:meth:`~qwen35_onnx.contract.ShapeContract.verify_state_names`, one entry's shape each) and the KV cache as
+    the chunk graph's (capacity wide)."""
     kv = contract.decode_state_names("kv_cache", "present")
     past = [n for state in STATE_NAMES for n in contract.decode_state_names(state, "past")]
+    per_position = {state: contract.verify_state_names(state, size) for state in STATE_NAMES[:2]}
     _check_names(verify, "input", DECODE_HOST_INPUTS + past)
-    _check_names(verify, "output", ["logits", "hidden_states", "present_conv_states", "present_recurrent_states", *kv])
-    _check_host_types(verify, "verify")
-    _expect(f"{verify.name} input_ids shape", verify.inputs.get("input_ids"), [contract.batch, size])
-    _expect(f"{verify.name} logits shape", verify.outputs.get("logits"), [contract.batch, size, contract.vocab_size])
-    _expect(
-        f"{verify.name} hidden_states shape",
-        verify.outputs.get("hidden_states"),
-        [contract.batch, size, contract.hidden_size],
+    _check_names(
+        verify,
+        "output",
+        ["logits", "hidden_states", *per_position["conv_states"], *per_position["recurrent_states"], *kv],
     )
-    for state in STATE_NAMES[:2]:
-        shape = [size, *contract.state_shape(state)]
-        _check_tensor(verify, "output", f"present_{state}", shape, contract.state_dtype(state))
+    _check_host_types(verify, "verify")
+    b = contract.batch
+    _expect(f"{verify.name} input_ids shape", verify.inputs.get("input_ids"), [b, size])
+    _expect(f"{verify.name} logits shape", verify.outputs.get("logits"), [b, size, contract.vocab_size])
+    _expect(f"{verify.name} hidden_states shape", verify.outputs.get("hidden_states"), [b, size, contract.hidden_size])
+    for state, names in per_position.items():
+        entry = list(contract.state_shape(state)[1:])
+        for name in names:
+            _check_tensor(verify, "output", name, entry, contract.state_dtype(state))
     widths = {f"{verify.name} attention_mask width": verify.dim("input", "attention_mask", 1)}
     for name in contract.decode_state_names("kv_cache", "past"):
         widths[f"{verify.name} {name} token axis"] = verify.inputs[name][-2]

@@ -118,14 +118,24 @@ class Speculation:
     (1 to the export's :attr:`~qwen35_onnx.contract.ShapeContract.draft_tokens`) drafts a round. Make it before
     the generation's prefill (it watches the prefill's chunks); then each round is :meth:`round` and
     :meth:`commit`. ``drafter``: replaces the MTP head (called with the last sampled token and the number of
-    drafts, it returns the draft tokens; the bench and the tests force drafts of a chosen acceptance with it).
+    drafts, it returns the draft tokens; the tests force drafts of a chosen acceptance with it);
+    ``forced_acceptance``: for timing only (the bench's fixed acceptance rates on random weights, whose head
+    accepts nothing): a round keeps each draft with this probability whatever the target says (up to the first
+    dropped one, then the target's own token), so its runs are those of a round at that acceptance while its
+    tokens are not the target's.
 
     Raises (constructor):
         ValueError, ContractError: see :func:`check_draft_tokens`; a generation in a slot pool (speculative
             decoding runs one sequence at a time) or one that has prefilled already.
     """
 
-    def __init__(self, generation, draft_tokens: int, drafter: Callable[[int, int], list[int]] | None = None):
+    def __init__(
+        self,
+        generation,
+        draft_tokens: int,
+        drafter: Callable[[int, int], list[int]] | None = None,
+        forced_acceptance: float | None = None,
+    ):
         contract = generation.contract
         self.draft_tokens = check_draft_tokens(draft_tokens, contract.draft_tokens)
         if generation.pool is not None:
@@ -136,6 +146,8 @@ class Speculation:
         if generation.states is not None or generation.decoder is not None or not generation.chunked:
             raise ValueError("make the Speculation before the generation's prefill (it reads the prompt's chunks)")
         self.generation, self.drafter = generation, drafter
+        self.forced_acceptance = forced_acceptance
+        self._forced_rng = np.random.default_rng(0)
         backend = generation.backend
         self.cache = backend.mtp_cache() if drafter is None else None
         for size in range(2, self.draft_tokens + 2):  # load and cross-check every graph a round may run, now
@@ -211,13 +223,15 @@ class Speculation:
         }
 
     def _run_mtp(self, first: int, hidden: np.ndarray, tokens) -> tuple[np.ndarray, np.ndarray]:
-        """The MTP head over positions ``first .. first + n - 1``, in as few runs as its graph sizes allow; returns
-        the last position's draft logits ``[V]`` and output hidden state ``[1, hidden]``."""
+        """The MTP head over positions ``first .. first + n - 1``, in as few runs as its graph sizes allow (each run
+        ending within the capacity: size 1 always does); returns the last position's draft logits ``[V]`` and
+        output hidden state ``[1, hidden]``."""
         c, backend = self.generation.contract, self.generation.backend
-        sizes = c.mtp_sizes
         done, logits, out = 0, None, None
         while done < len(hidden):
             left = len(hidden) - done
+            # a run writes its graph's every slot (padding too): the size must end within the capacity
+            sizes = [s for s in c.mtp_sizes if first + done + s <= c.capacity]
             size = next((s for s in sizes if s >= left), sizes[-1])
             n = min(left, size)
             feeds = self._mtp_feeds(first + done, hidden[done : done + n], tokens[done : done + n], size)
@@ -276,6 +290,11 @@ class Speculation:
         fed = [int(token), *drafts.tokens]
         logits, hidden = self.generation.verify(fed, drafts.ms)
         self._round_tokens, self._round_hidden = fed, hidden
+        if self.forced_acceptance is not None:
+            kept = 0
+            while kept < len(drafts.tokens) and self._forced_rng.random() < self.forced_acceptance:
+                kept += 1
+            return [*drafts.tokens[:kept], int(np.argmax(logits[kept]))]
         if drafts.probs is None:
             return (
                 accept_greedy(drafts.tokens, logits)

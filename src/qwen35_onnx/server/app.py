@@ -156,13 +156,16 @@ class ChatServer:
     def _record(self, generation: ScheduledGeneration) -> None:  # event loop, once per generation
         result = generation.stream.result
         start = generation.arrived
+        timings = result.generation.timings
         self.metrics.generation(
             generation.outcome,
             result.prompt_tokens,
             result.completion_tokens,
-            result.generation.timings.tokens_per_s,
+            timings.tokens_per_s,
             None if generation.first_text_at is None else generation.first_text_at - start,
             (generation.ended_at or time.monotonic()) - start,
+            timings.drafted,
+            timings.accepted,
         )
 
     def authorize(self, request: Request) -> None:
@@ -299,7 +302,7 @@ class ChatServer:
                     created,
                     model,
                     [],
-                    usage(result.prompt_tokens, result.completion_tokens, result.generation.cached_tokens),
+                    usage_of(result),
                     include_usage=True,
                 )
             )
@@ -325,7 +328,7 @@ class ChatServer:
                 self.options.model_name,
                 message,
                 result.finish_reason,
-                usage(result.prompt_tokens, result.completion_tokens, result.generation.cached_tokens),
+                usage_of(result),
             )
         )
 
@@ -341,6 +344,18 @@ class ChatServer:
     def health(self) -> dict:
         cache = self.state_cache.stats() if self.state_cache is not None else None
         return {"status": "ok", "model": self.options.model_name, **self.scheduler.state(), "state_cache": cache}
+
+
+def usage_of(result) -> dict:
+    """The ``usage`` object of a finished :class:`~qwen35_onnx.streams.ChatResult`."""
+    timings = result.generation.timings
+    return usage(
+        result.prompt_tokens,
+        result.completion_tokens,
+        result.generation.cached_tokens,
+        timings.drafted,
+        timings.accepted,
+    )
 
 
 def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingConfig | None = None) -> FastAPI:

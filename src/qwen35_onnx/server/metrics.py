@@ -59,6 +59,14 @@ class ServerMetrics:
         self.generations = Counter(f"{PREFIX}_generations", "Generations by how they ended.", ["outcome"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of generations.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", registry=r)
+        self.draft_tokens = Counter(
+            f"{PREFIX}_spec_decode_draft_tokens",
+            "Draft tokens proposed by the MTP head (speculative decoding).",
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            f"{PREFIX}_spec_decode_accepted_tokens", "Draft tokens the target kept (speculative decoding).", registry=r
+        )
         self.time_to_first_token = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
             "Request arrival to its first generated text (queue, preparation and prefill included).",
@@ -105,13 +113,18 @@ class ServerMetrics:
         decode_tokens_per_s: float,
         first_token_s: float | None,
         duration_s: float,
+        drafted: int = 0,
+        accepted: int = 0,
     ) -> None:
         """Record one ended generation: ``outcome`` completed / cancelled / failed; token counts;
         its decode rate (tokens/s; not recorded when it ran no decode step: 0); seconds from the
-        request's arrival to its first text (None: none came) and to its end."""
+        request's arrival to its first text (None: none came) and to its end; speculative decoding's draft tokens
+        and the kept ones."""
         self.generations.labels(outcome=outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
         if decode_tokens_per_s > 0:
             self.decode_rate.observe(decode_tokens_per_s)
         if first_token_s is not None:

@@ -230,15 +230,25 @@ def message_dict(content: str, reasoning_content: str | None, tool_calls: list) 
     return message
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, drafted: int = 0, accepted: int = 0
+) -> dict:
     """The ``usage`` object (tokens; ``prompt_tokens_details.cached_tokens``: prompt tokens taken from a
-    kept state, as OpenAI reports its prompt caching)."""
-    return {
+    kept state, as OpenAI reports its prompt caching; with speculative decoding (``drafted`` > 0)
+    ``completion_tokens_details.accepted_prediction_tokens`` / ``rejected_prediction_tokens``: the draft tokens
+    kept and dropped, the fields OpenAI reports predicted outputs with)."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if drafted:
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return body
 
 
 def chunk(completion_id: str, created: int, model: str, choices: list, usage=None, include_usage: bool = False) -> dict:

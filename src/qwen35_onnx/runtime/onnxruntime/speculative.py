@@ -93,7 +93,10 @@ def run_verify_bound(
             bind_entries(binding, contract, "cpu", state, "past", past)
         else:
             binding.bind_ortvalue_input(f"past_{state}", past)
-        _bind_array_output(binding, f"present_{state}", buffer[:size])
+        entry = buffer.shape[2:]  # [1, ...]: one layer's state after one position, in its place in the buffer
+        flat = buffer.reshape(-1, *entry)  # [P * n_linear, 1, ...] (a view)
+        for j, name in enumerate(contract.verify_state_names(state, size)):
+            binding.bind_output(name, "cpu", 0, buffer.dtype, list(entry), flat[j].ctypes.data)
     kv = states["present_kv_cache"]
     if contract.kv_in_place:
         bind_entries(binding, contract, "cpu", "kv_cache", "past", kv)
@@ -124,8 +127,10 @@ def run_verify_host(
         feeds.update(zip(names, value) if contract.kv_in_place else {names[0]: value})
     outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds, options)))
     size = int(feeds["input_ids"].shape[1])
-    buffers.conv[:size] = outputs["present_conv_states"]
-    buffers.rec[:size] = outputs["present_recurrent_states"]
+    for state, buffer in (("conv_states", buffers.conv), ("recurrent_states", buffers.rec)):
+        flat = buffer.reshape(-1, *buffer.shape[2:])
+        for j, name in enumerate(contract.verify_state_names(state, size)):
+            flat[j] = outputs[name]
     kv_names = contract.decode_state_names("kv_cache", "present")
     kv = np.stack([outputs[n] for n in kv_names]) if contract.kv_in_place else outputs[kv_names[0]]
     return outputs["logits"], outputs["hidden_states"], VerifyResult(buffers, kv)

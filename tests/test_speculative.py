@@ -365,3 +365,38 @@ def test_serve_with_draft_tokens(mtp_export, tmp_path):
     finally:
         server.stop()
     assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+def test_speculation_stops_itself_where_plain_decoding_is_faster(mtp_export):
+    """The first tokens go through timed plain steps; after 8 rounds a speculation slower than that stops for the
+    rest of the generation (plain steps from there: the same tokens), one faster goes on."""
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.generation import Generation
+    from qwen35_onnx.runtime.sampling import Sampler, SamplingConfig
+    from qwen35_onnx.runtime.speculative import JUDGED_AFTER_ROUNDS, PLAIN_STEPS, Speculation
+
+    pipe = Pipeline.from_exported(mtp_export("ort"))
+    pipe.stop_token_ids = ()  # (40 tokens whatever comes)
+    prepared = pipe.prepare(None, TEXT_PROMPT)
+    plain = pipe.generate_prepared(prepared, 40, SamplingConfig(), draft_tokens=0).token_ids
+    for plain_ms, stops in ((1e-6, True), (1e9, False)):
+        generation = Generation(pipe.backend, prepared)
+        speculation = Speculation(generation, 2)
+        sampler = Sampler(SamplingConfig())
+        tokens = [sampler(generation.prefill())]
+        while len(tokens) < 40:
+            if speculation.measuring:
+                tokens.append(sampler(speculation.plain_step(tokens[-1])))
+                if not speculation.measuring:
+                    assert speculation.plain_steps == PLAIN_STEPS and speculation.plain_step_ms > 0
+                    speculation.plain_step_ms = plain_ms
+            elif speculation.drafts_for() and speculation.worth_it():
+                emitted = speculation.round(tokens[-1], sampler)[: 40 - len(tokens)]
+                tokens += emitted
+                speculation.commit(len(emitted))
+            else:
+                tokens.append(sampler(generation.step(tokens[-1])))
+                speculation.stop()
+        assert tokens == plain[: len(tokens)] and len(tokens) == 40
+        assert speculation.stopped_slower is stops
+        assert speculation.rounds == JUDGED_AFTER_ROUNDS if stops else speculation.rounds > JUDGED_AFTER_ROUNDS

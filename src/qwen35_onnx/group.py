@@ -229,9 +229,13 @@ class GenerationGroup:
             self._end(member)
 
     def _decode(self, rows: list[Member]) -> None:
-        for member in [m for m in rows if m.speculation is not None and m.speculation.drafts_for()]:
+        for member in [m for m in rows if m.speculation is not None and m.speculation.measuring]:
             rows.remove(member)
-            self._speculate(member)
+            self._plain_step(member)
+        for member in [m for m in rows if m.speculation is not None and m.speculation.drafts_for()]:
+            if member.speculation.worth_it():
+                rows.remove(member)
+                self._speculate(member)
         if not rows:
             return
         try:
@@ -271,6 +275,17 @@ class GenerationGroup:
             self.last_rows = sum(not isinstance(r, Exception) for r in results)
             self.rows_stepped += self.last_rows
         return results
+
+    def _plain_step(self, member: Member) -> None:
+        """A timed plain step of ``member`` before its speculative rounds (:meth:`Speculation.plain_step`)."""
+        try:
+            result = member.speculation.plain_step(member.loop.token)
+        except Exception as exc:  # noqa: BLE001 - CapacityExhausted or a failure: that row's own outcome
+            result = exc
+        self.steps += 1
+        self.last_rows = 1
+        self.rows_stepped += 1
+        self._take(member, result)
 
     def _speculate(self, member: Member) -> None:
         """A speculative round of ``member`` (alone: an export of one slot): its tokens go to its loop until it is

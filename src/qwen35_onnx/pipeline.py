@@ -582,7 +582,10 @@ class Pipeline:
                     yield piece
                 if loop.done or stream.cancelled:
                     break
-                if speculation is not None and speculation.drafts_for():
+                if speculation is not None and speculation.measuring:  # a plain step, timed: what rounds must beat
+                    piece = loop.accept(speculation.plain_step(loop.token))
+                    continue
+                if speculation is not None and speculation.drafts_for() and speculation.worth_it():
                     pieces = []
                     for token in speculation.round(loop.token, loop.sampler):
                         pieces.append(loop.accept_token(token))

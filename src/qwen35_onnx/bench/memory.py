@@ -128,6 +128,10 @@ class MemoryReport:
     decode_ms: dict[str, float] = field(default_factory=dict)
     tokens_identical: bool | None = None
     shared: dict[str, int] = field(default_factory=dict)
+    speculation: dict[str, int] = field(default_factory=dict)
+    """An export with draft tokens: resident memory after loading its verify and MTP graphs and running speculative
+    rounds (``after``), and what they must add at least: the head's own weights (``head_weights``, its tensors in
+    the export's weights file), its KV cache and the verify runs' per-position state buffers (``buffers``)."""
 
     @property
     def weights_once(self) -> float:
@@ -179,6 +183,15 @@ class MemoryReport:
             f"{'within' if self.loaded[used] <= self.budget else 'OVER'}, after running: "
             f"{'within' if self.ran[used] <= self.budget else 'OVER'}"
         )
+        if self.speculation:
+            spec, after = self.speculation, self.speculation["after"]
+            added = {k: after[k] - self.ran[k] for k in ("VmRSS", "Pss") if k in after and k in self.ran}
+            shown = ", ".join(f"{k} {'+' if v >= 0 else ''}{gb(v)}" for k, v in added.items())
+            out.append(
+                f"after loading the verify and MTP graphs and running speculative rounds: {mem(after)} ({shown}; "
+                f"the MTP head's own weights {gb(spec['head_weights'])}, its KV cache and the verify buffers "
+                f"{gb(spec['buffers'])})"
+            )
         if len(self.decode_ms) == 2:
             own, shared = self.decode_ms["own copy"], self.decode_ms["shared"]
             out.append(
@@ -186,6 +199,39 @@ class MemoryReport:
                 f"(shared / own {shared / own:.3f}); greedy tokens identical: {self.tokens_identical}"
             )
         return out
+
+
+def _speculation_memory(pipe, prepared, export_dir: Path) -> dict:
+    """Resident memory after loading every verify and MTP graph of ``pipe``'s export and running 4 speculative
+    rounds of the longest draft length on ``prepared``, and the bytes they must add at least (see
+    :attr:`MemoryReport.speculation`)."""
+    from ..onnxfile.edit import read_model
+    from ..runtime.sampling import Sampler, SamplingConfig
+    from ..runtime.speculative import Speculation
+
+    contract = pipe.contract
+    generation = pipe.generation(prepared)
+    speculation = Speculation(generation, contract.draft_tokens)
+    sampler = Sampler(SamplingConfig())
+    token = sampler(generation.prefill())
+    for _ in range(4):
+        emitted = speculation.round(token, sampler)
+        speculation.commit(len(emitted))
+        token = emitted[-1]
+    gc.collect()
+    after = resident()
+
+    def stored(key: str) -> dict[tuple, int]:  # the graph's weights by where they are stored
+        path = Path(export_dir) / contract.graphs[key]
+        tensors = read_model(path.read_bytes()).initializers.values()
+        return {(t.location, t.offset): t.length for t in tensors if t.location is not None}
+
+    decode, mtp = stored("decode"), stored(contract.mtp_graph_key(1))
+    head = sum(n for where, n in mtp.items() if where not in decode)  # the embedding and lm_head are decode's
+    kv = int(np.prod(contract.mtp_kv_shape)) * (2 if contract.state_dtype("kv_cache") != "fp32" else 4)
+    per_position = sum(int(np.prod(contract.state_shape(s))) * 4 for s in ("conv_states", "recurrent_states"))
+    buffers = kv + 2 * (contract.draft_tokens + 1) * per_position
+    return {"after": after, "head_weights": head, "buffers": buffers}
 
 
 def _prompt(pipe, length: int) -> np.ndarray:
@@ -256,6 +302,7 @@ def measure_memory(export_dir: Path, steps: int = 40, compare: bool = True, log=
         text=text,
         text_tokens=text_tokens,
         shared=pipe.backend.shared_weight_bytes(),
+        speculation=_speculation_memory(pipe, prepared, export_dir) if contract.draft_tokens else {},
     )
     if not compare:
         return report

@@ -38,19 +38,11 @@ def expected_tokens(k: int, rate: float) -> float:
     return sum(rate**i for i in range(k + 1))
 
 
-def _median_ms(run, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 2):
-        begin = time.perf_counter()
-        run()
-        times.append(1000 * (time.perf_counter() - begin))
-    return statistics.median(times[2:])
-
-
-def component_costs(pipe, repeats: int = 12) -> dict:
+def component_costs(pipe, repeats: int = 16) -> dict:
     """Milliseconds (medians) of a plain decode step, a verify run of ``k + 1`` tokens for each ``k`` the export
     verifies, an MTP draft step (one position) and the MTP head's run over ``k + 1`` positions, each after a short
-    prompt; ``{"step_ms", "verify_ms": {k: ms}, "draft_step_ms", "mtp_kept_ms": {k: ms}}``."""
+    prompt, measured in turns (one of each per turn, after 2 turns to warm up: every part sees the same machine);
+    ``{"step_ms", "verify_ms": {k: ms}, "draft_step_ms", "mtp_kept_ms": {k: ms}}``."""
     from ..runtime.generation import Generation
     from ..runtime.speculative import Speculation
 
@@ -58,31 +50,36 @@ def component_costs(pipe, repeats: int = 12) -> dict:
     backend, contract = pipe.backend, pipe.contract
     plain = Generation(backend, prepared)
     plain.prefill()
-    step_ms = _median_ms(lambda: plain.step(5), repeats)
     generation = Generation(backend, prepared)
     speculation = Speculation(generation, contract.draft_tokens)
     generation.prefill()
-    verify_ms = {}
+    hidden = np.zeros((contract.draft_tokens + 1, contract.hidden_size), dtype=np.float32)
+    position = generation.length
+    parts = {"step": lambda: plain.step(5)}
     for k in range(1, contract.draft_tokens + 1):
 
         def verify(k=k):
             generation.verify([5] * (k + 1))
             generation.commit(1)
 
-        verify_ms[k] = _median_ms(verify, repeats)
-    hidden = np.zeros((contract.draft_tokens + 1, contract.hidden_size), dtype=np.float32)
-    cache = speculation.cache
-    mtp_kept_ms = {}
-    position = generation.length
+        parts[f"verify {k}"] = verify
     for k in range(0, contract.draft_tokens + 1):
         size = next(s for s in contract.mtp_sizes if s >= k + 1)
         feeds = speculation._mtp_feeds(position, hidden[: k + 1], [5] * (k + 1), size)
-        mtp_kept_ms[k] = _median_ms(lambda feeds=feeds, size=size: backend.run_mtp(size, feeds, cache), repeats)
+        parts[f"mtp {k}"] = lambda feeds=feeds, size=size: backend.run_mtp(size, feeds, speculation.cache)
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for turn in range(repeats + 2):
+        for name, run in parts.items():
+            begin = time.perf_counter()
+            run()
+            if turn >= 2:
+                times[name].append(1000 * (time.perf_counter() - begin))
+    ms = {name: statistics.median(t) for name, t in times.items()}
     return {
-        "step_ms": step_ms,
-        "verify_ms": verify_ms,
-        "draft_step_ms": mtp_kept_ms.pop(0),
-        "mtp_kept_ms": {k: v for k, v in mtp_kept_ms.items()},
+        "step_ms": ms["step"],
+        "verify_ms": {k: ms[f"verify {k}"] for k in range(1, contract.draft_tokens + 1)},
+        "draft_step_ms": ms["mtp 0"],
+        "mtp_kept_ms": {k: ms[f"mtp {k}"] for k in range(1, contract.draft_tokens + 1)},
     }
 
 
@@ -147,16 +144,27 @@ def run_speculative(checkpoint: Path, work_dir: Path, n_tokens: int = 128, log=p
     costs = component_costs(pipe)
     prepared = pipe.prepare(None, PROMPT)
     greedy = SamplingConfig()
-    plain_runs = [pipe.generate_prepared(prepared, n_tokens, greedy, draft_tokens=0) for _ in range(2)]
-    truth = plain_runs[0].token_ids
-    plain = max(r.timings.tokens_per_s for r in plain_runs)
-    rows = []
+    truth = pipe.generate_prepared(prepared, n_tokens, greedy, draft_tokens=0).token_ids
+    rows, plains = [], []
     for k in range(1, pipe.contract.draft_tokens + 1):
+        # plain decoding again beside each draft length's rows: the machine's speed drifts over a run
+        plain = pipe.generate_prepared(prepared, n_tokens, greedy, draft_tokens=0).timings.tokens_per_s
+        plains.append(plain)
         for rate in (None, *RATES):
             log(f"[bench] k={k} acceptance {'MTP head' if rate is None else rate} ...")
             result = speculative_rate(pipe, prepared, n_tokens, k, rate)
             same = result.pop("tokens") == truth if rate is None else None
-            rows.append({"k": k, "rate": rate, **result, "same": same, "x_plain": result["tokens_per_s"] / plain})
+            rows.append(
+                {
+                    "k": k,
+                    "rate": rate,
+                    **result,
+                    "same": same,
+                    "plain": plain,
+                    "x_plain": result["tokens_per_s"] / plain,
+                }
+            )
+    plain = statistics.median(plains)
     report = {
         "run": run_info(),
         "export": str(folder),
@@ -187,7 +195,8 @@ def report_lines(report: dict) -> list[str]:
         lines.append(f"| {k} | {ms:.1f} | {ms / step:.2f} | {kept:.1f} | {kept / step:.2f} |")
     lines += [
         "",
-        f"plain greedy decode: {report['plain_tokens_per_s']:.1f} tokens/s ({report['n_tokens']} tokens)",
+        f"plain greedy decode: {report['plain_tokens_per_s']:.1f} tokens/s ({report['n_tokens']} tokens; median of "
+        "the runs beside each draft length, which x plain divides by)",
         "",
         "| k | acceptance forced | acceptance measured | tokens/s | x plain | tokens = plain's |",
         "|---:|---:|---:|---:|---:|:---:|",

@@ -481,6 +481,18 @@ class Generation:
         self.timings.decode_steps += 1
         return _finite(logits[0, -1], f"decode step {self.timings.decode_steps}")
 
+    def take_back_states(self) -> None:
+        """After decode steps, hold the states again (the decoder's buffers, which it no longer steps): for a
+        :meth:`verify` run after them. Nothing happens before the first step.
+
+        Raises:
+            RuntimeError: a generation in a slot pool (its states are the pool's).
+        """
+        if self.pool is not None:
+            raise RuntimeError("a generation in a slot pool keeps its states in its slot")
+        if self.decoder is not None:
+            self.states, self.decoder = self.decoder.states(), None
+
     def verify(self, tokens: list[int], draft_ms: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Speculative decoding's check: feed ``tokens`` (the one sampled last, then the drafts; 2 to
         :attr:`ShapeContract.draft_tokens` + 1 of them) through one run of the verify graph of that size, from the

@@ -31,6 +31,12 @@ from .sampling import Sampler
 
 __all__ = ["Drafts", "Speculation", "accept_greedy", "accept_sampled", "check_draft_tokens"]
 
+JUDGED_AFTER_ROUNDS = 8
+"""Rounds after which a speculation compares its own rate with plain decoding's and stops where it is slower
+(:meth:`Speculation.worth_it`)."""
+PLAIN_STEPS = 2
+"""Plain decode steps a speculation runs first, the last of them timed (:meth:`Speculation.plain_step`)."""
+
 
 def check_draft_tokens(draft_tokens, export_draft_tokens: int) -> int:
     """``draft_tokens`` (``--draft-tokens``: 0 = off) as an int, checked against what the export verifies.
@@ -159,6 +165,15 @@ class Speculation:
         decode step took over the states: the generation goes on with plain decode steps."""
         self._backlog: _Backlog | None = None
         self._round_tokens: list[int] = []
+        self.plain_step_ms: float | None = None
+        """A plain decode step's time (ms) on this generation, measured by :meth:`plain_step`; None: not
+        measured (then no round is judged)."""
+        self.plain_steps = 0
+        self.rounds = 0
+        self.spent_ms = 0.0  # the rounds' time: drafting, verify runs and acceptance
+        self.emitted = 0  # the tokens the rounds emitted (the loop took)
+        self.stopped_slower: bool = False
+        """The speculation stopped itself: its rounds emitted fewer tokens per ms than plain decoding."""
         generation.chunk_observer = self.observe_chunk
 
     # ---- the MTP head ----------------------------------------------------------------------------------
@@ -265,6 +280,49 @@ class Speculation:
         return Drafts(tokens, probs, 1000 * (time.perf_counter() - begin))
 
     # ---- rounds ------------------------------------------------------------------------------------------
+    @property
+    def measuring(self) -> bool:
+        """The next token goes through a plain decode step that times one (:meth:`plain_step`): the first
+        :data:`PLAIN_STEPS` tokens after the prefill, where the capacity leaves room for rounds after them."""
+        if not self.usable or self.plain_steps >= PLAIN_STEPS:
+            return False
+        generation = self.generation
+        room = generation.contract.capacity - generation.length - 1
+        return room > PLAIN_STEPS - self.plain_steps
+
+    def plain_step(self, token: int) -> np.ndarray:
+        """Feed ``token`` through a plain decode step and return its logits ``[V]`` (a copy); the last of
+        :data:`PLAIN_STEPS` sets :attr:`plain_step_ms` (the first builds the decoder) and takes the states back
+        for the rounds. The MTP head reads each position fed this way with the model's hidden state where it has
+        it, else with its own output there (the decode graph returns no hidden state), as a draft step does."""
+        generation = self.generation
+        before = generation.timings.decode_ms
+        logits = np.array(generation.step(token))
+        self.plain_steps += 1
+        if self.plain_steps == PLAIN_STEPS:
+            self.plain_step_ms = generation.timings.decode_ms - before
+            generation.take_back_states()
+        backlog = self._backlog
+        if backlog is not None and self.cache is not None:
+            _, out = self._run_mtp(backlog.start, backlog.hidden, [*backlog.next_tokens, token])
+            self._backlog = _Backlog(generation.length - 1, out.astype(np.float32))
+        elif backlog is not None:
+            self._backlog = _Backlog(generation.length - 1, backlog.hidden[-1:])
+        return logits
+
+    def worth_it(self) -> bool:
+        """Whether rounds should go on: after :data:`JUDGED_AFTER_ROUNDS` rounds, their tokens per ms (drafting,
+        verify runs and acceptance included) against one token per :attr:`plain_step_ms`; a slower speculation
+        stops for the rest of the generation (:attr:`stopped_slower`). The rule follows ``bench --speculative``:
+        a round of k drafts at acceptance a emits ``1 + a + ... + a^k`` tokens for one verify run of k + 1 tokens
+        and the head's runs, which on a CPU where several rows cost nearly as many single rows never pays."""
+        if self.plain_step_ms is None or self.rounds < JUDGED_AFTER_ROUNDS or self.stopped_slower:
+            return not self.stopped_slower
+        if self.emitted / self.spent_ms < 1.0 / self.plain_step_ms:
+            self.stopped_slower = True
+            self.usable = False
+        return not self.stopped_slower
+
     def drafts_for(self) -> int:
         """The drafts the next round can verify: :attr:`draft_tokens`, fewer where the KV cache has no room for
         them all (a verify run writes the slots of the token and its drafts); 0 where no round can run (the
@@ -286,6 +344,7 @@ class Speculation:
         k = self.drafts_for()
         if k < 1:
             raise RuntimeError("no speculative round can run now (see drafts_for): feed the token with a decode step")
+        self._round_began = time.perf_counter()
         drafts = self._draft(token, k, sampler)
         fed = [int(token), *drafts.tokens]
         logits, hidden = self.generation.verify(fed, drafts.ms)
@@ -319,6 +378,9 @@ class Speculation:
         loop took: the last sampled token and the kept drafts before the one it took last), and queue their hidden
         states for the MTP head's next run."""
         self.generation.commit(used)
+        self.rounds += 1
+        self.spent_ms += 1000 * (time.perf_counter() - self._round_began)
+        self.emitted += used
         fed = self._round_tokens
         start = self.generation.length - used
         self._backlog = _Backlog(start, self._round_hidden[:used].copy(), fed[1:used])

@@ -306,6 +306,8 @@ def test_bad_draft_tokens_fail_before_any_graph_runs(mtp_export, tmp_path):
     pipe = Pipeline.from_exported(portable)
     with pytest.raises(ContractError, match="more than this export verifies"):
         pipe.generate(None, "hi", 4, draft_tokens=4)
+    with pytest.raises(ValueError, match="draft_tokens applies to a generation alone"):
+        pipe.stream(None, "hi", 4, draft_tokens=1, group=pipe.group())
 
     # an MTP graph of another export (--ops ort) in place of this one's: refused when speculation starts
     broken = tmp_path / "broken"
@@ -368,12 +370,12 @@ def test_serve_with_draft_tokens(mtp_export, tmp_path):
 
 
 def test_speculation_stops_itself_where_plain_decoding_is_faster(mtp_export):
-    """The first tokens go through timed plain steps; after 8 rounds a speculation slower than that stops for the
-    rest of the generation (plain steps from there: the same tokens), one faster goes on."""
+    """The first tokens go through timed plain steps; after the warm-up and judged rounds a speculation slower than
+    that stops for the rest of the generation (plain steps from there: the same tokens), one faster goes on."""
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.generation import Generation
     from qwen35_onnx.runtime.sampling import Sampler, SamplingConfig
-    from qwen35_onnx.runtime.speculative import JUDGED_AFTER_ROUNDS, PLAIN_STEPS, Speculation
+    from qwen35_onnx.runtime.speculative import JUDGED_AFTER_ROUNDS, PLAIN_STEPS, WARM_ROUNDS, Speculation
 
     pipe = Pipeline.from_exported(mtp_export("ort"))
     pipe.stop_token_ids = ()  # (40 tokens whatever comes)
@@ -399,4 +401,5 @@ def test_speculation_stops_itself_where_plain_decoding_is_faster(mtp_export):
                 speculation.stop()
         assert tokens == plain[: len(tokens)] and len(tokens) == 40
         assert speculation.stopped_slower is stops
-        assert speculation.rounds == JUDGED_AFTER_ROUNDS if stops else speculation.rounds > JUDGED_AFTER_ROUNDS
+        judged = WARM_ROUNDS + JUDGED_AFTER_ROUNDS
+        assert speculation.rounds == judged if stops else speculation.rounds > judged

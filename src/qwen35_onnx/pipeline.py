@@ -521,9 +521,24 @@ class Pipeline:
         ``state_cache``: see :meth:`generation` (the state at the history's end and at the end of
         the generation are kept there); ``group``: decode in that :meth:`group` together with its other
         generations (iterating any of its streams runs the group); ``draft_tokens``: speculative decoding's
-        drafts a round (None: :attr:`draft_tokens`; 0: off). A constrained reply and a generation in a group decode
-        without speculation (a grammar decides one token at a time; a group steps its rows together)."""
-        draft_tokens = self.draft_tokens if draft_tokens is None else self._check_drafts(self.contract, draft_tokens)
+        drafts a round (None: :attr:`draft_tokens`; 0: off; not with ``group``, whose generations speculate with
+        :attr:`draft_tokens` on an export of one decode slot). A constrained reply decodes without speculation (a
+        grammar decides one token at a time)."""
+        if draft_tokens is not None and group is not None:
+            raise ValueError(
+                "draft_tokens applies to a generation alone: a group's generations speculate with the pipeline's "
+                "draft_tokens (on an export of one decode slot)"
+            )
+        if draft_tokens is None:
+            draft_tokens = self.draft_tokens
+        else:
+            draft_tokens = self._check_drafts(self.contract, draft_tokens)
+            backend = self.backend
+            if draft_tokens and (backend.runtime != "onnxruntime" or str(backend.device).lower() != "cpu"):
+                raise ContractError(
+                    f"draft tokens {draft_tokens}: speculative decoding runs on ONNX Runtime's CPU for now, not on "
+                    f"{backend.runtime} {backend.device!r}"
+                )
         if state_cache is not None and not isinstance(state_cache, SnapshotCache):
             raise TypeError(f"state_cache must be a SnapshotCache or None, got {type(state_cache).__name__}")
         if group is not None and (not isinstance(group, GenerationGroup) or group.pipeline is not self):

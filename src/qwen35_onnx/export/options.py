@@ -170,8 +170,8 @@ class ExportOptions:
         None, "--draft-tokens", contract=True,
         help="Most draft tokens a speculative decoding round checks (0 to 4): the checkpoint's multi-token-"
              "prediction head (its mtp.* tensors) as MTP graphs, and a verify graph for each draft length; by "
-             "default 4 when the checkpoint has an MTP head and the export prefills in chunks with a fixed KV cache, "
-             "else 0 (no MTP graphs: the export is as without MTP).")
+             "default 4 when the checkpoint has an MTP head and the export prefills in chunks with a fixed KV cache "
+             "and one decode slot, else 0 (no MTP graphs: the export is as without MTP).")
     # fmt: on
     overwrite: bool = option(False, "--overwrite", "Replace a previous export in --output-dir.")
     chunk_size: int = 64
@@ -314,13 +314,14 @@ class ExportOptions:
     def drafts(self, has_mtp: bool) -> int:
         """The export's draft tokens for a checkpoint with (``has_mtp``) or without an MTP head: as given; by
         default (None) :data:`~qwen35_onnx.contract.MAX_DRAFT_TOKENS` where the checkpoint has the head and the
-        export prefills in chunks with a fixed KV cache, else 0.
+        export prefills in chunks with a fixed KV cache and has one decode slot, else 0.
 
         Raises:
             ExportError: draft tokens asked of a checkpoint without an MTP head.
         """
-        if self.draft_tokens is None:
-            return MAX_DRAFT_TOKENS if has_mtp and self.chunks and self.kv_mode == KvMode.FIXED else 0
+        if self.draft_tokens is None:  # (an export of several slots decodes them together: no speculation there)
+            wanted = has_mtp and self.chunks and self.kv_mode == KvMode.FIXED and self.slots == 1
+            return MAX_DRAFT_TOKENS if wanted else 0
         if self.draft_tokens and not has_mtp:
             raise ExportError(
                 f"--draft-tokens {self.draft_tokens}: the checkpoint has no multi-token-prediction head (no mtp.* "

@@ -114,8 +114,9 @@ class RuntimeOptions:
         0,
         "--draft-tokens",
         "Speculative decoding: draft this many tokens a round with the export's MTP head and check them in one run "
-        "(1 to the export's --draft-tokens; 0: off). Greedy output is unchanged; sampled output keeps its "
-        "distribution.",
+        "(1 to the export's --draft-tokens; 0: off). Greedy output is unchanged (fp32 exports; int4 rounds "
+        "slightly differently), sampled output keeps its distribution; a speculation slower than plain decoding "
+        "stops itself.",
     )
     profile_dir: str = option(
         "",

@@ -167,6 +167,7 @@ class Generation:
         where a chunk fits."""
         self._verified: tuple | None = None  # the last verify run, until commit
         self._verify_buffers: list = []
+        self._verify_parity = 0  # the buffers the next verify run writes (not the ones the states point into)
         self.bucket = prompt.bucket if contract.prefill_buckets and not self.chunked else None
         if states is None and not self.chunked:
             backend.load_prefill(self.bucket)
@@ -375,6 +376,7 @@ class Generation:
                 self.next_run_tokens = later[0] if later[0] > 1 else 0
                 yield size
         self.next_run_tokens = None
+        self.chunk_observer = None  # (its owner refers to this generation: no cycle kept past the prefill)
         self.states = states
         self.mask = np.zeros((1, c.capacity), dtype=np.int64)
         self.mask[0, :done] = 1
@@ -515,6 +517,9 @@ class Generation:
         if self._verified is not None:
             raise RuntimeError("commit the last verify run before the next one")
         size, start = len(tokens), self.length
+        vocab = self.contract.vocab_size
+        if any(isinstance(t, bool) or not 0 <= int(t) < vocab for t in tokens):
+            raise ValueError(f"verify tokens {list(tokens)} must be token ids from 0 to {vocab - 1}")
         if start + size > self.contract.capacity:
             raise CapacityExhausted(start + size - 1, self.contract.capacity)
         mask = self.mask.copy()
@@ -524,7 +529,8 @@ class Generation:
         )
         if not self._verify_buffers:
             self._verify_buffers = [self.backend.verify_buffers(), self.backend.verify_buffers()]
-        buffers = self._verify_buffers[self.timings.verify_runs % 2]  # not the ones the states point into
+        buffers = self._verify_buffers[self._verify_parity]
+        self._verify_parity = 1 - self._verify_parity
         feeds = {"input_ids": np.array([tokens], dtype=np.int64), "attention_mask": mask, "position_ids": positions}
         begin = time.perf_counter()
         logits, hidden, result = self.backend.run_verify(size, feeds, self.states, buffers)

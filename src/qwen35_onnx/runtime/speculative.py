@@ -36,6 +36,8 @@ JUDGED_AFTER_ROUNDS = 8
 (:meth:`Speculation.worth_it`)."""
 PLAIN_STEPS = 2
 """Plain decode steps a speculation runs first, the last of them timed (:meth:`Speculation.plain_step`)."""
+WARM_ROUNDS = 2
+"""First rounds left out of the judgement (they touch the verify buffers' fresh pages)."""
 
 
 def check_draft_tokens(draft_tokens, export_draft_tokens: int) -> int:
@@ -144,6 +146,8 @@ class Speculation:
     ):
         contract = generation.contract
         self.draft_tokens = check_draft_tokens(draft_tokens, contract.draft_tokens)
+        if not self.draft_tokens:
+            raise ValueError("a Speculation drafts at least 1 token a round (0 is off: make none)")
         if generation.pool is not None:
             raise ContractError(
                 "speculative decoding runs one sequence at a time, not in a slot pool (the export has "
@@ -174,6 +178,8 @@ class Speculation:
         self.emitted = 0  # the tokens the rounds emitted (the loop took)
         self.stopped_slower: bool = False
         """The speculation stopped itself: its rounds emitted fewer tokens per ms than plain decoding."""
+        self._judge = True  # (not with seeded sampling: a seed's tokens must not depend on measured times)
+        self._round_ms = 0.0
         generation.chunk_observer = self.observe_chunk
 
     # ---- the MTP head ----------------------------------------------------------------------------------
@@ -266,6 +272,10 @@ class Speculation:
         logits, hidden = self._run_mtp(backlog.start, backlog.hidden, [*backlog.next_tokens, token])
         position = backlog.start + len(backlog.hidden)
         for i in range(k):
+            if not (np.isfinite(logits.max()) and np.isfinite(logits.min())):
+                # a broken head: this round's drafts are rejected like any wrong ones, and no round follows
+                logits = np.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0)
+                self.usable = False
             if probs is None:
                 draft = int(np.argmax(logits))
             else:
@@ -296,11 +306,11 @@ class Speculation:
         for the rounds. The MTP head reads each position fed this way with the model's hidden state where it has
         it, else with its own output there (the decode graph returns no hidden state), as a draft step does."""
         generation = self.generation
-        before = generation.timings.decode_ms
+        began = time.perf_counter()
         logits = np.array(generation.step(token))
         self.plain_steps += 1
         if self.plain_steps == PLAIN_STEPS:
-            self.plain_step_ms = generation.timings.decode_ms - before
+            self.plain_step_ms = 1000 * (time.perf_counter() - began)  # as a round is timed: the whole call
             generation.take_back_states()
         backlog = self._backlog
         if backlog is not None and self.cache is not None:
@@ -311,12 +321,16 @@ class Speculation:
         return logits
 
     def worth_it(self) -> bool:
-        """Whether rounds should go on: after :data:`JUDGED_AFTER_ROUNDS` rounds, their tokens per ms (drafting,
-        verify runs and acceptance included) against one token per :attr:`plain_step_ms`; a slower speculation
-        stops for the rest of the generation (:attr:`stopped_slower`). The rule follows ``bench --speculative``:
+        """Whether rounds should go on: after :data:`WARM_ROUNDS` + :data:`JUDGED_AFTER_ROUNDS` rounds, the judged
+        rounds' tokens per ms (each :meth:`round` call: drafting, the verify run and acceptance) against one token
+        per :attr:`plain_step_ms` (a whole plain step call); a slower speculation stops for the rest of the
+        generation (:attr:`stopped_slower`). Never with seeded sampling (its tokens must not depend on measured
+        times); with greedy decoding on an int4 export, where a verify run rounds differently from a decode step,
+        the tokens after the point where it stops may differ between runs. The rule follows ``bench --speculative``:
         a round of k drafts at acceptance a emits ``1 + a + ... + a^k`` tokens for one verify run of k + 1 tokens
         and the head's runs, which on a CPU where several rows cost nearly as many single rows never pays."""
-        if self.plain_step_ms is None or self.rounds < JUDGED_AFTER_ROUNDS or self.stopped_slower:
+        judged = WARM_ROUNDS + JUDGED_AFTER_ROUNDS
+        if self.plain_step_ms is None or self.rounds < judged or self.stopped_slower or not self._judge:
             return not self.stopped_slower
         if self.emitted / self.spent_ms < 1.0 / self.plain_step_ms:
             self.stopped_slower = True
@@ -344,11 +358,19 @@ class Speculation:
         k = self.drafts_for()
         if k < 1:
             raise RuntimeError("no speculative round can run now (see drafts_for): feed the token with a decode step")
-        self._round_began = time.perf_counter()
+        began = time.perf_counter()
         drafts = self._draft(token, k, sampler)
         fed = [int(token), *drafts.tokens]
         logits, hidden = self.generation.verify(fed, drafts.ms)
         self._round_tokens, self._round_hidden = fed, hidden
+        self._judge = not (sampler.config.seed is not None and not sampler.config.greedy)
+        try:
+            return self._accept(drafts, logits, sampler)
+        finally:
+            self._round_ms = 1000 * (time.perf_counter() - began)
+
+    def _accept(self, drafts: Drafts, logits: np.ndarray, sampler: Sampler) -> list[int]:
+        """The tokens a round emits from its drafts and the verify run's ``logits [k+1, V]``."""
         if self.forced_acceptance is not None:
             kept = 0
             while kept < len(drafts.tokens) and self._forced_rng.random() < self.forced_acceptance:
@@ -379,8 +401,9 @@ class Speculation:
         states for the MTP head's next run."""
         self.generation.commit(used)
         self.rounds += 1
-        self.spent_ms += 1000 * (time.perf_counter() - self._round_began)
-        self.emitted += used
+        if self.rounds > WARM_ROUNDS:  # (the first rounds touch the verify buffers' fresh pages)
+            self.spent_ms += self._round_ms
+            self.emitted += used
         fed = self._round_tokens
         start = self.generation.length - used
         self._backlog = _Backlog(start, self._round_hidden[:used].copy(), fed[1:used])

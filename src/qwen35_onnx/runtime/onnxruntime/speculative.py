@@ -177,8 +177,9 @@ def run_mtp(
                 bind(f"{prefix}_{MTP_KV}.{j}", "cpu", 0, kv.dtype, list(kv.shape[1:]), kv.ctypes.data + j * entry)
     else:
         binding.bind_cpu_input(f"past_{MTP_KV}", kv)
-        cache.current = 1 - cache.current
-        _bind_array_output(binding, f"present_{MTP_KV}", cache.kv)
+        _bind_array_output(binding, f"present_{MTP_KV}", cache.buffers[1 - cache.current])
     session.run_with_iobinding(binding, options)
+    if not contract.kv_in_place:
+        cache.current = 1 - cache.current  # (after the run: a failed one leaves the cache as it was)
     logits, hidden = (value.numpy() for value in binding.get_outputs()[:2])
     return logits, hidden, cache

@@ -459,6 +459,21 @@ class _TextGraph(nn.Module):
         out = layers.masked_attention(q, k_all, v_all, allowed.unsqueeze(1), attn.scaling)
         return out, k_all, v_all
 
+    def chunk_full_mixer(self, rope, past_kv, past_len: torch.Tensor, kv: list):
+        """The full-attention mixer of a graph over new tokens after a past (chunk, verify): layer ``i``'s
+        :meth:`chunk_attention` over its entries ``2n``, ``2n + 1`` of ``past_kv``, the new entries appended to
+        ``kv``."""
+
+        def full_mixer(i, layer, h):
+            attn = layer.self_attn
+            n = self.full_slot[i]
+            q, k, v, gate = self.attention_qkv(i, attn, h, rope)
+            out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[2 * n], past_kv[2 * n + 1], past_len)
+            kv.extend([k_all, v_all])
+            return self.attention_output(attn, out, gate)
+
+        return full_mixer
+
     @staticmethod
     def attention_output(attn: nn.Module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         batch, seq_len = out.shape[:2]
@@ -691,13 +706,7 @@ class ChunkGraph(_TextGraph):
             rec_states.append(state)
             return out
 
-        def full_mixer(i, layer, h):
-            attn = layer.self_attn
-            n = self.full_slot[i]
-            q, k, v, gate = self.attention_qkv(i, attn, h, rope)
-            out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[2 * n], past_kv[2 * n + 1], past_len)
-            kv.extend([k_all, v_all])
-            return self.attention_output(attn, out, gate)
+        full_mixer = self.chunk_full_mixer(rope, past_kv, past_len, kv)
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
         every = hidden
@@ -764,13 +773,7 @@ class VerifyGraph(DecodeGraph):
                 rec_at[t].append(state)
             return self.gdn_output(attn, torch.cat(cores, dim=1), z)
 
-        def full_mixer(i, layer, h):
-            attn = layer.self_attn
-            n = self.full_slot[i]
-            q, k, v, gate = self.attention_qkv(i, attn, h, rope)
-            out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[2 * n], past_kv[2 * n + 1], past_len)
-            kv.extend([k_all, v_all])
-            return self.attention_output(attn, out, gate)
+        full_mixer = self.chunk_full_mixer(rope, past_kv, past_len, kv)
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
         logits = self.logits(hidden)

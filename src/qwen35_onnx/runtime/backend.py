@@ -295,20 +295,24 @@ class GraphSet(abc.ABC):
             self._prefill[bucket] = self._load(key, lambda contract, graph: check_prefill(contract, graph, bucket))
         return self._prefill[bucket]
 
+    def _sized(self, loaded: dict, size: int, sizes, key: str, check, missing: str) -> GraphSpec:
+        """The graph of ``size`` among ``sizes`` kept in ``loaded`` (loaded and cross-checked with ``check`` on its
+        first use, under manifest key ``key``); a ContractError saying ``missing`` for a size the export lacks."""
+        if size not in loaded:
+            if size not in sizes:
+                raise ContractError(missing)
+            loaded[size] = self._load(key, lambda contract, graph: check(contract, graph, size))
+        return loaded[size]
+
     def chunk(self, size: int) -> GraphSpec:
         """The chunk graph of ``size`` tokens (loaded and cross-checked on its first use).
 
         Raises:
             ContractError: the export has no chunk graph of that size, or it disagrees with the manifest.
         """
-        if size not in self._chunk:
-            if size not in self.contract.prefill_chunks:
-                raise ContractError(
-                    f"the export has no prefill chunk of {size} tokens (chunks {list(self.contract.prefill_chunks)})"
-                )
-            key = self.contract.chunk_graph_key(size)
-            self._chunk[size] = self._load(key, lambda contract, graph: check_chunk(contract, graph, size))
-        return self._chunk[size]
+        c = self.contract
+        missing = f"the export has no prefill chunk of {size} tokens (chunks {list(c.prefill_chunks)})"
+        return self._sized(self._chunk, size, c.prefill_chunks, c.chunk_graph_key(size), check_chunk, missing)
 
     def verify(self, size: int) -> GraphSpec:
         """The verify graph of ``size`` tokens (a draft length of ``size - 1``; loaded and cross-checked on its
@@ -317,15 +321,12 @@ class GraphSet(abc.ABC):
         Raises:
             ContractError: the export has no verify graph of that size, or it disagrees with the manifest.
         """
-        if size not in self._verify:
-            if size not in self.contract.verify_sizes:
-                raise ContractError(
-                    f"the export has no verify graph of {size} tokens (draft tokens {size - 1}; the export verifies "
-                    f"up to {self.contract.draft_tokens})"
-                )
-            key = self.contract.verify_graph_key(size)
-            self._verify[size] = self._load(key, lambda contract, graph: check_verify(contract, graph, size))
-        return self._verify[size]
+        c = self.contract
+        missing = (
+            f"the export has no verify graph of {size} tokens (draft tokens {size - 1}; the export verifies up to "
+            f"{c.draft_tokens})"
+        )
+        return self._sized(self._verify, size, c.verify_sizes, c.verify_graph_key(size), check_verify, missing)
 
     def mtp(self, size: int) -> GraphSpec:
         """The MTP graph of ``size`` positions (loaded and cross-checked on its first use).
@@ -333,14 +334,9 @@ class GraphSet(abc.ABC):
         Raises:
             ContractError: the export has no MTP graph of that size, or it disagrees with the manifest.
         """
-        if size not in self._mtp:
-            if size not in self.contract.mtp_sizes:
-                raise ContractError(
-                    f"the export has no MTP graph of {size} positions (sizes {list(self.contract.mtp_sizes)})"
-                )
-            key = self.contract.mtp_graph_key(size)
-            self._mtp[size] = self._load(key, lambda contract, graph: check_mtp(contract, graph, size))
-        return self._mtp[size]
+        c = self.contract
+        missing = f"the export has no MTP graph of {size} positions (sizes {list(c.mtp_sizes)})"
+        return self._sized(self._mtp, size, c.mtp_sizes, c.mtp_graph_key(size), check_mtp, missing)
 
     @property
     def loaded_chunks(self) -> list[int]:

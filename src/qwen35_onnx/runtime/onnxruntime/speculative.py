@@ -61,6 +61,14 @@ class VerifyResult:
         return {"present_conv_states": wrap(conv), "present_recurrent_states": wrap(rec), "present_kv_cache": self.kv}
 
 
+def _positions(contract: ShapeContract, buffers: VerifyBuffers, size: int):
+    """``(output name, its place)`` of each per-position state output of a verify run of ``size`` tokens: a row
+    ``[1, ...]`` of the position-major buffers (a view)."""
+    for state, buffer in (("conv_states", buffers.conv), ("recurrent_states", buffers.rec)):
+        flat = buffer.reshape(-1, *buffer.shape[2:])  # [P * n_linear, 1, ...]
+        yield from zip(contract.verify_state_names(state, size), flat)
+
+
 def _bind_host(binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> None:
     for name, value in feeds.items():
         binding.bind_cpu_input(name, np.ascontiguousarray(value))
@@ -87,16 +95,14 @@ def run_verify_bound(
     _bind_host(binding, feeds)
     binding.bind_output("logits", "cpu")
     binding.bind_output("hidden_states", "cpu")
-    for state, buffer in (("conv_states", buffers.conv), ("recurrent_states", buffers.rec)):
+    for state in ("conv_states", "recurrent_states"):
         past = states[f"present_{state}"]
         if contract.kv_in_place:
             bind_entries(binding, contract, "cpu", state, "past", past)
         else:
             binding.bind_ortvalue_input(f"past_{state}", past)
-        entry = buffer.shape[2:]  # [1, ...]: one layer's state after one position, in its place in the buffer
-        flat = buffer.reshape(-1, *entry)  # [P * n_linear, 1, ...] (a view)
-        for j, name in enumerate(contract.verify_state_names(state, size)):
-            binding.bind_output(name, "cpu", 0, buffer.dtype, list(entry), flat[j].ctypes.data)
+    for name, place in _positions(contract, buffers, size):  # each state where it stays
+        _bind_array_output(binding, name, place)
     kv = states["present_kv_cache"]
     if contract.kv_in_place:
         bind_entries(binding, contract, "cpu", "kv_cache", "past", kv)
@@ -127,10 +133,8 @@ def run_verify_host(
         feeds.update(zip(names, value) if contract.kv_in_place else {names[0]: value})
     outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds, options)))
     size = int(feeds["input_ids"].shape[1])
-    for state, buffer in (("conv_states", buffers.conv), ("recurrent_states", buffers.rec)):
-        flat = buffer.reshape(-1, *buffer.shape[2:])
-        for j, name in enumerate(contract.verify_state_names(state, size)):
-            flat[j] = outputs[name]
+    for name, place in _positions(contract, buffers, size):
+        place[...] = outputs[name]
     kv_names = contract.decode_state_names("kv_cache", "present")
     kv = np.stack([outputs[n] for n in kv_names]) if contract.kv_in_place else outputs[kv_names[0]]
     return outputs["logits"], outputs["hidden_states"], VerifyResult(buffers, kv)

@@ -403,3 +403,16 @@ def test_speculation_stops_itself_where_plain_decoding_is_faster(mtp_export):
         assert speculation.stopped_slower is stops
         judged = WARM_ROUNDS + JUDGED_AFTER_ROUNDS
         assert speculation.rounds == judged if stops else speculation.rounds > judged
+
+
+def test_speculation_with_host_state_roundtrip(mtp_export):
+    """``--host-state-roundtrip`` (every state through numpy): the verify runs' per-position states are copied into
+    the same buffers and the tokens equal plain decoding's."""
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    pipe = Pipeline.from_exported(mtp_export("ort"), host_state_roundtrip=True)
+    prepared = pipe.prepare(None, TEXT_PROMPT)
+    plain = pipe.generate_prepared(prepared, 32, SamplingConfig(), draft_tokens=0).token_ids
+    tokens, timings = speculative_greedy(pipe, prepared, 32, 2, oracle(plain, 0.9, seed=2))
+    assert tokens == plain and timings.accepted > 0

@@ -290,20 +290,16 @@ class GenerationGroup:
     def _speculate(self, member: Member) -> None:
         """A speculative round of ``member`` (alone: an export of one slot): its tokens go to its loop until it is
         done, the states after those it took are kept."""
-        loop, pieces = member.loop, []
+        loop = member.loop
         try:
-            for token in member.speculation.round(loop.token, loop.sampler):
-                pieces.append(loop.accept_token(token))
-                if loop.done:
-                    break
-            member.speculation.commit(len(pieces))
+            piece = loop.speculate(member.speculation)
         except Exception as exc:  # noqa: BLE001 - the member's stream raises it
             self._end(member, exc)
             return
         self.steps += 1
         self.last_rows = 1
         self.rows_stepped += 1
-        member.stream.put("".join(pieces))
+        member.stream.put(piece)
         if loop.done:
             self._end(member)
 

@@ -601,13 +601,7 @@ class Pipeline:
                     piece = loop.accept(speculation.plain_step(loop.token))
                     continue
                 if speculation is not None and speculation.drafts_for() and speculation.worth_it():
-                    pieces = []
-                    for token in speculation.round(loop.token, loop.sampler):
-                        pieces.append(loop.accept_token(token))
-                        if loop.done:
-                            break
-                    speculation.commit(len(pieces))  # the states after the tokens the loop took, before any is shown
-                    piece = "".join(pieces)
+                    piece = loop.speculate(speculation)
                     continue
                 try:
                     logits = generation.step(loop.token)

@@ -329,6 +329,18 @@ class TokenLoop:
             self.finish = FINISH_LENGTH
         return piece
 
+    def speculate(self, speculation) -> str:
+        """One speculative round of ``speculation`` (:class:`~qwen35_onnx.runtime.speculative.Speculation`) after
+        :attr:`token`: its tokens recorded one by one as :meth:`accept_token` records them, until the generation
+        is done, and the states after those taken kept (``commit``) before any text is shown; returns the text."""
+        pieces = []
+        for token in speculation.round(self.token, self.sampler):
+            pieces.append(self.accept_token(token))
+            if self.done:
+                break
+        speculation.commit(len(pieces))
+        return "".join(pieces)
+
     @property
     def done(self) -> bool:
         """The generation is over (:attr:`finish` set)."""

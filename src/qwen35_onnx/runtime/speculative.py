@@ -411,11 +411,3 @@ class Speculation:
     def stop(self) -> None:
         """No more rounds (the generation goes on with decode steps)."""
         self.usable = False
-
-
-def speculation_for(generation, draft_tokens: int, drafter=None) -> Speculation | None:
-    """A :class:`Speculation` of ``generation`` with ``draft_tokens`` drafts a round, or None for 0."""
-    if not draft_tokens:
-        check_draft_tokens(draft_tokens, generation.contract.draft_tokens)
-        return None
-    return Speculation(generation, draft_tokens, drafter)

@@ -340,18 +340,33 @@ def run_host(
     graph takes them one by one) in; the logits, the new stacked states and the hidden states (a chunk graph of an
     export with draft tokens; else None) out; ``options``: the
     run's RunOptions."""
+    outputs = run_host_outputs(session, contract, feeds, states, options)
+    new = {f"present_{state}": host_present(contract, outputs, state) for state in STATE_NAMES}
+    return outputs["logits"], new, outputs.get("hidden_states")
+
+
+def run_host_outputs(
+    session: ort.InferenceSession,
+    contract: ShapeContract,
+    feeds: dict[str, np.ndarray],
+    states: dict,
+    options: ort.RunOptions | None = None,
+) -> dict[str, np.ndarray]:
+    """Run ``session`` on the host ``feeds`` and the past ``states`` (``present_*``, stacked; split into entries
+    where the graph takes them one by one); returns every output by name (host arrays)."""
     feeds = dict(feeds)
-    per_entry = contract.kv_in_place
     for state in STATE_NAMES:
         names = contract.decode_state_names(state, "past")
         value = _to_numpy(states[f"present_{state}"])
-        feeds.update(zip(names, value) if per_entry else {names[0]: value})
-    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds, options)))
-    new = {}
-    for state in STATE_NAMES:
-        names = contract.decode_state_names(state, "present")
-        new[f"present_{state}"] = np.stack([outputs[n] for n in names]) if per_entry else outputs[names[0]]
-    return outputs["logits"], new, outputs.get("hidden_states")
+        feeds.update(zip(names, value) if contract.kv_in_place else {names[0]: value})
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds, options)))
+
+
+def host_present(contract: ShapeContract, outputs: dict[str, np.ndarray], state: str) -> np.ndarray:
+    """The stacked present ``state`` among a host run's ``outputs`` (its entries stacked where the graph returns
+    them one by one)."""
+    names = contract.decode_state_names(state, "present")
+    return np.stack([outputs[n] for n in names]) if contract.kv_in_place else outputs[names[0]]
 
 
 class HostDecoder:

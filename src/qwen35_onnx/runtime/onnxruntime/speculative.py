@@ -16,7 +16,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract import ShapeContract
-from .decoders import NP_DTYPES, bind_entries
+from .decoders import NP_DTYPES, bind_entries, host_present, run_host_outputs
 
 MTP_KV = "mtp_kv_cache"
 
@@ -126,17 +126,10 @@ def run_verify_host(
 ) -> tuple[np.ndarray, np.ndarray, VerifyResult]:
     """:func:`run_verify_bound` with every state through numpy (``--host-state-roundtrip``): the per-position
     states are copied into ``buffers``; the KV cache comes back stacked (a new array)."""
-    feeds = dict(feeds)
-    for state in ("conv_states", "recurrent_states", "kv_cache"):
-        names = contract.decode_state_names(state, "past")
-        value = np.asarray(states[f"present_{state}"])
-        feeds.update(zip(names, value) if contract.kv_in_place else {names[0]: value})
-    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds, options)))
-    size = int(feeds["input_ids"].shape[1])
-    for name, place in _positions(contract, buffers, size):
+    outputs = run_host_outputs(session, contract, feeds, states, options)
+    for name, place in _positions(contract, buffers, int(feeds["input_ids"].shape[1])):
         place[...] = outputs[name]
-    kv_names = contract.decode_state_names("kv_cache", "present")
-    kv = np.stack([outputs[n] for n in kv_names]) if contract.kv_in_place else outputs[kv_names[0]]
+    kv = host_present(contract, outputs, "kv_cache")
     return outputs["logits"], outputs["hidden_states"], VerifyResult(buffers, kv)
 
 

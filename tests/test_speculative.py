@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from .conftest import build_once, export_to
+from .conftest import PHOTO_GRID, build_once, export_to
 
 SPEC_CAPACITY = 96
 SPEC_CHUNKS = (8, 32)
@@ -33,16 +33,26 @@ def mtp_checkpoint(trained_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def mtp_export(mtp_checkpoint, tmp_path_factory):
-    """``mtp_export(ops) -> Path``: --ops ort with 4 draft tokens (the default), --ops portable with 2."""
+    """``mtp_export(ops) -> Path``: 4 draft tokens (the default for a checkpoint with an MTP head); --ops portable
+    with the photo's static vision grid, which OpenVINO runs too."""
 
     def get(ops: str):
-        drafts = 4 if ops == "ort" else 2
-        options = {"ops": ops, "prefill_chunks": SPEC_CHUNKS, "capacity": SPEC_CAPACITY, "draft_tokens": drafts}
-        if ops == "ort":
-            options.pop("draft_tokens")  # the default for a checkpoint with an MTP head
+        options = {"ops": ops, "prefill_chunks": SPEC_CHUNKS, "capacity": SPEC_CAPACITY}
+        if ops == "portable":
+            options["vision_grids"] = (PHOTO_GRID,)
         return build_once(tmp_path_factory, f"export-mtp-{ops}", lambda out: export_to(mtp_checkpoint, out, **options))
 
     return get
+
+
+def open_pipeline(mtp_export, runtime: str, **options):
+    """A pipeline on the MTP export a runtime runs: ``'ort'`` and ``'portable'`` (ONNX Runtime on the export of
+    those operators), ``'openvino'`` (the portable export)."""
+    from qwen35_onnx.pipeline import Pipeline
+
+    if runtime == "openvino":
+        return Pipeline.from_exported(mtp_export("portable"), runtime="openvino", **options)
+    return Pipeline.from_exported(mtp_export(runtime), **options)
 
 
 def oracle(truth: list[int], rate: float, seed: int):
@@ -110,8 +120,8 @@ def test_export_lists_mtp_and_verify_graphs(mtp_export, checkpoint):
         ExportOptions(draft_tokens=5).validate()
 
 
-@pytest.mark.parametrize("ops", ["ort", "portable"])
-def test_hidden_states_and_mtp_graph_match_the_reference(mtp_export, mtp_checkpoint, ops):
+@pytest.mark.parametrize("runtime", ["ort", "portable", "openvino"])
+def test_hidden_states_and_mtp_graph_match_the_reference(mtp_export, mtp_checkpoint, runtime):
     """The chunk graphs' hidden states are transformers' ``last_hidden_state`` (after the final norm: what
     lm_head reads, vLLM's MTP input), and the MTP graph computes vLLM's ``Qwen3_5MultiTokenPredictor`` on them
     (the torch reference :class:`~qwen35_onnx.export.mtp.MtpHead` with the checkpoint's ``mtp.*`` weights)."""
@@ -120,10 +130,9 @@ def test_hidden_states_and_mtp_graph_match_the_reference(mtp_export, mtp_checkpo
 
     from qwen35_onnx.export import layers
     from qwen35_onnx.export.mtp import load_mtp_head
-    from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.generation import Generation
 
-    pipe = Pipeline.from_exported(mtp_export(ops))
+    pipe = open_pipeline(mtp_export, runtime)
     prepared = pipe.prepare(None, TEXT_PROMPT)
     generation = Generation(pipe.backend, prepared)
     seen = []
@@ -168,20 +177,20 @@ def test_hidden_states_and_mtp_graph_match_the_reference(mtp_export, mtp_checkpo
 
 
 # ---- exactness ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ops", ["ort", "portable"])
-def test_speculative_greedy_equals_plain_and_transformers(mtp_export, mtp_checkpoint, photo, ops):
+@pytest.mark.parametrize("runtime", ["ort", "portable", "openvino"])
+def test_speculative_greedy_equals_plain_and_transformers(mtp_export, mtp_checkpoint, photo, runtime):
     """Greedy speculative decoding gives exactly plain greedy decoding's tokens, which are transformers': text
-    and image prompts, every draft length, the MTP head's own drafts (acceptance about 0) and drafts of the
-    target's own tokens at acceptance 0.5 and 0.9; 64 tokens (the image prompt: 24, its prompt fills the rest)."""
+    and image prompts, every draft length, the MTP head's own drafts and drafts of the target's own tokens at
+    acceptance 0.5 and 0.9; 64 tokens (the image prompt: 24, its prompt fills the rest); ONNX Runtime with both
+    ``--ops`` and OpenVINO."""
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.sampling import SamplingConfig
     from qwen35_onnx.verify import reference_generate_prepared
 
     from .conftest import IMAGE_TOKENS
 
-    pipe = Pipeline.from_exported(mtp_export(ops))
+    pipe = open_pipeline(mtp_export, runtime)
     model = Qwen3_5ForConditionalGeneration.from_pretrained(mtp_checkpoint).eval()
     drafts = pipe.contract.draft_tokens
     for image, n in ((None, 64), (photo, 24)):
@@ -209,8 +218,8 @@ def test_speculative_greedy_equals_plain_and_transformers(mtp_export, mtp_checkp
 
 
 def test_speculation_at_the_capacity_keeps_every_token(mtp_export):
-    """Near the capacity the rounds draft fewer tokens (a verify run writes every draft's KV slot), then decode
-    steps fill the last slots: the same tokens and finish reason as plain decoding, none lost."""
+    """Near the capacity, where a round's token and drafts no longer fit (a verify run writes all their KV slots),
+    decode steps fill the last slots: the same tokens and finish reason as plain decoding, none lost."""
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.sampling import SamplingConfig
 
@@ -244,6 +253,40 @@ def test_speculation_continues_a_conversation_from_kept_states(mtp_export):
             messages.append({"role": "assistant", "content": result.content})
     assert [r[:2] for r in replies[3]] == [r[:2] for r in replies[0]]
     assert replies[3][2][1] > 0 and all(r[2] > 0 for r in replies[3]) and not any(r[2] for r in replies[0])
+
+
+def test_kept_states_carry_the_mtp_heads_state(mtp_export):
+    """A speculative turn's kept states carry the MTP head's state (its KV slots of the positions it read, the
+    target's hidden states of the rest): at the prefill's snapshot point it equals the head's state after a fresh
+    prefill of the same tokens, and the next turn's speculation starts its head from the reply's snapshot."""
+    from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.generation import Generation
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+    from qwen35_onnx.runtime.speculative import Speculation
+
+    pipe = Pipeline.from_exported(mtp_export("ort"), draft_tokens=2)
+    cache, messages = pipe.state_cache(), [{"role": "user", "content": "Hello there."}]
+    reply = pipe.chat(messages, max_new_tokens=12, sampling=SamplingConfig(), state_cache=cache)
+    kept = sorted(cache._items.values(), key=lambda snapshot: snapshot.length)
+    assert len(kept) == 2 and all(s.mtp_kv is not None for s in kept)
+    point, end = kept
+    assert end.reply and not point.reply and end.length > point.length
+    assert point.mtp_kv.shape[3] + len(point.mtp_hidden) == point.length
+
+    fresh = Generation(pipe.backend, pipe.prepare_ids(np.array([[*point.token_ids, 11]])))
+    speculation = Speculation(fresh, 2)
+    fresh.prefill()
+    b = point.mtp_kv.shape[3]
+    np.testing.assert_allclose(speculation.cache.kv[:, :, :, :b], point.mtp_kv, rtol=1e-5, atol=1e-5)
+
+    messages += [{"role": "assistant", "content": reply.content}, {"role": "user", "content": "And then?"}]
+    generation = pipe.generation(pipe.prepare_chat(messages), cache)
+    assert generation.start is end
+    speculation = Speculation(generation, 2)
+    assert speculation.restored == end.length
+    np.testing.assert_array_equal(speculation.cache.kv[:, :, :, : end.mtp_kv.shape[3]], end.mtp_kv)
+    with pytest.raises(ValueError, match="does not cover the snapshot's"):
+        end.with_head_state(end.mtp_kv, end.mtp_hidden[:0])
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------
@@ -294,18 +337,18 @@ def test_bad_draft_tokens_fail_before_any_graph_runs(mtp_export, tmp_path):
     from qwen35_onnx.contract import ContractError
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.backend import RuntimeOptions
+    from qwen35_onnx.runtime.speculative import check_draft_tokens
 
     for bad, match in ((5, r"draft_tokens 5 must be from 0 \(off\) to 4"), (-1, "must be from 0"), (True, "integer")):
         with pytest.raises(ValueError, match=match):
             RuntimeOptions(draft_tokens=bad).validate()
-    with pytest.raises(ValueError, match="runs on ONNX Runtime's CPU for now, not on openvino"):
-        RuntimeOptions(draft_tokens=2, runtime="openvino").validate()
+    with pytest.raises(ValueError, match="speculative decoding on ONNX Runtime runs on the CPU"):
+        RuntimeOptions(draft_tokens=2, device="cuda").validate()
+    RuntimeOptions(draft_tokens=2, runtime="openvino").validate()
+    with pytest.raises(ContractError, match=r"draft tokens 3 is more than this export verifies \(2, its --draft"):
+        check_draft_tokens(3, 2)
     portable = mtp_export("portable")
-    with pytest.raises(ContractError, match=r"draft tokens 3 is more than this export verifies \(2"):
-        Pipeline.from_exported(portable, draft_tokens=3)
     pipe = Pipeline.from_exported(portable)
-    with pytest.raises(ContractError, match="more than this export verifies"):
-        pipe.generate(None, "hi", 4, draft_tokens=4)
     with pytest.raises(ValueError, match="draft_tokens applies to a generation alone"):
         pipe.stream(None, "hi", 4, draft_tokens=1, group=pipe.group())
 
@@ -405,13 +448,13 @@ def test_speculation_stops_itself_where_plain_decoding_is_faster(mtp_export):
         assert speculation.rounds == judged if stops else speculation.rounds > judged
 
 
-def test_speculation_with_host_state_roundtrip(mtp_export):
-    """``--host-state-roundtrip`` (every state through numpy): the verify runs' per-position states are copied into
-    the same buffers and the tokens equal plain decoding's."""
-    from qwen35_onnx.pipeline import Pipeline
+@pytest.mark.parametrize("runtime", ["ort", "openvino"])
+def test_speculation_with_host_state_roundtrip(mtp_export, runtime):
+    """``--host-state-roundtrip`` (every state through numpy): the verify runs' per-position states go into the
+    same host buffers and the tokens equal plain decoding's."""
     from qwen35_onnx.runtime.sampling import SamplingConfig
 
-    pipe = Pipeline.from_exported(mtp_export("ort"), host_state_roundtrip=True)
+    pipe = open_pipeline(mtp_export, runtime, host_state_roundtrip=True)
     prepared = pipe.prepare(None, TEXT_PROMPT)
     plain = pipe.generate_prepared(prepared, 32, SamplingConfig(), draft_tokens=0).token_ids
     tokens, timings = speculative_greedy(pipe, prepared, 32, 2, oracle(plain, 0.9, seed=2))

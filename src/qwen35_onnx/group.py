@@ -69,7 +69,9 @@ class Generations(Protocol):
         self, prepared: PreparedPrompt, state_cache: SnapshotCache | None = None, pooled: bool = False
     ) -> Generation: ...
 
-    def keep_states(self, generation: Generation, state_cache: SnapshotCache | None) -> None: ...
+    def keep_states(
+        self, generation: Generation, state_cache: SnapshotCache | None, speculation: Speculation | None = None
+    ) -> None: ...
 
 
 __all__ = ["UNDER_LOAD_PREFILL_TOKENS", "GenerationGroup", "Generations", "Member"]
@@ -333,7 +335,7 @@ class GenerationGroup:
             if error is None:
                 rest = loop.flush()
                 if generation is not None and member.decoding:
-                    self.pipeline.keep_states(generation, member.state_cache)
+                    self.pipeline.keep_states(generation, member.state_cache, member.speculation)
         except Exception as exc:  # noqa: BLE001
             error = exc
         finally:

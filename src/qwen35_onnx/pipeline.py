@@ -533,12 +533,8 @@ class Pipeline:
             draft_tokens = self.draft_tokens
         else:
             draft_tokens = self._check_drafts(self.contract, draft_tokens)
-            backend = self.backend
-            if draft_tokens and (backend.runtime != "onnxruntime" or str(backend.device).lower() != "cpu"):
-                raise ContractError(
-                    f"draft tokens {draft_tokens}: speculative decoding runs on ONNX Runtime's CPU for now, not on "
-                    f"{backend.runtime} {backend.device!r}"
-                )
+            if draft_tokens:
+                self.backend.check_speculation()
         if state_cache is not None and not isinstance(state_cache, SnapshotCache):
             raise TypeError(f"state_cache must be a SnapshotCache or None, got {type(state_cache).__name__}")
         if group is not None and (not isinstance(group, GenerationGroup) or group.pipeline is not self):
@@ -612,18 +608,21 @@ class Pipeline:
                     speculation.stop()  # the decoder holds the states now
                 piece = loop.accept(logits)
             rest = loop.flush()
-            self.keep_states(generation, state_cache)
+            self.keep_states(generation, state_cache, speculation)
         finally:
             loop.finalize(generation)
         if rest:  # the held-back tail, yielded once the result is final
             yield rest
 
     @staticmethod
-    def keep_states(generation: Generation, state_cache: SnapshotCache | None) -> None:
-        """Put a finished generation's snapshots and its state now into ``state_cache`` (if any)."""
+    def keep_states(
+        generation: Generation, state_cache: SnapshotCache | None, speculation: Speculation | None = None
+    ) -> None:
+        """Put a finished generation's snapshots and its state now into ``state_cache`` (if any), with the MTP
+        head's state where its ``speculation`` has it (:meth:`~.runtime.speculative.Speculation.with_head_state`)."""
         if state_cache is not None and generation.chunked:
             for snapshot in [*generation.snapshots, generation.snapshot()]:
-                state_cache.put(snapshot)
+                state_cache.put(snapshot if speculation is None else speculation.with_head_state(snapshot))
 
     generate = _at_once(
         stream, "generate", "Run a whole generation (the arguments of :meth:`stream`).", "GenerationResult"

@@ -152,10 +152,10 @@ class RuntimeOptions:
             )
         if not 0 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens {self.draft_tokens} must be from 0 (off) to {MAX_DRAFT_TOKENS}")
-        if self.draft_tokens and (self.runtime != Runtime.ONNXRUNTIME or str(self.device).lower() != "cpu"):
+        if self.draft_tokens and self.runtime == Runtime.ONNXRUNTIME and str(self.device).lower() != "cpu":
             raise ValueError(
-                f"draft_tokens {self.draft_tokens}: speculative decoding runs on ONNX Runtime's CPU for now, not on "
-                f"{plain(self.runtime)} {self.device!r}; run with draft_tokens 0 there"
+                f"draft_tokens {self.draft_tokens}: speculative decoding on ONNX Runtime runs on the CPU (its "
+                f"per-position states are host buffers), not on device {self.device!r}; run with draft_tokens 0 there"
             )
         if not isinstance(self.host_state_roundtrip, bool):
             raise ValueError(f"host_state_roundtrip must be true or false, got {self.host_state_roundtrip!r}")
@@ -448,6 +448,14 @@ class Backend(abc.ABC):
             ContractError: the export has no chunk graph of ``size``.
         """
 
+    def check_speculation(self) -> None:
+        """Whether this backend, on its device, runs speculative decoding (the verify and MTP graphs).
+
+        Raises:
+            ContractError: it does not, naming why.
+        """
+        return None
+
     def run_verify(
         self, size: int, feeds: dict[str, np.ndarray], states: dict[str, Any], buffers: Any
     ) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -461,7 +469,7 @@ class Backend(abc.ABC):
         Raises:
             ContractError: this backend does not run speculative decoding, or the export has no such graph.
         """
-        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+        raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
     def verify_buffers(self) -> Any:
         """Buffers for the states of every position of a verify run (the largest one, :attr:`ShapeContract.
@@ -470,23 +478,23 @@ class Backend(abc.ABC):
         Raises:
             ContractError: this backend does not run speculative decoding.
         """
-        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+        raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
     def states_after(self, result: Any, position: int) -> dict[str, Any]:
         """The states after ``position`` (0-based, among the verify run's tokens) of a :meth:`run_verify` result,
         keyed as :meth:`run_prefill` returns them: views of the run's buffers, no copy (the KV cache holds every
         position's slots; the mask decides which are in use)."""
-        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+        raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
     def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: Any) -> tuple[np.ndarray, np.ndarray, Any]:
         """The MTP graph of ``size`` positions (:class:`~qwen35_onnx.export.graphs.MtpGraph`) on host ``feeds``
         after the head's KV cache ``kv`` (from :meth:`mtp_cache`, which this call takes over); returns the draft
         logits ``[1, 1, V]`` and ``mtp_hidden [1, 1, hidden]`` (host, fp32) and the KV cache after the run."""
-        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+        raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
     def mtp_cache(self) -> Any:
         """The MTP head's empty KV cache (:attr:`ShapeContract.mtp_kv_shape`, zeros) in this backend's form."""
-        raise ContractError(f"speculative decoding runs on ONNX Runtime's CPU only, not on {self.runtime}")
+        raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
     @abc.abstractmethod
     def states_to_host(self, states: dict[str, Any], kv_length: int | None = None) -> dict[str, np.ndarray]:

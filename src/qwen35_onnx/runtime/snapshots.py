@@ -17,6 +17,7 @@ caching" keeps the recurrent state at block boundaries for the same reason).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from collections import OrderedDict
@@ -66,6 +67,11 @@ class StateSnapshot:
         conv_states: ``[n_linear, 1, K-1, conv_dim]``; recurrent_states: ``[n_linear, 1, Hv, Dk,
             Dv]`` fp32; kv_cache: ``[2 * n_full, 1, Hkv, length, D]`` (the used slots only).
         reply: taken after generated tokens (a reply), not inside a prompt.
+        mtp_kv: speculative decoding's MTP head at that point (where the head followed the generation): its KV
+            cache's used slots ``[2, 1, Hkv, b, D]``, one per position ``0 .. b-1`` whose next token it read;
+            mtp_hidden: the target's hidden states ``[length - b, hidden]`` fp32 of the positions after those
+            (the head reads them once their next tokens are known: the next prompt's). None: no head state (a
+            continued speculation starts its head empty there; the tokens are the same, fewer drafts are kept).
     """
 
     export: str
@@ -76,6 +82,8 @@ class StateSnapshot:
     recurrent_states: np.ndarray
     kv_cache: np.ndarray
     reply: bool = False
+    mtp_kv: np.ndarray | None = None
+    mtp_hidden: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -84,7 +92,21 @@ class StateSnapshot:
     @property
     def nbytes(self) -> int:
         """Host bytes the snapshot holds."""
-        return sum(a.nbytes for a in (self.token_ids, self.conv_states, self.recurrent_states, self.kv_cache))
+        arrays = (self.token_ids, self.conv_states, self.recurrent_states, self.kv_cache, self.mtp_kv, self.mtp_hidden)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    def with_head_state(self, mtp_kv: np.ndarray, mtp_hidden: np.ndarray) -> StateSnapshot:
+        """This snapshot with the MTP head's state (see :attr:`mtp_kv`, :attr:`mtp_hidden`).
+
+        Raises:
+            ValueError: shapes that do not add up to this snapshot's length.
+        """
+        if mtp_kv.ndim != 5 or mtp_hidden.ndim != 2 or mtp_kv.shape[3] + mtp_hidden.shape[0] != self.length:
+            raise ValueError(
+                f"an MTP head state of {mtp_kv.shape} KV and {mtp_hidden.shape} hidden rows does not cover the "
+                f"snapshot's {self.length} tokens"
+            )
+        return dataclasses.replace(self, mtp_kv=mtp_kv, mtp_hidden=mtp_hidden)
 
     def check_export(self, export: str, capacity: int) -> None:
         """Raises ContractError when this snapshot is not of the export ``export`` of ``capacity``,

@@ -160,8 +160,8 @@ class Speculation:
         self._forced_rng = np.random.default_rng(0)
         backend = generation.backend
         self.cache = backend.mtp_cache() if drafter is None else None
-        for size in range(2, self.draft_tokens + 2):  # load and cross-check every graph a round may run, now
-            backend.graphs.verify(size)
+        backend.check_speculation()
+        backend.graphs.verify(self.draft_tokens + 1)  # load and cross-check every graph a round may run, now
         for size in contract.mtp_sizes if drafter is None else ():
             backend.graphs.mtp(size)
         self.usable = True
@@ -180,6 +180,15 @@ class Speculation:
         """The speculation stopped itself: its rounds emitted fewer tokens per ms than plain decoding."""
         self._judge = True  # (not with seeded sampling: a seed's tokens must not depend on measured times)
         self._round_ms = 0.0
+        self._points: dict[int, _Backlog] = {}  # the head's backlog at the prefill's snapshot points
+        self.restored = 0
+        """Positions of the MTP head's state taken from the snapshot the generation continues (0: none)."""
+        start = generation.start
+        if self.cache is not None and start is not None and start.mtp_kv is not None:
+            b = start.mtp_kv.shape[3]
+            self.cache.kv[:, :, :, :b] = start.mtp_kv
+            self._backlog = _Backlog(b, start.mtp_hidden.copy())
+            self.restored = start.length
         generation.chunk_observer = self.observe_chunk
 
     # ---- the MTP head ----------------------------------------------------------------------------------
@@ -202,6 +211,23 @@ class Speculation:
         if n:
             self._run_mtp(first, rows[:n], ids[first + 1 : first + 1 + n])
         self._backlog = _Backlog(first + n, rows[n:].copy())
+        if start + real in self.generation.snapshot_at:
+            self._points[start + real] = self._backlog
+
+    def with_head_state(self, snapshot):
+        """``snapshot`` (a :class:`~.snapshots.StateSnapshot` of this generation) with the MTP head's state at its
+        length, where the head followed the generation to there (:meth:`~.snapshots.StateSnapshot.
+        with_head_state`: its KV cache's slots of the positions it read, the target's hidden states of the rest),
+        else unchanged. A speculation continuing from that snapshot starts its head there instead of empty."""
+        if self.cache is None:
+            return snapshot
+        backlog = self._backlog
+        if not (self.usable and backlog is not None and backlog.start + len(backlog.hidden) == snapshot.length):
+            backlog = self._points.get(snapshot.length)  # a snapshot point of the prefill (those slots stay)
+        if backlog is None or backlog.start + len(backlog.hidden) != snapshot.length:
+            return snapshot
+        kv = np.array(self.cache.kv[:, :, :, : backlog.start])
+        return snapshot.with_head_state(kv, np.array(backlog.hidden, dtype=np.float32))
 
     def _mtp_feeds(self, first: int, hidden: np.ndarray, tokens, size: int) -> dict[str, np.ndarray]:
         """Feeds of the MTP graph of ``size`` positions for positions ``first ..`` (``hidden [n, hidden]``, the
@@ -338,14 +364,16 @@ class Speculation:
         return not self.stopped_slower
 
     def drafts_for(self) -> int:
-        """The drafts the next round can verify: :attr:`draft_tokens`, fewer where the KV cache has no room for
-        them all (a verify run writes the slots of the token and its drafts); 0 where no round can run (the
-        generation goes on with decode steps)."""
+        """The drafts the next round verifies: :attr:`draft_tokens`; 0 where no round can run (the generation goes
+        on with decode steps), which includes the last tokens before the capacity, where the KV cache has no room
+        for the token and all its drafts (a verify run writes the slots of them all; one verify graph, of
+        ``draft_tokens + 1`` tokens, is all a speculation loads: on OpenVINO each compiled graph holds its own
+        weights)."""
         generation = self.generation
         if not self.usable or generation.states is None:
             return 0
         room = generation.contract.capacity - generation.length - 1
-        return max(0, min(self.draft_tokens, room))
+        return self.draft_tokens if room >= self.draft_tokens else 0
 
     def round(self, token: int, sampler: Sampler) -> list[int]:
         """One round after ``token`` (the last sampled token, not yet fed): draft, verify, accept. Returns the

@@ -12,9 +12,10 @@ import onnxruntime as ort
 
 from ...contract import STATE_NAMES, ContractError, ShapeContract
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
+from ..draft_buffers import MtpCache, VerifyBuffers
 from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, bind_state_output, run_chunk_bound, run_host
 from .sessions import OrtGraphSet, providers_for, run_options
-from .speculative import MtpCache, VerifyBuffers, VerifyResult, run_mtp, run_verify_bound, run_verify_host
+from .speculative import VerifyResult, run_mtp, run_verify_bound, run_verify_host
 
 
 class OrtBackend(Backend):
@@ -88,7 +89,7 @@ class OrtBackend(Backend):
             return run_host(session, self.contract, feeds, states, options)
         return run_chunk_bound(session, self.contract, self.device, feeds, states, options)
 
-    def _check_speculation_device(self) -> None:
+    def check_speculation(self) -> None:
         if self.device != "cpu":
             raise ContractError(
                 f"speculative decoding runs on the CPU (its per-position states are host buffers), not on device "
@@ -96,11 +97,11 @@ class OrtBackend(Backend):
             )
 
     def verify_buffers(self) -> VerifyBuffers:
-        self._check_speculation_device()
+        self.check_speculation()
         return VerifyBuffers.new(self.contract)
 
     def run_verify(self, size: int, feeds: dict[str, np.ndarray], states: dict, buffers: VerifyBuffers):
-        self._check_speculation_device()
+        self.check_speculation()
         session = self.graphs.verify(size).session
         run = run_verify_host if self.host_state_roundtrip else run_verify_bound
         return run(session, self.contract, feeds, states, buffers, run_options(size))
@@ -109,7 +110,7 @@ class OrtBackend(Backend):
         return result.states_after(position, host=self.host_state_roundtrip)
 
     def mtp_cache(self) -> MtpCache:
-        self._check_speculation_device()
+        self.check_speculation()
         return MtpCache.new(self.contract)
 
     def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: MtpCache):

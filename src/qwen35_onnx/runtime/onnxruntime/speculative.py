@@ -1,7 +1,8 @@
 """Speculative decoding's graph runs on ONNX Runtime (CPU, no torch): the verify graph, whose conv and recurrent
-states of every position go into buffers the speculation alternates (:class:`VerifyBuffers`: a round writes the
-pair its states do not point into, and the accepted position's states are views of it, no copy), and the MTP
-head's graph with its own KV cache (:class:`MtpCache`).
+states of every position go into the buffers a speculation alternates
+(:class:`~qwen35_onnx.runtime.draft_buffers.VerifyBuffers`: a round writes the pair its states do not point into,
+and the accepted position's states are views of it, no copy), and the MTP head's graph with its own KV cache
+(:class:`~qwen35_onnx.runtime.draft_buffers.MtpCache`).
 
 The KV caches are written in place with ``--ops ort`` (GroupQueryAttention over the capacity-wide entries: the
 slots of rejected drafts are left to be written over); with ``--ops portable`` a run returns the whole cache, into
@@ -10,37 +11,16 @@ the buffer of an A/B pair that the run does not read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
 from ...contract import ShapeContract
-from .decoders import NP_DTYPES, bind_entries, host_present, run_host_outputs
+from ..draft_buffers import MtpCache, VerifyBuffers
+from .decoders import bind_entries, host_present, run_host_outputs
 
 MTP_KV = "mtp_kv_cache"
-
-
-@dataclass
-class VerifyBuffers:
-    """Host buffers for one verify run's per-position states: ``conv [P, n_linear, 1, K-1, conv_dim]`` and
-    ``rec [P, n_linear, 1, Hv, Dk, Dv]`` (P = draft tokens + 1; a run of C tokens fills the first C), and where the
-    KV cache is not written in place the whole cache ``kv`` (``state_shape('kv_cache')``)."""
-
-    conv: np.ndarray
-    rec: np.ndarray
-    kv: np.ndarray | None = None
-
-    @classmethod
-    def new(cls, contract: ShapeContract) -> VerifyBuffers:
-        def empty(state: str, positions: int | None) -> np.ndarray:
-            shape = contract.state_shape(state)
-            dtype = NP_DTYPES[contract.state_dtype(state)]
-            return np.zeros(shape if positions is None else (positions, *shape), dtype=dtype)
-
-        positions = contract.draft_tokens + 1
-        kv = None if contract.kv_in_place else empty("kv_cache", None)
-        return cls(empty("conv_states", positions), empty("recurrent_states", positions), kv)
 
 
 @dataclass
@@ -59,14 +39,6 @@ class VerifyResult:
             return {"present_conv_states": conv, "present_recurrent_states": rec, "present_kv_cache": self.kv}
         wrap = ort.OrtValue.ortvalue_from_numpy
         return {"present_conv_states": wrap(conv), "present_recurrent_states": wrap(rec), "present_kv_cache": self.kv}
-
-
-def _positions(contract: ShapeContract, buffers: VerifyBuffers, size: int):
-    """``(output name, its place)`` of each per-position state output of a verify run of ``size`` tokens: a row
-    ``[1, ...]`` of the position-major buffers (a view)."""
-    for state, buffer in (("conv_states", buffers.conv), ("recurrent_states", buffers.rec)):
-        flat = buffer.reshape(-1, *buffer.shape[2:])  # [P * n_linear, 1, ...]
-        yield from zip(contract.verify_state_names(state, size), flat)
 
 
 def _bind_host(binding: ort.IOBinding, feeds: dict[str, np.ndarray]) -> None:
@@ -101,7 +73,7 @@ def run_verify_bound(
             bind_entries(binding, contract, "cpu", state, "past", past)
         else:
             binding.bind_ortvalue_input(f"past_{state}", past)
-    for name, place in _positions(contract, buffers, size):  # each state where it stays
+    for _, name, place in buffers.places(contract, size):  # each state where it stays
         _bind_array_output(binding, name, place)
     kv = states["present_kv_cache"]
     if contract.kv_in_place:
@@ -127,29 +99,10 @@ def run_verify_host(
     """:func:`run_verify_bound` with every state through numpy (``--host-state-roundtrip``): the per-position
     states are copied into ``buffers``; the KV cache comes back stacked (a new array)."""
     outputs = run_host_outputs(session, contract, feeds, states, options)
-    for name, place in _positions(contract, buffers, int(feeds["input_ids"].shape[1])):
+    for _, name, place in buffers.places(contract, int(feeds["input_ids"].shape[1])):
         place[...] = outputs[name]
     kv = host_present(contract, outputs, "kv_cache")
     return outputs["logits"], outputs["hidden_states"], VerifyResult(buffers, kv)
-
-
-@dataclass
-class MtpCache:
-    """The MTP head's KV cache ``[2, 1, Hkv, L, D]``: one buffer written in place (``--ops ort``), or an A/B pair
-    whose ``current`` one holds the cache (a run reads it and writes the other)."""
-
-    buffers: list[np.ndarray] = field(default_factory=list)
-    current: int = 0
-
-    @classmethod
-    def new(cls, contract: ShapeContract) -> MtpCache:
-        dtype = NP_DTYPES[contract.state_dtype("kv_cache")]
-        count = 1 if contract.kv_in_place else 2
-        return cls([np.zeros(contract.mtp_kv_shape, dtype=dtype) for _ in range(count)])
-
-    @property
-    def kv(self) -> np.ndarray:
-        return self.buffers[self.current]
 
 
 def run_mtp(
@@ -174,9 +127,8 @@ def run_mtp(
                 bind(f"{prefix}_{MTP_KV}.{j}", "cpu", 0, kv.dtype, list(kv.shape[1:]), kv.ctypes.data + j * entry)
     else:
         binding.bind_cpu_input(f"past_{MTP_KV}", kv)
-        _bind_array_output(binding, f"present_{MTP_KV}", cache.buffers[1 - cache.current])
+        _bind_array_output(binding, f"present_{MTP_KV}", cache.next)
     session.run_with_iobinding(binding, options)
-    if not contract.kv_in_place:
-        cache.current = 1 - cache.current  # (after the run: a failed one leaves the cache as it was)
+    cache.flip()
     logits, hidden = (value.numpy() for value in binding.get_outputs()[:2])
     return logits, hidden, cache

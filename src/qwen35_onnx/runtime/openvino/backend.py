@@ -15,7 +15,8 @@ Checked before anything compiles:
   manifest's, and its input/output shapes and element types cross-checked by the shared
   :mod:`qwen35_onnx.runtime.checks` functions, exactly as on ONNX Runtime.
 
-Decode states stay in OpenVINO tensors (:mod:`.decoders`).
+Decode states stay in OpenVINO tensors (:mod:`.decoders`); speculative decoding's verify and MTP runs write into
+host buffers bound as OpenVINO tensors (:mod:`.speculative`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from ...contract import METADATA_KEY, STATE_NAMES, ContractError, KvMode, Ops, S
 from ...onnxfile.scan import OnnxScanError, scan
 from ..backend import STATE_NUMPY_DTYPES, Backend, Decoder, GraphSet, Runtime, RuntimeOptions, fill_state
 from ..checks import GraphSpec, check_export_files
-from .decoders import OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request
+from ..draft_buffers import MtpCache, VerifyBuffers
+from .decoders import STATE_TYPES, OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request
+from .speculative import VerifyResult, run_mtp, run_verify
 
 #: OpenVINO's capability name of each precision (``OPTIMIZATION_CAPABILITIES`` of a device).
 CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
@@ -42,8 +45,6 @@ CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
 READABLE_FOREIGN_OPERATORS = frozenset({"com.microsoft.MatMulNBits"})
 
 #: ONNX type string of OpenVINO element types (the shared checks compare ONNX type strings).
-STATE_TYPES = {"fp32": ov.Type.f32, "fp16": ov.Type.f16, "bf16": ov.Type.bf16}
-"""OpenVINO element types of the contract's state dtypes."""
 ONNX_TYPE_OF = {
     "f32": "tensor(float)",
     "f16": "tensor(float16)",
@@ -275,6 +276,21 @@ class OpenVinoBackend(Backend):
         if self.host_state_roundtrip:
             new = {name: tensor.data.copy() for name, tensor in new.items()}
         return logits, new, hidden
+
+    def verify_buffers(self) -> VerifyBuffers:
+        return VerifyBuffers.new(self.contract)
+
+    def run_verify(self, size: int, feeds: dict[str, np.ndarray], states: dict, buffers: VerifyBuffers):
+        return run_verify(self.graphs.verify(size).request, self.contract, feeds, states, buffers)
+
+    def states_after(self, result: VerifyResult, position: int) -> dict:
+        return result.states_after(position, host=self.host_state_roundtrip)
+
+    def mtp_cache(self) -> MtpCache:
+        return MtpCache.new(self.contract)
+
+    def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: MtpCache):
+        return run_mtp(self.graphs.mtp(size).request, self.contract, feeds, kv)
 
     def states_to_host(self, states: dict, kv_length: int | None = None) -> dict[str, np.ndarray]:
         arrays = {}

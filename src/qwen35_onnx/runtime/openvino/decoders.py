@@ -17,6 +17,9 @@ import openvino as ov
 from ...contract import STATE_NAMES, ShapeContract
 from ..backend import host_inputs
 
+STATE_TYPES = {"fp32": ov.Type.f32, "fp16": ov.Type.f16, "bf16": ov.Type.bf16}
+"""OpenVINO element types of the contract's state dtypes."""
+
 
 def run_request(request: ov.InferRequest) -> None:
     """Run synchronously without building an output dictionary (``InferRequest.infer`` copies

@@ -217,13 +217,13 @@ def test_speculative_greedy_equals_plain_and_transformers(mtp_export, mtp_checkp
         assert timings.acceptance > (0.4 if k == 1 else 0.15), (k, timings.acceptance)
 
 
-def test_speculation_at_the_capacity_keeps_every_token(mtp_export):
+@pytest.mark.parametrize("runtime", ["ort", "portable", "openvino"])
+def test_speculation_at_the_capacity_keeps_every_token(mtp_export, runtime):
     """Near the capacity, where a round's token and drafts no longer fit (a verify run writes all their KV slots),
     decode steps fill the last slots: the same tokens and finish reason as plain decoding, none lost."""
-    from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.sampling import SamplingConfig
 
-    pipe = Pipeline.from_exported(mtp_export("ort"))
+    pipe = open_pipeline(mtp_export, runtime)
     pipe.stop_token_ids = ()  # (no end of sequence: every generation runs into the capacity)
     prepared = pipe.prepare(None, TEXT_PROMPT)
     plain = pipe.generate_prepared(prepared, None, SamplingConfig())
@@ -235,12 +235,36 @@ def test_speculation_at_the_capacity_keeps_every_token(mtp_export):
         assert result.token_ids == plain.token_ids and result.finish_reason == "length"
 
 
-def test_speculation_continues_a_conversation_from_kept_states(mtp_export):
-    """A chat continued from the state cache's kept states: the speculative turns equal the plain ones."""
+def test_no_rounds_after_a_prompt_tail_fed_by_decode_steps(mtp_export):
+    """A prompt so near the capacity that its last tokens go through decode steps (no chunk fits there): the MTP
+    head has no hidden state for them, so no round runs; the tokens are plain decoding's."""
     from qwen35_onnx.pipeline import Pipeline
+    from qwen35_onnx.runtime.generation import Generation
     from qwen35_onnx.runtime.sampling import SamplingConfig
+    from qwen35_onnx.runtime.speculative import Speculation
 
     pipe = Pipeline.from_exported(mtp_export("ort"))
+    pipe.stop_token_ids = ()
+    ids = pipe.prepare(None, TEXT_PROMPT).input_ids[0]
+    prepared = pipe.prepare_ids(np.resize(ids, SPEC_CAPACITY - 3)[None])
+    # a snapshot point 6 tokens before the capacity ends a chunk there: no chunk fits after it
+    prepared.snapshot_points = (SPEC_CAPACITY - 6,)
+    generation = Generation(pipe.backend, prepared, snapshot_at=prepared.snapshot_points)
+    speculation = Speculation(generation, 1)
+    generation.prefill()
+    assert generation.decoder is not None  # the prompt's tail went through decode steps
+    assert not speculation.usable and speculation.drafts_for() == 0 and generation.chunk_observer is None
+    plain = pipe.generate_prepared(prepared, None, SamplingConfig(), draft_tokens=0, state_cache=pipe.state_cache())
+    spoken = pipe.generate_prepared(prepared, None, SamplingConfig(), draft_tokens=1, state_cache=pipe.state_cache())
+    assert spoken.token_ids == plain.token_ids and spoken.timings.verify_runs == 0
+
+
+@pytest.mark.parametrize("runtime", ["ort", "portable", "openvino"])
+def test_speculation_continues_a_conversation_from_kept_states(mtp_export, runtime):
+    """A chat continued from the state cache's kept states: the speculative turns equal the plain ones."""
+    from qwen35_onnx.runtime.sampling import SamplingConfig
+
+    pipe = open_pipeline(mtp_export, runtime)
     replies = {}
     for drafts in (0, 3):
         pipe.draft_tokens = drafts
@@ -459,3 +483,29 @@ def test_speculation_with_host_state_roundtrip(mtp_export, runtime):
     plain = pipe.generate_prepared(prepared, 32, SamplingConfig(), draft_tokens=0).token_ids
     tokens, timings = speculative_greedy(pipe, prepared, 32, 2, oracle(plain, 0.9, seed=2))
     assert tokens == plain and timings.accepted > 0
+
+
+# ---- the bench's report ----------------------------------------------------------------------------------
+def test_speculative_bench_report_lines():
+    """``bench --speculative``'s Markdown: the parts against a step, the rates by draft length, and llama.cpp's MTP
+    drafting beside them, or why it was not measured; a round's expected tokens are 1 + a + ... + a^k."""
+    from qwen35_onnx.bench.speculative import expected_tokens, report_lines
+
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75) and expected_tokens(1, 0.0) == 1
+    report = {
+        "n_tokens": 128,
+        "plain_tokens_per_s": 60.0,
+        "costs": {"step_ms": 16.0, "verify_ms": {1: 21.0}, "draft_step_ms": 5.0, "mtp_kept_ms": {1: 5.5}},
+        "rows": [{"k": 1, "rate": 0.7, "acceptance": 0.7, "tokens_per_s": 48.0, "x_plain": 0.8, "same": None}],
+        "llama.cpp": {
+            "gguf": "/w/llama.cpp-mtp/model-Q4_0-pure.gguf",
+            "plain_tokens_per_s": 45.0,
+            "rows": [{"k": 1, "tokens_per_s": 30.0, "x_plain": 30 / 45, "acceptance": 0.01}],
+        },
+    }
+    lines = report_lines(report)
+    assert "| 1 | 21.0 | 1.31 | 5.5 | 0.34 |" in lines
+    assert "| 1 | 0.7 | 0.70 | 48.0 | 0.80 | - |" in lines
+    assert "| 1 | 30.0 | 0.67 | 0.01 |" in lines and any("model-Q4_0-pure.gguf" in line for line in lines)
+    report["llama.cpp"] = {"error": "llama-server exited with 1"}
+    assert report_lines(report)[-1] == "llama.cpp MTP drafting: not measured (llama-server exited with 1)"

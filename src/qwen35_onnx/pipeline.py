@@ -130,10 +130,12 @@ class Pipeline:
         Raises:
             ValueError: the export's ``generation_config.json`` is not JSON or holds sampling values out of range
                 (see :func:`~qwen35_onnx.runtime.sampling.sampling_defaults`); bad ``draft_tokens``.
-            ContractError: ``draft_tokens`` above what the export verifies, or on an export without MTP graphs
-                or with several decode slots.
+            ContractError: ``draft_tokens`` above what the export verifies, or on an export without MTP graphs,
+                with several decode slots, or on a device where speculative decoding does not run.
         """
         self.draft_tokens = self._check_drafts(contract, draft_tokens)
+        if self.draft_tokens:
+            backend.check_speculation()
         self.root = Path(root)
         self.contract = contract
         self.backend = backend
@@ -622,7 +624,9 @@ class Pipeline:
         head's state where its ``speculation`` has it (:meth:`~.runtime.speculative.Speculation.with_head_state`)."""
         if state_cache is not None and generation.chunked:
             for snapshot in [*generation.snapshots, generation.snapshot()]:
-                state_cache.put(snapshot if speculation is None else speculation.with_head_state(snapshot))
+                with_head = snapshot if speculation is None else speculation.with_head_state(snapshot)
+                if not state_cache.put(with_head) and with_head is not snapshot:
+                    state_cache.put(snapshot)  # (the head's state made it too big for the cache: the states alone)
 
     generate = _at_once(
         stream, "generate", "Run a whole generation (the arguments of :meth:`stream`).", "GenerationResult"

@@ -15,6 +15,12 @@ and verify graphs (cached in the work folder). Measured, medians over repeated r
   tokens), and at the MTP head's own drafts (random: acceptance about 0, the cost of a round that gains
   nothing, whose tokens equal plain decoding's where no near-tie flips).
 
+Beside them, llama.cpp's own MTP drafting on the same checkpoint (:func:`llamacpp_mtp`): the checkpoint with its
+head converted to GGUF (MTP tensors kept) and quantized as the bench's ``llama.cpp Q4_0 pure`` row, then
+``llama-server`` greedy on the same prompt without drafting and with ``--spec-type draft-mtp --spec-draft-n-max k``
+(its decode tokens/s and acceptance, from its ``timings``); it drafts with the same random head, so its
+acceptance is about 0 too (no forced rates: llama.cpp has no such knob).
+
 A round of ``k`` drafts at per-token acceptance ``a`` emits ``1 + a + a^2 + ... + a^k`` tokens on average (the
 drafts up to the first rejected one, plus the target's own) for one verify run, ``k`` draft steps and one run of
 the head over the kept positions; speculation gains where that beats as many plain steps.
@@ -165,6 +171,7 @@ def run_speculative(checkpoint: Path, work_dir: Path, n_tokens: int = 128, log=p
                 }
             )
     plain = statistics.median(plains)
+    llama = llamacpp_mtp(source, work_dir, n_tokens, runtime.intra_op_threads, pipe.contract.draft_tokens, log)
     report = {
         "run": run_info(),
         "export": str(folder),
@@ -172,10 +179,78 @@ def run_speculative(checkpoint: Path, work_dir: Path, n_tokens: int = 128, log=p
         "plain_tokens_per_s": plain,
         "costs": costs,
         "rows": rows,
+        "llama.cpp": llama,
     }
     (work_dir / "speculative.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (work_dir / "speculative.md").write_text("\n".join(report_lines(report)) + "\n")
     return report
+
+
+LLAMACPP_RUNS = 3
+"""Requests per llama-server configuration (the median's tokens/s is reported)."""
+
+
+def llamacpp_mtp(checkpoint: Path, work_dir: Path, n_tokens: int, threads: int, max_k: int, log=print) -> dict:
+    """llama.cpp's MTP drafting on ``checkpoint`` (with its ``mtp.*`` head): converted with the head into
+    ``work_dir/llama.cpp-mtp`` and quantized as the ``llama.cpp Q4_0 pure`` row (once), then ``llama-server`` (one
+    slot, ``threads`` threads) answering :data:`PROMPT` greedily with ``n_tokens`` tokens (end of sequence
+    ignored) :data:`LLAMACPP_RUNS` times, without drafting and with ``--spec-type draft-mtp --spec-draft-n-max k``
+    for ``k`` 1..``max_k``. Returns ``{"gguf", "plain_tokens_per_s", "rows": [{"k", "tokens_per_s", "x_plain",
+    "acceptance"}]}`` (decode tokens/s: llama-server's ``timings.predicted_per_second``, median), or
+    ``{"error": ...}`` where a step failed (the bench goes on without the row).
+
+    Raises nothing for llama.cpp's failures (they are reported in the result)."""
+    import httpx
+
+    from .llamacpp import check_tokenizer, convert, ensure_converter_venv, ensure_llamacpp, gguf_for
+    from .streams import _server, free_port
+
+    work_dir = Path(work_dir)
+    try:
+        llama = ensure_llamacpp(work_dir.parent / ".llama.cpp", log)
+        python = ensure_converter_venv(work_dir.parent / ".venv-llamacpp", llama, log)
+        bf16, _ = convert(python, llama, checkpoint, work_dir / "llama.cpp-mtp", log)
+        check_tokenizer(llama, bf16, checkpoint)
+        model = gguf_for("llama.cpp Q4_0 pure", llama, bf16, log)
+    except (RuntimeError, OSError) as exc:
+        log(f"[bench] llama.cpp MTP: {exc}")
+        return {"error": str(exc)}
+
+    def measure(k: int) -> dict:
+        port = free_port()
+        cmd = [llama.tool("llama-server"), "-m", str(model), "--port", str(port), "--parallel", "1", "-c", "2048"]
+        cmd += ["-t", str(threads), "-tb", str(threads), "--no-webui", "--jinja"]
+        if k:
+            cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(k)]
+        rates, drafted, accepted = [], 0, 0
+        with _server(cmd, port, "llama-server") as url:
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": PROMPT}],
+                "max_tokens": n_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "cache_prompt": False,
+            }
+            for _ in range(LLAMACPP_RUNS + 1):  # the first warms up
+                timings = httpx.post(f"{url}/chat/completions", json=body, timeout=600).json()["timings"]
+                rates.append(timings["predicted_per_second"])
+                drafted += timings.get("draft_n", 0)
+                accepted += timings.get("draft_n_accepted", 0)
+        return {"tokens_per_s": statistics.median(rates[1:]), "acceptance": accepted / drafted if drafted else None}
+
+    try:
+        log(f"[bench] llama-server ({model.name}) without drafting ...")
+        plain = measure(0)["tokens_per_s"]
+        rows = []
+        for k in range(1, max_k + 1):
+            log(f"[bench] llama-server --spec-type draft-mtp --spec-draft-n-max {k} ...")
+            row = measure(k)
+            rows.append({"k": k, **row, "x_plain": row["tokens_per_s"] / plain})
+    except (RuntimeError, OSError, KeyError, ValueError) as exc:
+        log(f"[bench] llama.cpp MTP: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"gguf": str(model), "plain_tokens_per_s": plain, "rows": rows}
 
 
 def report_lines(report: dict) -> list[str]:
@@ -208,4 +283,19 @@ def report_lines(report: dict) -> list[str]:
             f"| {row['k']} | {forced} | {measured} | {row['tokens_per_s']:.1f} | {row['x_plain']:.2f} | "
             f"{'-' if row['same'] is None else ('yes' if row['same'] else 'no')} |"
         )
+    llama = report.get("llama.cpp")
+    if llama and "error" in llama:
+        lines += ["", f"llama.cpp MTP drafting: not measured ({llama['error']})"]
+    elif llama:
+        lines += [
+            "",
+            f"llama.cpp (`llama-server`, {Path(llama['gguf']).name}, the same head): plain "
+            f"{llama['plain_tokens_per_s']:.1f} tokens/s",
+            "",
+            "| k | llama.cpp --spec-type draft-mtp tokens/s | x its plain | acceptance measured |",
+            "|---:|---:|---:|---:|",
+        ]
+        for row in llama["rows"]:
+            measured = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+            lines.append(f"| {row['k']} | {row['tokens_per_s']:.1f} | {row['x_plain']:.2f} | {measured} |")
     return lines

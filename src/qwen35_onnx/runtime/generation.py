@@ -376,7 +376,6 @@ class Generation:
                 self.next_run_tokens = later[0] if later[0] > 1 else 0
                 yield size
         self.next_run_tokens = None
-        self.chunk_observer = None  # (its owner refers to this generation: no cycle kept past the prefill)
         self.states = states
         self.mask = np.zeros((1, c.capacity), dtype=np.int64)
         self.mask[0, :done] = 1
@@ -389,6 +388,7 @@ class Generation:
                     self.chunk_observer(piece.start, 1, None)
         finally:
             self._prefilling = False
+            self.chunk_observer = None  # (its owner refers to this generation: no cycle kept past the prefill)
         end = time.perf_counter()
         self.timings = Timings(
             vision_ms=1000 * (vision_done - begin) if prompt.pixel_values is not None else None,
@@ -530,10 +530,10 @@ class Generation:
         if not self._verify_buffers:
             self._verify_buffers = [self.backend.verify_buffers(), self.backend.verify_buffers()]
         buffers = self._verify_buffers[self._verify_parity]
-        self._verify_parity = 1 - self._verify_parity
         feeds = {"input_ids": np.array([tokens], dtype=np.int64), "attention_mask": mask, "position_ids": positions}
         begin = time.perf_counter()
         logits, hidden, result = self.backend.run_verify(size, feeds, self.states, buffers)
+        self._verify_parity = 1 - self._verify_parity  # (after the run: the states may point into the other set)
         self.timings.decode_ms += 1000 * (time.perf_counter() - begin) + draft_ms
         self.timings.draft_ms += draft_ms
         self.timings.verify_runs += 1

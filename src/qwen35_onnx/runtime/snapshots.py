@@ -69,8 +69,9 @@ class StateSnapshot:
         reply: taken after generated tokens (a reply), not inside a prompt.
         mtp_kv: speculative decoding's MTP head at that point (where the head followed the generation): its KV
             cache's used slots ``[2, 1, Hkv, b, D]``, one per position ``0 .. b-1`` whose next token it read;
-            mtp_hidden: the target's hidden states ``[length - b, hidden]`` fp32 of the positions after those
-            (the head reads them once their next tokens are known: the next prompt's). None: no head state (a
+            mtp_hidden: the hidden states ``[length - b, hidden]`` fp32 of the positions after those (the
+            target's; the head's own output for a position a plain decode step fed), which the head reads once
+            their next tokens are known (the next prompt's). None: no head state (a
             continued speculation starts its head empty there; the tokens are the same, fewer drafts are kept).
     """
 

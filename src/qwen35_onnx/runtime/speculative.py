@@ -184,11 +184,12 @@ class Speculation:
         self.restored = 0
         """Positions of the MTP head's state taken from the snapshot the generation continues (0: none)."""
         start = generation.start
+        self._head_whole = start is None  # the head has read every position from 0 (what a snapshot may keep)
         if self.cache is not None and start is not None and start.mtp_kv is not None:
             b = start.mtp_kv.shape[3]
             self.cache.kv[:, :, :, :b] = start.mtp_kv
             self._backlog = _Backlog(b, start.mtp_hidden.copy())
-            self.restored = start.length
+            self.restored, self._head_whole = start.length, True
         generation.chunk_observer = self.observe_chunk
 
     # ---- the MTP head ----------------------------------------------------------------------------------
@@ -198,6 +199,8 @@ class Speculation:
         if hidden is None:
             self.usable = False
             return
+        if start == 0:  # (a prefill from the first token: the generation dropped the snapshot it was to continue)
+            self._backlog, self.restored, self._head_whole = None, 0, True
         if not self.usable or self.cache is None:
             self._backlog = _Backlog(start + real - 1, hidden[-1:].copy())
             return
@@ -219,7 +222,7 @@ class Speculation:
         length, where the head followed the generation to there (:meth:`~.snapshots.StateSnapshot.
         with_head_state`: its KV cache's slots of the positions it read, the target's hidden states of the rest),
         else unchanged. A speculation continuing from that snapshot starts its head there instead of empty."""
-        if self.cache is None:
+        if self.cache is None or not self._head_whole:
             return snapshot
         backlog = self._backlog
         if not (self.usable and backlog is not None and backlog.start + len(backlog.hidden) == snapshot.length):

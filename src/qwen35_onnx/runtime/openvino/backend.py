@@ -277,7 +277,15 @@ class OpenVinoBackend(Backend):
             new = {name: tensor.data.copy() for name, tensor in new.items()}
         return logits, new, hidden
 
+    def check_speculation(self) -> None:
+        if self.device != "CPU":
+            raise ContractError(
+                f"speculative decoding on OpenVINO runs on the CPU (tested there; its per-position states are host "
+                f"buffers), not on device {self.device!r}; run with --draft-tokens 0"
+            )
+
     def verify_buffers(self) -> VerifyBuffers:
+        self.check_speculation()
         return VerifyBuffers.new(self.contract)
 
     def run_verify(self, size: int, feeds: dict[str, np.ndarray], states: dict, buffers: VerifyBuffers):
@@ -287,6 +295,7 @@ class OpenVinoBackend(Backend):
         return result.states_after(position, host=self.host_state_roundtrip)
 
     def mtp_cache(self) -> MtpCache:
+        self.check_speculation()
         return MtpCache.new(self.contract)
 
     def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: MtpCache):

@@ -64,7 +64,13 @@ def _feed(request: ov.InferRequest, feeds: dict[str, np.ndarray]) -> None:
 
 
 def _past(contract: ShapeContract, value, state: str) -> ov.Tensor:
-    return value if isinstance(value, ov.Tensor) else bound_tensor(contract, state, np.ascontiguousarray(value))
+    """``value`` as an input tensor: itself, or a tensor over the host array (C-contiguous: every state array is;
+    a copy would be freed while the request still points into it)."""
+    if isinstance(value, ov.Tensor):
+        return value
+    if not value.flags.c_contiguous:
+        raise ValueError(f"the {state} host array must be C-contiguous to be bound as an OpenVINO input")
+    return bound_tensor(contract, state, value)
 
 
 def run_verify(

@@ -49,6 +49,7 @@ from .checks import (
     check_verify,
     check_vision,
 )
+from .draft_buffers import MtpCache, VerifyBuffers
 from .vision_positions import vision_position_inputs
 
 
@@ -449,15 +450,21 @@ class Backend(abc.ABC):
         """
 
     def check_speculation(self) -> None:
-        """Whether this backend, on its device, runs speculative decoding (the verify and MTP graphs).
+        """Whether this backend, on its device, runs speculative decoding (the verify and MTP graphs): on the CPU
+        (the per-position states and the MTP head's cache are host buffers; ONNX Runtime's CUDA would need device
+        buffers, OpenVINO's GPU and NPU were not tried).
 
         Raises:
-            ContractError: it does not, naming why.
+            ContractError: another device, named.
         """
-        return None
+        if str(self.device).lower() != "cpu":
+            raise ContractError(
+                f"speculative decoding on {self.runtime} runs on the CPU (its per-position states are host "
+                f"buffers), not on device {self.device!r}; run with --draft-tokens 0"
+            )
 
     def run_verify(
-        self, size: int, feeds: dict[str, np.ndarray], states: dict[str, Any], buffers: Any
+        self, size: int, feeds: dict[str, np.ndarray], states: dict[str, Any], buffers: VerifyBuffers
     ) -> tuple[np.ndarray, np.ndarray, Any]:
         """The verify graph of ``size`` tokens (:class:`~qwen35_onnx.export.graphs.VerifyGraph`) on host ``feeds``
         (``input_ids [1, size]``, ``attention_mask [1, L]``, ``position_ids [4, 1, size]``) after ``states`` (keyed
@@ -471,30 +478,36 @@ class Backend(abc.ABC):
         """
         raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
-    def verify_buffers(self) -> Any:
-        """Buffers for the states of every position of a verify run (the largest one, :attr:`ShapeContract.
-        draft_tokens` + 1 positions), in this backend's form; a speculation alternates two of them.
+    def verify_buffers(self) -> VerifyBuffers:
+        """Host buffers for the states of every position of a verify run (the largest one,
+        :attr:`ShapeContract.draft_tokens` + 1 positions); a speculation alternates two of them.
 
         Raises:
-            ContractError: this backend does not run speculative decoding.
+            ContractError: see :meth:`check_speculation`.
         """
-        raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
+        self.check_speculation()
+        return VerifyBuffers.new(self.contract)
 
     def states_after(self, result: Any, position: int) -> dict[str, Any]:
         """The states after ``position`` (0-based, among the verify run's tokens) of a :meth:`run_verify` result,
         keyed as :meth:`run_prefill` returns them: views of the run's buffers, no copy (the KV cache holds every
-        position's slots; the mask decides which are in use)."""
-        raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
+        position's slots; the mask decides which are in use); host arrays with :attr:`host_state_roundtrip`."""
+        return result.states_after(position, host=self.host_state_roundtrip)
 
-    def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: Any) -> tuple[np.ndarray, np.ndarray, Any]:
+    def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: MtpCache) -> tuple[np.ndarray, np.ndarray, Any]:
         """The MTP graph of ``size`` positions (:class:`~qwen35_onnx.export.graphs.MtpGraph`) on host ``feeds``
         after the head's KV cache ``kv`` (from :meth:`mtp_cache`, which this call takes over); returns the draft
         logits ``[1, 1, V]`` and ``mtp_hidden [1, 1, hidden]`` (host, fp32) and the KV cache after the run."""
         raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
-    def mtp_cache(self) -> Any:
-        """The MTP head's empty KV cache (:attr:`ShapeContract.mtp_kv_shape`, zeros) in this backend's form."""
-        raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
+    def mtp_cache(self) -> MtpCache:
+        """The MTP head's empty KV cache (:attr:`ShapeContract.mtp_kv_shape`, zeros, host buffers).
+
+        Raises:
+            ContractError: see :meth:`check_speculation`.
+        """
+        self.check_speculation()
+        return MtpCache.new(self.contract)
 
     @abc.abstractmethod
     def states_to_host(self, states: dict[str, Any], kv_length: int | None = None) -> dict[str, np.ndarray]:

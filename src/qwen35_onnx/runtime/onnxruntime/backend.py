@@ -15,7 +15,7 @@ from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill
 from ..draft_buffers import MtpCache, VerifyBuffers
 from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, bind_state_output, run_chunk_bound, run_host
 from .sessions import OrtGraphSet, providers_for, run_options
-from .speculative import VerifyResult, run_mtp, run_verify_bound, run_verify_host
+from .speculative import run_mtp, run_verify_bound, run_verify_host
 
 
 class OrtBackend(Backend):
@@ -89,29 +89,11 @@ class OrtBackend(Backend):
             return run_host(session, self.contract, feeds, states, options)
         return run_chunk_bound(session, self.contract, self.device, feeds, states, options)
 
-    def check_speculation(self) -> None:
-        if self.device != "cpu":
-            raise ContractError(
-                f"speculative decoding runs on the CPU (its per-position states are host buffers), not on device "
-                f"{self.device!r}; run with --draft-tokens 0"
-            )
-
-    def verify_buffers(self) -> VerifyBuffers:
-        self.check_speculation()
-        return VerifyBuffers.new(self.contract)
-
     def run_verify(self, size: int, feeds: dict[str, np.ndarray], states: dict, buffers: VerifyBuffers):
         self.check_speculation()
         session = self.graphs.verify(size).session
         run = run_verify_host if self.host_state_roundtrip else run_verify_bound
         return run(session, self.contract, feeds, states, buffers, run_options(size))
-
-    def states_after(self, result: VerifyResult, position: int) -> dict:
-        return result.states_after(position, host=self.host_state_roundtrip)
-
-    def mtp_cache(self) -> MtpCache:
-        self.check_speculation()
-        return MtpCache.new(self.contract)
 
     def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: MtpCache):
         session = self.graphs.mtp(size).session

@@ -33,7 +33,7 @@ from ..backend import STATE_NUMPY_DTYPES, Backend, Decoder, GraphSet, Runtime, R
 from ..checks import GraphSpec, check_export_files
 from ..draft_buffers import MtpCache, VerifyBuffers
 from .decoders import STATE_TYPES, OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request
-from .speculative import VerifyResult, run_mtp, run_verify
+from .speculative import run_mtp, run_verify
 
 #: OpenVINO's capability name of each precision (``OPTIMIZATION_CAPABILITIES`` of a device).
 CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
@@ -277,26 +277,8 @@ class OpenVinoBackend(Backend):
             new = {name: tensor.data.copy() for name, tensor in new.items()}
         return logits, new, hidden
 
-    def check_speculation(self) -> None:
-        if self.device != "CPU":
-            raise ContractError(
-                f"speculative decoding on OpenVINO runs on the CPU (tested there; its per-position states are host "
-                f"buffers), not on device {self.device!r}; run with --draft-tokens 0"
-            )
-
-    def verify_buffers(self) -> VerifyBuffers:
-        self.check_speculation()
-        return VerifyBuffers.new(self.contract)
-
     def run_verify(self, size: int, feeds: dict[str, np.ndarray], states: dict, buffers: VerifyBuffers):
         return run_verify(self.graphs.verify(size).request, self.contract, feeds, states, buffers)
-
-    def states_after(self, result: VerifyResult, position: int) -> dict:
-        return result.states_after(position, host=self.host_state_roundtrip)
-
-    def mtp_cache(self) -> MtpCache:
-        self.check_speculation()
-        return MtpCache.new(self.contract)
 
     def run_mtp(self, size: int, feeds: dict[str, np.ndarray], kv: MtpCache):
         return run_mtp(self.graphs.mtp(size).request, self.contract, feeds, kv)

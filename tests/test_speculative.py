@@ -397,7 +397,10 @@ def test_no_draft_tokens_on_an_export_without_mtp(small_export):
 # ---- the server ------------------------------------------------------------------------------------------
 def test_serve_with_draft_tokens(mtp_export, tmp_path):
     """``serve --draft-tokens 2`` on an export of one slot: the openai client's streamed and whole replies equal
-    the plain greedy reply, ``usage`` reports the draft tokens kept and dropped, and ``/metrics`` counts them."""
+    the plain greedy reply, ``usage`` reports the draft tokens kept and dropped, ``/metrics`` counts them, and
+    identical requests sent at once each get that same reply."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import openai
 
     from qwen35_onnx.pipeline import Pipeline
@@ -409,7 +412,8 @@ def test_serve_with_draft_tokens(mtp_export, tmp_path):
     messages = [{"role": "user", "content": "Hello there."}]
     plain = Pipeline.from_exported(export).chat(messages, max_new_tokens=20, sampling=SamplingConfig())
     server = ServerProcess(
-        ["--model", str(export), "--port", "0", "--model-name", "mtp", "--threads", "1", "--draft-tokens", "2"],
+        ["--model", str(export), "--port", "0", "--model-name", "mtp", "--threads", "1", "--draft-tokens", "2"]
+        + ["--max-queue", "4"],
         tmp_path / "server.log",
     )
     try:
@@ -431,6 +435,19 @@ def test_serve_with_draft_tokens(mtp_export, tmp_path):
         assert drafted > 0 and chunks[-1].usage.completion_tokens_details is not None
         metrics = scrape(server, key=None)
         assert metrics[("qwen35_onnx_spec_decode_draft_tokens_total", ())] == 2 * drafted
+        # three identical requests at once (one slot: they take turns) each get the reply the request gets alone
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(
+                pool.map(
+                    lambda _: (
+                        client.chat.completions.create(model="mtp", messages=messages, max_tokens=20, temperature=0)
+                        .choices[0]
+                        .message.content
+                    ),
+                    range(3),
+                )
+            )
+        assert replies == [plain.content] * 3
     finally:
         server.stop()
     assert "Traceback" not in (tmp_path / "server.log").read_text()

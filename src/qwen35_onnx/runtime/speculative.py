@@ -159,8 +159,8 @@ class Speculation:
         self.forced_acceptance = forced_acceptance
         self._forced_rng = np.random.default_rng(0)
         backend = generation.backend
-        self.cache = backend.mtp_cache() if drafter is None else None
         backend.check_speculation()
+        self.cache = backend.mtp_cache() if drafter is None else None
         backend.graphs.verify(self.draft_tokens + 1)  # load and cross-check every graph a round may run, now
         for size in contract.mtp_sizes if drafter is None else ():
             backend.graphs.mtp(size)

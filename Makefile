@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile "$(TORCH)"
-	$(PY) -m pip install --quiet --no-compile -e ".[export,test,serve,openvino,docs]"
+	$(PY) -m pip install --quiet --no-compile -e ".[export,test,serve,cluster,openvino,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)

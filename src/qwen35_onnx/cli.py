@@ -22,6 +22,7 @@ from typing import Any, Optional, Union, get_args, get_origin
 
 import typer
 
+from .cluster.options import ClusterOptions
 from .contract import ContractError
 from .export.options import ExportOptions
 from .interrupts import unwinding
@@ -565,21 +566,30 @@ def chat(
 
 
 @app.command()
-@with_options(options=ServerOptions, runtime=RuntimeOptions)
+@with_options(options=ServerOptions, runtime=RuntimeOptions, cluster=ClusterOptions)
 def serve(
     model: Path = typer.Option(..., "--model", help="Export folder written by `qwen35-onnx export`."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free port, printed at start)."),
     options: ServerOptions = None,
     runtime: RuntimeOptions = None,
+    cluster: ClusterOptions = None,
 ) -> None:
-    """OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, /health, /metrics, page at /)."""
+    """OpenAI-compatible chat server (POST /v1/chat/completions, GET /v1/models, /health, /metrics, page at /);
+    with --replicas N a Ray Serve application of N replicas."""
+    announce = lambda line: typer.echo(line, err=True)  # noqa: E731
     try:
-        from .server.app import serve as run_server
-    except ImportError as exc:  # fastapi / uvicorn missing
-        _fail(ValueError(f"serve needs the 'serve' extra (pip install 'qwen35-onnx[serve]'): {exc}"))
-    try:
-        run_server(model, options, runtime, host=host, port=port, announce=lambda line: typer.echo(line, err=True))
+        cluster.validate()
+        if cluster.replicas:
+            from .cluster.app import serve_cluster
+
+            serve_cluster(model, options, runtime, cluster, host=host, port=port, announce=announce)
+            return
+        try:
+            from .server.app import serve as run_server
+        except ImportError as exc:  # fastapi / uvicorn missing
+            raise ValueError(f"serve needs the 'serve' extra (pip install 'qwen35-onnx[serve]'): {exc}") from None
+        run_server(model, options, runtime, host=host, port=port, announce=announce)
     except USER_ERRORS as exc:
         _fail(exc)
 

@@ -80,7 +80,7 @@ from .scheduler import ScheduledGeneration, Scheduler
 
 log = logging.getLogger(__name__)
 
-__all__ = ["create_app", "serve"]
+__all__ = ["authorize", "create_app", "install_error_handlers", "read_body", "serve"]
 
 STEP_SECONDS = 0.05
 """A non-streamed generation's step: tokens for up to this long per worker-thread job."""
@@ -132,6 +132,42 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+def authorize(request: Request, key: str | None) -> None:
+    """Raises APIError 401 ``invalid_api_key`` unless ``request`` carries ``Authorization: Bearer
+    <key>`` (compared in constant time); nothing when ``key`` is None."""
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body of ``request``, at most ``limit`` bytes.
+
+    Raises:
+        APIError: 413 ``request_too_large`` over ``limit`` (by Content-Length before reading, or
+            while reading); 400 for a Content-Length that is not a number or a client gone mid-body.
+    """
+    too_large = f"more than the limit of {limit} bytes (--max-body-bytes)"
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise bad_request(f"Content-Length {length[:40]!r} is not a number")
+        if int(length) > limit:
+            raise APIError(413, f"the request body is {int(length)} bytes, {too_large}", code="request_too_large")
+    body = bytearray()
+    try:
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise APIError(413, f"the request body is {too_large}", code="request_too_large")
+    except ClientDisconnect:
+        raise bad_request("the client disconnected before sending the whole body") from None
+    return bytes(body)
+
+
 class ChatServer:
     """The state behind the routes: the pipeline, its scheduler, the options and sampling defaults."""
 
@@ -169,37 +205,16 @@ class ChatServer:
         )
 
     def authorize(self, request: Request) -> None:
-        key = self.options.api_key
-        if key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>", code="invalid_api_key")
+        authorize(request, self.options.api_key)
 
     async def read_json(self, request: Request):
-        limit = self.options.max_body_bytes
-        too_large = f"more than the limit of {limit} bytes (--max-body-bytes)"
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                raise bad_request(f"Content-Length {length[:40]!r} is not a number")
-            if int(length) > limit:
-                raise APIError(413, f"the request body is {int(length)} bytes, {too_large}", code="request_too_large")
-        body = bytearray()
-        try:
-            async for part in request.stream():
-                body += part
-                if len(body) > limit:
-                    raise APIError(413, f"the request body is {too_large}", code="request_too_large")
-        except ClientDisconnect:
-            raise bad_request("the client disconnected before sending the whole body") from None
+        body = await read_body(request, self.options.max_body_bytes)
         if not body:
             raise bad_request("the request body is empty; send a JSON object")
         try:
             if len(body) > MIB:
-                return await asyncio.to_thread(json.loads, bytes(body))
-            return json.loads(bytes(body))
+                return await asyncio.to_thread(json.loads, body)
+            return json.loads(body)
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise bad_request(f"the request body is not valid JSON: {str(exc)[:200]}") from None
 
@@ -358,6 +373,37 @@ def usage_of(result) -> dict:
     )
 
 
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer ``app``'s errors as OpenAI error bodies: :class:`APIError` as raised, FastAPI's
+    validation errors as 400, Starlette's HTTP errors (404, 405) with their status, anything else as
+    a logged 500 ``internal_error``."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error_response(bad_request(first.get("msg", "invalid request"), param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(
+            APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        )
+
+    @app.exception_handler(Exception)
+    async def server_bug(request: Request, exc: Exception):
+        log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
+        return _error_response(
+            APIError(500, "internal server error (logged)", type="server_error", code="internal_error")
+        )
+
+
 def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingConfig | None = None) -> FastAPI:
     """The FastAPI application serving ``pipeline`` (see the module docstring).
 
@@ -386,30 +432,7 @@ def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingCon
     app = FastAPI(title="qwen35-onnx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError):
-        return _error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error_response(bad_request(first.get("msg", "invalid request"), param))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return _error_response(
-            APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
-        )
-
-    @app.exception_handler(Exception)
-    async def server_bug(request: Request, exc: Exception):
-        log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
-        return _error_response(
-            APIError(500, "internal server error (logged)", type="server_error", code="internal_error")
-        )
+    install_error_handlers(app)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -1,0 +1,227 @@
+"""The Ray Serve application (:func:`application`), its ``serve run`` builder (:func:`build_app`) and
+``qwen35-onnx serve --replicas N`` (:func:`serve_cluster`).
+
+Deployments:
+
+- ``ChatReplica`` x N (:class:`~.replica.ChatReplica`): a pipeline each, ``num_cpus`` = its threads
+  (Ray places each where that many CPUs are free), ``max_ongoing_requests`` = the export's decode
+  slots + ``--max-queue``; routed by :mod:`.routing`; health-checked every
+  :data:`HEALTH_CHECK_SECONDS` and restarted by Ray when its process dies.
+- ``Ingress`` x 1 (:class:`~.ingress.Ingress`, 0 CPUs): the HTTP front behind Ray Serve's proxy.
+- ``StatsBoard`` x 1 (0 CPUs): the replicas' reports for ``/health`` and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..contract import read_manifest
+from ..options import declared
+from ..runtime.backend import RuntimeOptions, usable_cpus
+from ..server.options import ServerOptions
+from .options import ClusterOptions, Routing, replica_threads
+
+__all__ = ["APP_NAME", "HEALTH_CHECK_SECONDS", "application", "build_app", "serve_cluster"]
+
+APP_NAME = "qwen35-onnx"
+HEALTH_CHECK_SECONDS = 2.0
+"""How often Ray Serve calls each replica's health check."""
+INGRESS_MAX_ONGOING = 1000
+"""Requests the ingress relays at once (each is a small coroutine; the replicas limit the work)."""
+
+
+def import_ray():
+    """``ray`` and ``ray.serve``; raises ValueError naming the extra to install when Ray is absent."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        raise ValueError(
+            f"serve --replicas needs Ray Serve, the 'cluster' extra (pip install 'qwen35-onnx[cluster]'): {exc}"
+        ) from None
+    return ray, serve
+
+
+def application(
+    model: str | Path,
+    options: ServerOptions,
+    runtime: RuntimeOptions,
+    cluster: ClusterOptions,
+    cpus: int,
+):
+    """The bound Ray Serve application serving the export at ``model`` with ``cluster.replicas``
+    replicas on a cluster of ``cpus`` CPUs.
+
+    Raises:
+        ValueError: bad options, ``replicas`` x threads above ``cpus``; ContractError: not an export.
+    """
+    _, serve = import_ray()
+    from ray.serve.config import RequestRouterConfig
+
+    from .ingress import Ingress
+    from .replica import ChatReplica, StatsBoard
+    from .routing import ConversationRouter, RoundRobinRouter
+
+    cluster.validate()
+    runtime.validate()
+    root = Path(model).resolve()
+    contract = read_manifest(root)  # a bad export fails here, before any replica starts
+    if options.model_name is None:
+        options = dataclasses.replace(options, model_name=root.name)
+    options.validate()
+    threads = replica_threads(cluster.replicas, runtime, cpus)
+    runtime = dataclasses.replace(runtime, threads=threads)
+    router = ConversationRouter if cluster.routing == Routing.CONVERSATION else RoundRobinRouter
+    replica = serve.deployment(ChatReplica, name="ChatReplica").options(
+        num_replicas=cluster.replicas,
+        ray_actor_options={"num_cpus": threads},
+        max_ongoing_requests=contract.slots + options.max_queue,
+        max_queued_requests=max(1, options.max_queue),
+        health_check_period_s=HEALTH_CHECK_SECONDS,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=router,
+            request_router_kwargs={"route_imbalance": cluster.route_imbalance},
+        ),
+    )
+    board = serve.deployment(StatsBoard, name="StatsBoard").options(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(Ingress, name="Ingress").options(
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING
+    )
+    board_app = board.bind()
+    return ingress.bind(replica.bind(str(root), options, runtime, board_app), board_app, options, cluster.replicas)
+
+
+def _typed(option, text):
+    """``text`` (a ``serve run`` argument or a config value) as ``option``'s type."""
+    if not isinstance(text, str):
+        return text
+    if option.parse is not None:
+        return option.parse(text)
+    kind = option.type
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"{option.name} must be true or false, got {text!r}")
+        return text.lower() in ("true", "1", "yes")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{option.name} must be an integer, got {text!r}") from None
+    if kind in (Path, Path | None):
+        return Path(text)
+    if isinstance(kind, type) and issubclass(kind, str) and kind is not str:  # a StrEnum
+        return kind(text)
+    return text
+
+
+def build_app(args: dict):
+    """The application for ``serve run qwen35_onnx.cluster:build_app model=PATH replicas=N ...`` or a
+    Ray Serve config file's ``import_path`` with ``args``: ``model`` (the export folder, at the same
+    path on every node) and any option of ``serve`` by its name with underscores (``replicas``,
+    ``threads``, ``routing``, ``max_queue``, ``api_key``, ...); CPUs counted on the running cluster.
+
+    Raises:
+        ValueError: no ``model``, an unknown argument (naming it and the known ones), a bad value.
+    """
+    ray, _ = import_ray()
+    args = dict(args)
+    model = args.pop("model", None)
+    if not model:
+        raise ValueError("build_app needs model=<export folder>")
+    groups = {ServerOptions: {}, RuntimeOptions: {}, ClusterOptions: {}}
+    known = {o.name: (group, o) for group in groups for o in declared(group)}
+    for name, value in args.items():
+        key = name.replace("-", "_")
+        if key not in known:
+            raise ValueError(f"unknown argument {name!r}; known: model, {', '.join(sorted(known))}")
+        group, option = known[key]
+        groups[group][key] = _typed(option, value)
+    cluster = ClusterOptions(**{"replicas": 1, **groups[ClusterOptions]})
+    if not ray.is_initialized():
+        ray.init(address="auto", ignore_reinit_error=True)
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    return application(
+        model, ServerOptions(**groups[ServerOptions]), RuntimeOptions(**groups[RuntimeOptions]), cluster, cpus
+    )
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def serve_cluster(
+    model: str | Path,
+    options: ServerOptions,
+    runtime: RuntimeOptions,
+    cluster: ClusterOptions,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    announce: Callable[[str], None] = print,
+) -> None:
+    """``qwen35-onnx serve --replicas N``: start Ray (a local one for this command, or join
+    ``cluster.address``), run the application on ``host:port`` (0: a free port), call ``announce``
+    with the URL once every replica has loaded, and serve until interrupted; then shut the
+    application (and a local Ray) down.
+
+    Raises:
+        ValueError: Ray absent, bad options, replicas x threads above the CPUs (checked before Ray
+            starts when local); ContractError: not an export; OSError: the port in use.
+    """
+    ray, serve = import_ray()
+    cluster.validate()
+    runtime.validate()
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    local = not cluster.address
+    if local:
+        replica_threads(cluster.replicas, runtime, usable_cpus())  # fail before Ray starts
+        read_manifest(Path(model))
+    port = port or _free_port(host)
+    on_term = signal.getsignal(signal.SIGTERM)
+    ray.init(
+        address=cluster.address or None,
+        num_cpus=usable_cpus() if local else None,
+        include_dashboard=False,
+        namespace=APP_NAME,
+        configure_logging=True,
+        logging_level="warning",
+        log_to_driver=True,
+    )
+    signal.signal(signal.SIGTERM, on_term)  # Ray's handler exits at once; ours unwinds through the shutdown below
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        app = application(model, options, runtime, cluster, cpus)
+        from ray.serve.config import HTTPOptions
+
+        serve.start(http_options=HTTPOptions(host=host, port=port))
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        board = serve.get_deployment_handle("StatsBoard", app_name=APP_NAME)
+        deadline = time.monotonic() + 30
+        while len(board.reports.remote().result()) < cluster.replicas and time.monotonic() < deadline:
+            time.sleep(0.2)  # /health says ok from the announcement on
+        threads = replica_threads(cluster.replicas, runtime, cpus)
+        shown = f"[{host}]" if ":" in host else host
+        name = options.model_name or Path(model).resolve().name
+        announce(
+            f"serving {name} on http://{shown}:{port}/v1 (Ray Serve: {cluster.replicas} replicas x {threads} threads, "
+            f"routing {Routing(cluster.routing).value}, queue {options.max_queue} each"
+            f"{', API key required' if options.api_key else ''})"
+        )
+        while True:
+            time.sleep(3600)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            if local:
+                ray.shutdown()

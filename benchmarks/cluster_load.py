@@ -183,7 +183,7 @@ def main() -> None:
             server.stop()
     manifest = json.loads((args.model / "manifest.json").read_text())
     single = results["single"]
-    for name, r in results.items():
+    for r in results.values():
         r["throughput_x_single"] = round(r["throughput_tok_s"] / single["throughput_tok_s"], 3)
         r["ttft_p95_x_single"] = round(r["ttft_p95_s"] / single["ttft_p95_s"], 3)
     result = {

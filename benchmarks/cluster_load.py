@@ -118,10 +118,11 @@ def conversation(url: str, client_id: int, turns: int, max_tokens: int, out: lis
         messages.append({"role": "assistant", "content": text})
 
 
-def run_load(url: str, clients: int, turns: int, max_tokens: int) -> dict:
+def run_load(url: str, clients: int, turns: int, max_tokens: int, first_client: int = 0) -> dict:
     records: list[dict] = []
     workers = [
-        threading.Thread(target=conversation, args=(url, i, turns, max_tokens, records)) for i in range(clients)
+        threading.Thread(target=conversation, args=(url, first_client + i, turns, max_tokens, records))
+        for i in range(clients)
     ]
     for w in workers:
         w.start()
@@ -140,8 +141,10 @@ def run_load(url: str, clients: int, turns: int, max_tokens: int) -> dict:
         "throughput_tok_s": round(sum(r["completion_tokens"] for r in records) / wall, 2),
         "ttft_median_s": round(statistics.median(ttft), 3),
         "ttft_p95_s": round(ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))], 3),
-        "hit_rate": round(sum(r["cached_tokens"] > 0 for r in later) / len(later), 3),
-        "cached_share": round(sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later), 3),
+        "hit_rate": round(sum(r["cached_tokens"] > 0 for r in later) / len(later), 3) if later else None,
+        "cached_share": (
+            round(sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later), 3) if later else None
+        ),
         "records": [{k: v for k, v in r.items() if k not in ("sent", "ended")} for r in records],
     }
 
@@ -169,7 +172,7 @@ def main() -> None:
         log = args.work_dir / f"{name}.log"
         server = Server(["--model", str(args.model), "--max-queue", str(args.clients), *extra], log)
         try:
-            run_load(server.url, 1, 1, 4)  # warm-up: first runs of every graph
+            run_load(server.url, 2, 1, 4, first_client=100)  # warm-up (both replicas): first runs of every graph
             started = time.monotonic()
             results[name] = {"args": extra, **run_load(server.url, args.clients, args.turns, args.max_tokens)}
             r = results[name]

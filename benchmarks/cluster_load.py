@@ -5,8 +5,11 @@ kept state.
 Not part of the test suite (each configuration loads the export and runs every conversation). The
 load: ``--clients`` OpenAI clients at once, each holding a ``--turns``-turn conversation of its own
 (no shared system prompt, so only a conversation's own state can be found), streamed, greedy,
-``--max-tokens`` tokens a reply. Per configuration: completion tokens per second over the whole run
-(first request sent to last reply ended), median and p95 time to first token (request sent to the
+``--max-tokens`` tokens a reply plus 8 x (client mod 4), so the clients drift apart (with replies of
+one length they would arrive in lock-step, and round-robin would send each conversation to the same
+replica every turn when the client count is even, to the other one every turn when it is odd).
+Per configuration: completion tokens per second over the whole run (first request sent to last
+reply ended), median and p95 time to first token (request sent to the
 first streamed text), and over the turns after the first: the share that reported
 ``cached_tokens`` > 0 (the "hit rate") and cached tokens / prompt tokens.
 
@@ -72,6 +75,7 @@ class Server:
 def conversation(url: str, client_id: int, turns: int, max_tokens: int, out: list) -> None:
     """One client's conversation; appends a record per turn to ``out``."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    max_tokens += 8 * (client_id % 4)
     topic = TOPICS[client_id % len(TOPICS)]
     messages = [
         {
@@ -153,7 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="an export with prefill chunks")
     parser.add_argument("--clients", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, help="write the result (JSON) here")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/cluster-load"))

@@ -11,7 +11,10 @@ replica every turn when the client count is even, to the other one every turn wh
 Per configuration: completion tokens per second over the whole run (first request sent to last
 reply ended), median and p95 time to first token (request sent to the
 first streamed text), and over the turns after the first: the share that reported
-``cached_tokens`` > 0 (the "hit rate") and cached tokens / prompt tokens.
+``cached_tokens`` > 0 (the "hit rate": with round-robin a conversation soon has states on both
+replicas, so most of its turns find some), the share the router sent to the replica holding the
+longest prefix of their messages (the "home rate", from ``qwen35_onnx_cluster_routes_total``),
+cached tokens / prompt tokens, and the tokens prefilled.
 
 Configurations, on the machine's CPUs: ``single`` (one process, ``--threads`` = all CPUs),
 ``replicas-conversation`` and ``replicas-round-robin`` (``--replicas 2``, half the CPUs each).
@@ -34,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 from qwen35_onnx.bench.results import run_info
@@ -149,8 +153,15 @@ def run_load(url: str, clients: int, turns: int, max_tokens: int, first_client: 
         "cached_share": (
             round(sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later), 3) if later else None
         ),
+        "prefilled_tokens_later_turns": sum(r["prompt_tokens"] - r["cached_tokens"] for r in later),
         "records": [{k: v for k, v in r.items() if k not in ("sent", "ended")} for r in records],
     }
+
+
+def routes(url: str) -> dict[str, float]:
+    """The router's decisions so far (``qwen35_onnx_cluster_routes_total``; empty for one process)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'cluster_routes_total\{decision="(\w+)"\} (\S+)', text)}
 
 
 def main() -> None:
@@ -177,12 +188,18 @@ def main() -> None:
         server = Server(["--model", str(args.model), "--max-queue", str(args.clients), *extra], log)
         try:
             run_load(server.url, 2, 1, 4, first_client=100)  # warm-up (both replicas): first runs of every graph
+            before = routes(server.url)
             started = time.monotonic()
             results[name] = {"args": extra, **run_load(server.url, args.clients, args.turns, args.max_tokens)}
             r = results[name]
+            after = routes(server.url)
+            r["routes"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+            sent = r["routes"].get("home", 0.0) + r["routes"].get("away", 0.0)
+            r["home_rate"] = round(r["routes"].get("home", 0.0) / sent, 3) if sent else None
             print(
                 f"{name:24s} {r['throughput_tok_s']:7.2f} tok/s  TTFT median {r['ttft_median_s']:.2f} s p95 "
-                f"{r['ttft_p95_s']:.2f} s  hit rate {r['hit_rate']:.2f}  cached share {r['cached_share']:.2f}  "
+                f"{r['ttft_p95_s']:.2f} s  hit rate {r['hit_rate']:.2f}  home rate {r['home_rate']}  cached share "
+                f"{r['cached_share']:.2f}  prefilled {r['prefilled_tokens_later_turns']}  "
                 f"({time.monotonic() - started:.0f} s)",
                 flush=True,
             )

@@ -121,6 +121,7 @@ HEAVY_FIRST = (
     "test_speculative.py",
     "test_openvino.py",
     "test_quantized_embedding.py",
+    "test_cluster.py",
     "test_chunked_prefill.py",
     "test_wide_parity.py",
     "test_export_contract.py",

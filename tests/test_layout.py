@@ -14,6 +14,7 @@ PACKAGE = Path(next(iter(qwen35_onnx.__path__)))
 #: Layers from the top; a module may import its own layer or any below it, never one above.
 LAYERS = (
     {"cli"},
+    {"cluster"},
     {"server", "bench", "demo", "verify", "chat_repl"},
     {"pipeline", "group", "streams"},
     {"conversation", "runtime"},

@@ -125,7 +125,10 @@ def build_app(args: dict):
     """The application for ``serve run qwen35_onnx.cluster:build_app model=PATH replicas=N ...`` or a
     Ray Serve config file's ``import_path`` with ``args``: ``model`` (the export folder, at the same
     path on every node) and any option of ``serve`` by its name with underscores (``replicas``,
-    ``threads``, ``routing``, ``max_queue``, ``api_key``, ...); CPUs counted on the running cluster.
+    ``threads``, ``routing``, ``max_queue``, ``api_key``, ...). The CPUs that ``replicas`` x ``threads``
+    is checked against (and shared by when ``threads`` is not given) are the cluster's when Ray is
+    already connected, else this machine's (``serve run`` builds before it connects): give
+    ``threads`` on a cluster of several nodes.
 
     Raises:
         ValueError: no ``model``, an unknown argument (naming it and the known ones), a bad value.
@@ -144,9 +147,8 @@ def build_app(args: dict):
         group, option = known[key]
         groups[group][key] = _typed(option, value)
     cluster = ClusterOptions(**{"replicas": 1, **groups[ClusterOptions]})
-    if not ray.is_initialized():
-        ray.init(address="auto", ignore_reinit_error=True)
-    cpus = int(ray.cluster_resources().get("CPU", 0))
+    # `serve run` builds the application before it connects to Ray: then this machine's CPUs
+    cpus = int(ray.cluster_resources().get("CPU", 0)) if ray.is_initialized() else usable_cpus()
     return application(
         model, ServerOptions(**groups[ServerOptions]), RuntimeOptions(**groups[RuntimeOptions]), cluster, cpus
     )

@@ -23,9 +23,7 @@ UNIT = (
 )
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
 FIGURE = re.compile(rf"(?<![\w.]){NUMBER}(?:\s?(?:-|–|to)\s?{NUMBER})?(?:\s?{UNIT}\b|\s?[x×X]\b| times\b)")
-SOURCE = re.compile(
-    r"(benchmarks/(?:[\w.-]+/){0,2}[\w.-]+\.json)|\(run: [^)]*\d{4}-\d{2}-\d{2},\s+v\d[^)]*\)"
-)
+SOURCE = re.compile(r"(benchmarks/(?:[\w.-]+/){0,2}[\w.-]+\.json)|\(run: [^)]*\d{4}-\d{2}-\d{2},\s+v\d[^)]*\)")
 
 
 def _prose_blocks(text: str, generated_block: bool = False) -> list[str]:

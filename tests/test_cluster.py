@@ -31,6 +31,7 @@ from qwen35_onnx.cluster.conversations import ConversationTable, conversation_ke
 from qwen35_onnx.cluster.options import ClusterOptions, replica_threads
 from qwen35_onnx.runtime.backend import RuntimeOptions
 from qwen35_onnx.runtime.sampling import SamplingConfig
+from qwen35_onnx.server.options import ServerOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingConfig(temperature=0.0)
@@ -105,6 +106,8 @@ def test_cluster_options_and_thread_shares_are_checked():
         (ClusterOptions(replicas=True), "--replicas must be an integer"),
         (ClusterOptions(replicas=2, routing="random"), "--routing must be one of conversation, round-robin"),
         (ClusterOptions(replicas=2, route_imbalance=-1), "--route-imbalance must be >= 0"),
+        (ClusterOptions(routing="round-robin"), "--routing only apply with --replicas N"),
+        (ClusterOptions(route_imbalance=2, address="auto"), "--route-imbalance, --ray-address only apply"),
     ]:
         with pytest.raises(ValueError, match=fragment):
             bad.validate()
@@ -147,11 +150,34 @@ def test_build_app_arguments_are_checked():
         build_app({})
     with pytest.raises(ValueError, match=r"unknown argument 'replica'; known: model, .*replicas"):
         build_app({"model": "/x", "replica": "2"})
-    options = {o.name: o for group in (ClusterOptions, RuntimeOptions) for o in declared(group)}
-    assert _typed(options["replicas"], "3") == 3
+    with pytest.raises(ValueError, match=r"unknown argument 'address'"):  # the command line's; Ray's tools choose
+        build_app({"model": "/x", "address": "auto"})
+    options = {o.name: o for group in (ClusterOptions, RuntimeOptions, ServerOptions) for o in declared(group)}
+    assert _typed(options["replicas"], "3") == 3 and _typed(options["replicas"], 3) == 3
     assert _typed(options["host_state_roundtrip"], "true") is True
-    with pytest.raises(ValueError, match="replicas must be an integer, got 'two'"):
-        _typed(options["replicas"], "two")
+    assert _typed(options["allowed_image_dir"], "/tmp") == Path("/tmp")
+    for option, value, fragment in [
+        ("replicas", "two", "replicas must be an integer, got 'two'"),
+        ("max_queue", True, "max_queue must be an integer, got True"),
+        ("max_queue", 2.5, "max_queue must be an integer, got 2.5"),
+        ("host_state_roundtrip", "maybe", "host_state_roundtrip must be true or false, got 'maybe'"),
+        ("host_state_roundtrip", 1, "host_state_roundtrip must be true or false, got 1"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            _typed(options[option], value)
+
+
+def test_build_app_reads_the_api_key_from_the_environment(bigram_export, monkeypatch):
+    """As the command line does: an application built by ``serve run`` without ``api_key`` takes
+    ``$QWEN35_ONNX_API_KEY`` (a deployment must not come up open by mistake)."""
+    from qwen35_onnx.cluster.app import build_app
+
+    monkeypatch.setenv("QWEN35_ONNX_API_KEY", "from-env")
+    app = build_app({"model": str(bigram_export), "replicas": "1", "threads": "1"})
+    ingress_args = app._bound_deployment.init_args
+    assert ingress_args[2].api_key == "from-env"  # (replicas, board, options, expected)
+    explicit = build_app({"model": str(bigram_export), "replicas": "1", "threads": "1", "api_key": "given"})
+    assert explicit._bound_deployment.init_args[2].api_key == "given"
 
 
 # ---- the ASGI bridge, metrics and health -------------------------------------------------------------
@@ -205,14 +231,13 @@ def test_metrics_carry_a_replica_label_and_health_adds_up():
     from qwen35_onnx.cluster.metrics import STALE_SECONDS, ClusterMetrics, aggregate_health
     from qwen35_onnx.server.metrics import ServerMetrics
 
-    now = time.time()
     reports = {}
     for name, (running, hits) in {"r1": (1, 2), "r2": (0, 3), "old": (5, 7)}.items():
         metrics = ServerMetrics(lambda: {"running": 0, "waiting": 0, "slots": 1, "slots_busy": 0})
         metrics.requests.labels("200").inc(hits)
         health = {"status": "ok", "running": running, "state_cache": {"hits": hits, "cached_tokens": 10 * hits}}
-        received = now - (STALE_SECONDS + 1 if name == "old" else 0)
-        reports[name] = {"metrics": metrics.render()[0].decode(), "health": health, "pid": 1, "received": received}
+        age = STALE_SECONDS + 1 if name == "old" else 0.5
+        reports[name] = {"metrics": metrics.render()[0].decode(), "health": health, "pid": 1, "age_s": age}
     cluster = ClusterMetrics(lambda: reports, lambda: {"home": 4, "new": 2})
     cluster.retries.inc()
     families = {f.name: f for f in text_string_to_metric_families(cluster.render().decode())}
@@ -229,6 +254,7 @@ def test_metrics_carry_a_replica_label_and_health_adds_up():
     assert health["status"] == "degraded" and health["replicas_up"] == 2 and health["running"] == 1
     assert health["state_cache_hits"] == 5 and health["state_cache_cached_tokens"] == 50
     assert [r["up"] for r in health["replicas"]] == [False, True, True]
+    assert [r["status"] for r in health["replicas"]] == ["silent", "ok", "ok"]
     assert aggregate_health({}, expected=2)["status"] == "down"
 
 

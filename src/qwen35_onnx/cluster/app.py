@@ -14,6 +14,7 @@ Deployments:
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import socket
 import time
@@ -53,9 +54,15 @@ def application(
     runtime: RuntimeOptions,
     cluster: ClusterOptions,
     cpus: int,
+    check_cpus: bool = True,
 ):
     """The bound Ray Serve application serving the export at ``model`` with ``cluster.replicas``
-    replicas on a cluster of ``cpus`` CPUs.
+    replicas; ``cpus``: the CPUs to share among them when ``runtime.threads`` is 0.
+
+    Args:
+        check_cpus: refuse ``replicas`` x threads above ``cpus`` (and threads above this machine's CPUs):
+            on when ``cpus`` are the CPUs the replicas run on (a local Ray, or a connected cluster of one
+            node); off where they are counted elsewhere (each replica checks its threads on its node).
 
     Raises:
         ValueError: bad options, ``replicas`` x threads above ``cpus``; ContractError: not an export.
@@ -68,13 +75,20 @@ def application(
     from .routing import ConversationRouter, RoundRobinRouter
 
     cluster.validate()
-    runtime.validate()
+    # the threads are checked against the CPUs of the node a replica lands on, by the replica
+    (runtime if check_cpus else dataclasses.replace(runtime, threads=0)).validate()
+    if isinstance(runtime.threads, bool) or not isinstance(runtime.threads, int) or runtime.threads < 0:
+        raise ValueError(f"--threads must be an integer >= 0, got {runtime.threads!r}")
     root = Path(model).resolve()
     contract = read_manifest(root)  # a bad export fails here, before any replica starts
     if options.model_name is None:
         options = dataclasses.replace(options, model_name=root.name)
     options.validate()
-    threads = replica_threads(cluster.replicas, runtime, cpus)
+    threads = (
+        replica_threads(cluster.replicas, runtime, cpus)
+        if check_cpus
+        else (runtime.threads or max(1, cpus // cluster.replicas))
+    )
     runtime = dataclasses.replace(runtime, threads=threads)
     router = ConversationRouter if cluster.routing == Routing.CONVERSATION else RoundRobinRouter
     replica = serve.deployment(ChatReplica, name="ChatReplica").options(
@@ -99,8 +113,18 @@ def application(
 
 
 def _typed(option, text):
-    """``text`` (a ``serve run`` argument or a config value) as ``option``'s type."""
+    """``text`` (a ``serve run`` argument or a config value) as ``option``'s type.
+
+    Raises:
+        ValueError: a value that is not of the option's type, naming both.
+    """
     if not isinstance(text, str):
+        kind = option.type
+        wrong = (kind is int and (isinstance(text, bool) or not isinstance(text, int))) or (
+            kind is bool and not isinstance(text, bool)
+        )
+        if wrong:
+            raise ValueError(f"{option.name} must be {'an integer' if kind is int else 'true or false'}, got {text!r}")
         return text
     if option.parse is not None:
         return option.parse(text)
@@ -125,10 +149,10 @@ def build_app(args: dict):
     """The application for ``serve run qwen35_onnx.cluster:build_app model=PATH replicas=N ...`` or a
     Ray Serve config file's ``import_path`` with ``args``: ``model`` (the export folder, at the same
     path on every node) and any option of ``serve`` by its name with underscores (``replicas``,
-    ``threads``, ``routing``, ``max_queue``, ``api_key``, ...). The CPUs that ``replicas`` x ``threads``
-    is checked against (and shared by when ``threads`` is not given) are the cluster's when Ray is
-    already connected, else this machine's (``serve run`` builds before it connects): give
-    ``threads`` on a cluster of several nodes.
+    ``threads``, ``routing``, ``max_queue``, ``api_key``, ...; not ``ray_address``); an option with
+    an environment variable (``$QWEN35_ONNX_API_KEY``) is read from it when not given. ``serve run``
+    builds before it connects to Ray: the threads are then checked by each replica on its node, and
+    ``threads`` not given shares this machine's CPUs (give it on a cluster of several nodes).
 
     Raises:
         ValueError: no ``model``, an unknown argument (naming it and the known ones), a bad value.
@@ -140,24 +164,44 @@ def build_app(args: dict):
         raise ValueError("build_app needs model=<export folder>")
     groups = {ServerOptions: {}, RuntimeOptions: {}, ClusterOptions: {}}
     known = {o.name: (group, o) for group in groups for o in declared(group)}
+    known.pop("address")  # the command line's: here Ray Serve's own tools choose the cluster
     for name, value in args.items():
         key = name.replace("-", "_")
         if key not in known:
             raise ValueError(f"unknown argument {name!r}; known: model, {', '.join(sorted(known))}")
         group, option = known[key]
         groups[group][key] = _typed(option, value)
+    for key, (group, option) in known.items():  # e.g. the API key from $QWEN35_ONNX_API_KEY, as the CLI reads it
+        if key not in groups[group] and option.env and os.environ.get(option.env):
+            groups[group][key] = _typed(option, os.environ[option.env])
     cluster = ClusterOptions(**{"replicas": 1, **groups[ClusterOptions]})
-    # `serve run` builds the application before it connects to Ray: then this machine's CPUs
-    cpus = int(ray.cluster_resources().get("CPU", 0)) if ray.is_initialized() else usable_cpus()
+    # `serve run` builds the application before it connects to Ray: the CPUs are unknown then, and each
+    # replica checks its threads on its node
+    connected = ray.is_initialized()
+    cpus = int(ray.cluster_resources().get("CPU", 0)) if connected else usable_cpus()
     return application(
-        model, ServerOptions(**groups[ServerOptions]), RuntimeOptions(**groups[RuntimeOptions]), cluster, cpus
+        model,
+        ServerOptions(**groups[ServerOptions]),
+        RuntimeOptions(**groups[RuntimeOptions]),
+        cluster,
+        cpus,
+        check_cpus=connected,
     )
 
 
-def _free_port(host: str) -> int:
+def _bindable_port(host: str, port: int) -> int:
+    """``port`` (0: a free one) after checking that ``host:port`` can be listened on now (Ray's proxy
+    binds it later; a port in use would only show in its log).
+
+    Raises:
+        OSError: the address cannot be bound, naming it.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         return sock.getsockname()[1]
 
 
@@ -180,15 +224,19 @@ def serve_cluster(
             starts when local); ContractError: not an export; OSError: the port in use.
     """
     ray, serve = import_ray()
+    from ray.serve.exceptions import RayServeException
+
     cluster.validate()
-    runtime.validate()
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
     local = not cluster.address
     if local:
+        runtime.validate()
         replica_threads(cluster.replicas, runtime, usable_cpus())  # fail before Ray starts
         read_manifest(Path(model))
-    port = port or _free_port(host)
+        port = _bindable_port(host, port)
+    elif not port:
+        raise ValueError("--port 0 (a free port) needs the local Ray; give the port of the cluster's Serve proxy")
     on_term = signal.getsignal(signal.SIGTERM)
     ray.init(
         address=cluster.address or None,
@@ -200,18 +248,23 @@ def serve_cluster(
         log_to_driver=True,
     )
     signal.signal(signal.SIGTERM, on_term)  # Ray's handler exits at once; ours unwinds through the shutdown below
+    deployed = False
     try:
         cpus = int(ray.cluster_resources().get("CPU", 0))
-        app = application(model, options, runtime, cluster, cpus)
+        app = application(model, options, runtime, cluster, cpus, check_cpus=local)
         from ray.serve.config import HTTPOptions
 
-        serve.start(http_options=HTTPOptions(host=host, port=port))
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        serve.start(http_options=HTTPOptions(host=host, port=port))  # a running Serve keeps its own
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        except RayServeException as exc:
+            raise ValueError(f"Ray Serve did not deploy the application: {exc}") from None
+        deployed = True
         board = serve.get_deployment_handle("StatsBoard", app_name=APP_NAME)
         deadline = time.monotonic() + 30
         while len(board.reports.remote().result()) < cluster.replicas and time.monotonic() < deadline:
             time.sleep(0.2)  # /health says ok from the announcement on
-        threads = replica_threads(cluster.replicas, runtime, cpus)
+        threads = runtime.threads or replica_threads(cluster.replicas, runtime, cpus)
         shown = f"[{host}]" if ":" in host else host
         name = options.model_name or Path(model).resolve().name
         announce(
@@ -222,8 +275,10 @@ def serve_cluster(
         while True:
             time.sleep(3600)
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            if local:
+        if local:  # the Ray of this command: all of it goes
+            try:
+                serve.shutdown()
+            finally:
                 ray.shutdown()
+        elif deployed:  # a shared cluster: only this application goes
+            serve.delete(APP_NAME)

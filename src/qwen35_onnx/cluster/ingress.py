@@ -7,10 +7,11 @@ Forwarded: every route of the single-process server (``/v1/chat/completions``, `
 chat page at ``/``), answered by the replica's own application, so checks, errors and streaming are
 the same as ``serve``'s. Answered here:
 
-- ``GET /health`` (no auth): :func:`~.metrics.aggregate_health`: ``ok`` / ``degraded`` / ``down``,
-  totals, and each replica's health, process id and node.
+- ``GET /health`` (no auth): :func:`~.metrics.aggregate_health`: ``ok`` / ``degraded`` / ``down``
+  (503), totals, and each replica's health, process id and node.
 - ``GET /metrics`` (the API key when one is set): :class:`~.metrics.ClusterMetrics`.
-- 413 for a body over ``--max-body-bytes`` (before any replica is asked); 429 ``queue_full`` when
+- 401 for a ``/v1/*`` request without the API key (before its body is read); 413 for a body over
+  ``--max-body-bytes`` (before any replica is asked); 429 ``queue_full`` when
   every replica is at its limit (decode slots plus ``--max-queue``) and the router's own queue
   (``--max-queue`` more) is full.
 
@@ -23,18 +24,19 @@ is always retried. A streamed reply that has begun ends with an error event (``t
 were right, it is cut short.
 """
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from ..server.app import authorize, install_error_handlers, read_body
-from ..server.options import ServerOptions
+from ..server.options import MIB, ServerOptions
 from ..server.protocol import SSE_DONE, APIError, sse
 from .conversations import conversation_keys, route_counts
 from .metrics import ClusterMetrics, aggregate_health
@@ -48,7 +50,9 @@ REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
 """What a call raises when its replica died or cannot be reached (retryable)."""
 
 CHAT_PATH = "/v1/chat/completions"
-FORWARDED_HEADERS = {b"authorization", b"content-type", b"accept"}
+FORWARDED_HEADERS = {b"authorization", b"content-type", b"accept", b"host"}
+RETRY_AFTER_SECONDS = 1
+"""The ``Retry-After`` of a 429 or 503 answered here."""
 DROPPED_REPLY_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
 
 app = FastAPI(title="qwen35-onnx cluster", docs_url=None, redoc_url=None, openapi_url=None)
@@ -82,7 +86,7 @@ class _Relay(Response):
 
 
 def _failure(message: str) -> APIError:
-    return APIError(503, message, type="server_error", code="replica_unavailable")
+    return APIError(503, message, type="server_error", code="replica_unavailable", retry_after=RETRY_AFTER_SECONDS)
 
 
 @serve.ingress(app)
@@ -105,7 +109,8 @@ class Ingress:
 
     @app.get("/health")
     async def health(self):
-        return aggregate_health(await self._read_reports(), self.expected)
+        state = aggregate_health(await self._read_reports(), self.expected)
+        return JSONResponse(state, status_code=503 if state["status"] == "down" else 200)
 
     @app.get("/metrics")
     async def metrics(self, request: Request):
@@ -122,15 +127,18 @@ class Ingress:
             raise
 
     async def _forward(self, request: Request) -> Response:
-        body = await read_body(request, self.options.max_body_bytes)
         path = request.url.path
+        if path.startswith("/v1/"):  # before the body is read: a request without the key costs nothing
+            authorize(request, self.options.api_key)
+        body = await read_body(request, self.options.max_body_bytes)
+        keys = await asyncio.to_thread(_keys_of, path, body) if len(body) > MIB else _keys_of(path, body)
         forwarded = ForwardedRequest(
             method=request.method,
             path=path,
             query=request.url.query.encode(),
             headers=tuple((k, v) for k, v in request.headers.raw if k.lower() in FORWARDED_HEADERS),
             body=body,
-            conversation=_keys_of(path, body),
+            conversation=keys,
         )
         for attempt in (1, 2):
             stream = self.replicas.chat.remote(forwarded)
@@ -144,7 +152,11 @@ class Ingress:
                     "the server is busy: every replica is at its limit (decode slots and --max-queue) and the router's "
                     "queue is full; retry later",
                     code="queue_full",
+                    retry_after=RETRY_AFTER_SECONDS,
                 ) from None
+            except DeploymentUnavailableError:
+                stream.cancel()
+                raise _failure("no chat replica is running (Ray Serve is starting or restarting them); retry") from None
             except REPLICA_FAILURES as exc:
                 stream.cancel()
                 if attempt == 2:

@@ -18,8 +18,6 @@ Sum a replica metric over replicas for the application's total (PromQL ``sum wit
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,15 +47,14 @@ class _Collector:
 
     def collect(self):
         reports = self.reports()
-        now = time.time()
-        yield from _labelled({r: v for r, v in reports.items() if now - v["received"] <= STALE_SECONDS})
+        yield from _labelled({r: v for r, v in reports.items() if v["age_s"] <= STALE_SECONDS})
         up = GaugeMetricFamily(
             f"{PREFIX}_replica_up", "1: the replica reported lately; 0: it did not.", labels=["replica"]
         )
         for replica, report in sorted(reports.items()):
-            up.add_metric([replica], 1.0 if now - report["received"] <= STALE_SECONDS else 0.0)
+            up.add_metric([replica], 1.0 if report["age_s"] <= STALE_SECONDS else 0.0)
         yield up
-        alive = sum(1 for v in reports.values() if now - v["received"] <= STALE_SECONDS)
+        alive = sum(1 for v in reports.values() if v["age_s"] <= STALE_SECONDS)
         yield GaugeMetricFamily(f"{PREFIX}_replicas", "Replicas reporting now.", value=alive)
         family = Metric(f"{PREFIX}_cluster_routes", "Chat requests by where the router sent them.", "counter")
         for decision, n in sorted(self.routes().items()):
@@ -70,7 +67,7 @@ class ClusterMetrics:
 
     Args:
         reports: returns the board's reports (replica id -> report with ``metrics`` text and
-            ``received``, seconds since the epoch), called at each scrape.
+            ``age_s``), called at each scrape.
         routes: returns the router's decision counts (:func:`~.conversations.route_counts`).
     """
 
@@ -100,12 +97,11 @@ def aggregate_health(reports: dict[str, dict], expected: int) -> dict:
     ``degraded`` when fewer but some, ``down`` when none), the totals of the replicas' counts
     (``running``, ``waiting``, outcomes, kept-state hits and cached tokens) and each replica's own
     health with its ``pid``, ``node`` and report age."""
-    now = time.time()
     replicas, totals = [], {}
     for replica, report in sorted(reports.items()):
-        age = now - report["received"]
+        age = report["age_s"]
         up = age <= STALE_SECONDS
-        health = report.get("health", {})
+        health = {**report.get("health", {}), **({} if up else {"status": "silent"})}
         replicas.append(
             {
                 "replica": replica,

@@ -71,6 +71,21 @@ class ClusterOptions:
             raise ValueError(f"--route-imbalance must be an integer, got {self.route_imbalance!r}")
         if self.route_imbalance < 0:
             raise ValueError(f"--route-imbalance must be >= 0, got {self.route_imbalance}")
+        if not isinstance(self.address, str):
+            raise ValueError(f"--ray-address must be a string, got {self.address!r}")
+        if not self.replicas:
+            default = ClusterOptions(replicas=0)
+            given = [
+                flag
+                for flag, value, usual in (
+                    ("--routing", self.routing, default.routing),
+                    ("--route-imbalance", self.route_imbalance, default.route_imbalance),
+                    ("--ray-address", self.address, default.address),
+                )
+                if value != usual
+            ]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply with --replicas N (N >= 1)")
 
 
 def replica_threads(replicas: int, runtime: RuntimeOptions, cpus: int | None = None) -> int:

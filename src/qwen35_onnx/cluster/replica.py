@@ -30,12 +30,14 @@ from ..runtime.select import share_threads
 from ..server.app import create_app
 from ..server.options import ServerOptions
 
-__all__ = ["REPORT_SECONDS", "ChatReplica", "ForwardedRequest", "StatsBoard", "asgi_messages"]
+__all__ = ["FORGET_SECONDS", "REPORT_SECONDS", "ChatReplica", "ForwardedRequest", "StatsBoard", "asgi_messages"]
 
 log = logging.getLogger(__name__)
 
 REPORT_SECONDS = 1.0
 """How often a replica sends its health and metrics to the board."""
+FORGET_SECONDS = 60.0
+"""A replica silent this long is dropped from the board (and from ``/health`` and ``/metrics``)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ async def asgi_messages(app, request: ForwardedRequest) -> AsyncIterator[dict]:
     (``http.response.start``, then ``http.response.body`` until one without ``more_body``).
 
     The request body is received whole; after it, ``receive`` waits until this generator is closed
-    or cancelled, then says ``http.disconnect`` (the client gone). Raises what the application
+    or cancelled, then says ``http.disconnect`` (the client gone), and the generator waits for the
+    application to end (it closes a generation between two tokens). Raises what the application
     raised when it sent no complete response.
     """
     scope = {
@@ -93,6 +96,7 @@ async def asgi_messages(app, request: ForwardedRequest) -> AsyncIterator[dict]:
         return {"type": "http.disconnect"}
 
     task = asyncio.ensure_future(app(scope, receive, sent.put))
+    getter = None
     try:
         while True:
             if sent.empty() and task.done():
@@ -108,31 +112,37 @@ async def asgi_messages(app, request: ForwardedRequest) -> AsyncIterator[dict]:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 return
     finally:
-        gone.set()
-        if not task.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(task), 5.0)
-            except (TimeoutError, asyncio.CancelledError):
-                task.cancel()
-            except Exception:  # noqa: BLE001 - the response is over; the application logged its failure
-                pass
+        gone.set()  # the application sees the client gone and ends its generation itself
+        if getter is not None and not getter.done():
+            getter.cancel()
+        try:
+            await asyncio.shield(task)  # a second cancellation (shutdown) cancels the application too
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        except Exception:  # noqa: BLE001 - the application answered its error (500) and logged it
+            pass
 
 
 class StatsBoard:
     """The replicas' latest reports (Ray Serve deployment of one replica): each replica's health
-    (``/health`` of its application), metrics (Prometheus text) and process id, by replica id."""
+    (``/health`` of its application), metrics (Prometheus text) and process id, by replica id. A
+    report's age is measured here, on the board's clock (the replicas' and the ingress' clocks may
+    differ); a replica silent for :data:`FORGET_SECONDS` (gone: a restarted replica has a new id) is
+    dropped."""
 
     def __init__(self):
-        self._reports: dict[str, dict] = {}
+        self._reports: dict[str, tuple[float, dict]] = {}
 
     def report(self, replica: str, report: dict) -> None:
-        self._reports[replica] = {**report, "received": time.time()}
-
-    def forget(self, replica: str) -> None:
-        self._reports.pop(replica, None)
+        self._reports[replica] = (time.monotonic(), report)
 
     def reports(self) -> dict[str, dict]:
-        return dict(self._reports)
+        """Replica id -> its last report with ``age_s`` (seconds since it came)."""
+        now = time.monotonic()
+        for replica in [r for r, (at, _) in self._reports.items() if now - at > FORGET_SECONDS]:
+            del self._reports[replica]
+        return {replica: {**report, "age_s": now - at} for replica, (at, report) in self._reports.items()}
 
 
 class ChatReplica:

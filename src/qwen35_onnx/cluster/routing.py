@@ -44,6 +44,14 @@ def _keys(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
     return tuple(getattr(pending_request.args[0], "conversation", ()) or ())
 
 
+def _back_off_when_full(pending_request: PendingRequest | None) -> None:
+    """Ask Ray to wait (its backoff) between two rounds of choices when every replica it was offered
+    was full: it sleeps only when the request's routing context says so (its own locality and
+    multiplex policies set it), else it would ask again at once, probing busy replicas in a loop."""
+    if pending_request is not None:
+        pending_request.routing_context.should_backoff = True
+
+
 def _two_choices(replicas: list[RunningReplica]) -> list[RunningReplica]:
     """Two of ``replicas`` drawn at random (all when fewer): Ray then takes the less loaded."""
     return random.sample(replicas, min(2, len(replicas)))
@@ -66,6 +74,7 @@ class ConversationRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        _back_off_when_full(pending_request)
         keys = _keys(pending_request)
         matched = self.table.matches(keys, [r.replica_id for r in candidate_replicas]) if keys else {}
         longest = max(matched.values(), default=0)
@@ -112,6 +121,7 @@ class RoundRobinRouter(ConversationRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        _back_off_when_full(pending_request)
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         start = next(self._turn) % len(ordered)
         return [[ordered[(start + i) % len(ordered)]] for i in range(len(ordered))]

@@ -104,7 +104,8 @@ class _EventStream(StreamingResponse):
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = None if error.retry_after is None else {"Retry-After": str(error.retry_after)}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _generation_error(exc: Exception, req: ChatRequest, completion_id: str) -> APIError:

@@ -41,7 +41,8 @@ MAX_STOP_STRINGS = 16
 
 
 class APIError(Exception):
-    """An error answered as an OpenAI error body with HTTP ``status``."""
+    """An error answered as an OpenAI error body with HTTP ``status`` (and a ``Retry-After`` header of
+    ``retry_after`` seconds when given)."""
 
     def __init__(
         self,
@@ -50,9 +51,11 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str = "invalid_request_error",
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.retry_after = retry_after  # seconds, sent as a Retry-After header
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -72,9 +72,15 @@ class ConversationRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        """Ray's call: ``candidate_replicas`` ranked, most preferred first (Ray takes the least loaded
+        of a rank that has room, else tries the next rank)."""
         if not candidate_replicas:
             return []
         _back_off_when_full(pending_request)
+        return self.rank(candidate_replicas, pending_request)
+
+    def rank(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None):
+        """The conversation's home first (load allowing), else two at random (see the module docstring)."""
         keys = _keys(pending_request)
         matched = self.table.matches(keys, [r.replica_id for r in candidate_replicas]) if keys else {}
         longest = max(matched.values(), default=0)
@@ -116,12 +122,8 @@ class RoundRobinRouter(ConversationRouter):
         super().initialize_state(**kwargs)
         self._turn = count()
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        _back_off_when_full(pending_request)
+    def rank(self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None):
+        """The next replica in turn first, then the others in order."""
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         start = next(self._turn) % len(ordered)
         return [[ordered[(start + i) % len(ordered)]] for i in range(len(ordered))]

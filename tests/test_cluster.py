@@ -358,13 +358,13 @@ def test_two_replicas_route_conversations_home_and_survive_a_killed_replica(clus
         # kill one replica's process under load
         victim = proc.health()["replicas"][0]["pid"]
         answers, failures = [], []
-        deadline = time.monotonic() + 8
+        deadline = time.monotonic() + 4
 
         def load(i: int) -> None:
             n = 0
             c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
             while time.monotonic() < deadline:
-                messages = [{"role": "user", "content": f"Load {i} request {n}?"}]
+                messages = [{"role": "user", "content": f"Load request {(i + n) % 3}?"}]  # 3 answers to check
                 n += 1
                 try:
                     if i % 2:
@@ -382,7 +382,7 @@ def test_two_replicas_route_conversations_home_and_survive_a_killed_replica(clus
         workers = [threading.Thread(target=load, args=(i,)) for i in range(6)]
         for w in workers:
             w.start()
-        time.sleep(2)
+        time.sleep(1.5)
         os.kill(victim, signal.SIGKILL)
         for w in workers:
             w.join()
@@ -391,8 +391,11 @@ def test_two_replicas_route_conversations_home_and_survive_a_killed_replica(clus
         )
         assert back["status"] == "ok"
         assert answers, "no request succeeded under load"
+        expected = {}
         for messages, text in answers:
-            assert text == pipe.chat(messages, 24, GREEDY).content, messages
+            key = messages[0]["content"]
+            expected.setdefault(key, pipe.chat(messages, 24, GREEDY).content)
+            assert text == expected[key], messages
         for exc in failures:  # only the killed replica's streams that had begun
             assert "failed mid-stream" in str(exc) and "retry the request" in str(exc), exc
         assert len(failures) <= 6, failures

@@ -91,7 +91,8 @@ def test_table_follows_a_conversation_and_stays_bounded():
 
 
 # ---- options ---------------------------------------------------------------------------------------
-def test_cluster_options_and_thread_shares_are_checked():
+def test_cluster_options_and_thread_shares_are_checked(monkeypatch):
+    monkeypatch.delenv("QWEN35_ONNX_THREADS", raising=False)
     assert replica_threads(2, RuntimeOptions(), cpus=2) == 1
     assert replica_threads(3, RuntimeOptions(), cpus=8) == 2
     assert replica_threads(2, RuntimeOptions(threads=3), cpus=8) == 3
@@ -101,6 +102,10 @@ def test_cluster_options_and_thread_shares_are_checked():
         replica_threads(2, RuntimeOptions(threads=2), cpus=2)
     with pytest.raises(ValueError, match="--replicas must be >= 1, got 0"):
         replica_threads(0, RuntimeOptions(), cpus=2)
+    monkeypatch.setenv("QWEN35_ONNX_THREADS", "1")  # as for a single server: the threads when --threads is 0
+    assert replica_threads(2, RuntimeOptions(), cpus=8) == 1
+    with pytest.raises(ValueError, match="3 x --threads 1 = 3 threads"):
+        replica_threads(3, RuntimeOptions(), cpus=2)
     for bad, fragment in [
         (ClusterOptions(replicas=-1), "--replicas must be an integer >= 1"),
         (ClusterOptions(replicas=True), "--replicas must be an integer"),

@@ -351,6 +351,13 @@ def test_soak_twelve_clients_on_four_slots(slot_export, photo):
                             stream.close()
                             with lock:
                                 dropped[0] += 1
+                                noticed = dropped[0]
+                            # the server frees the slot when it notices the closed connection (at its next
+                            # token): a request sent before that would find all 12 places taken (429)
+                            deadline = time.monotonic() + 30
+                            while httpx.get(f"{base}/health", timeout=10).json()["cancelled"] < noticed:
+                                assert time.monotonic() < deadline, "a dropped stream was never cancelled"
+                                time.sleep(0.01)
                             continue
                         content, reasoning = "", ""
                         for chunk in stream:

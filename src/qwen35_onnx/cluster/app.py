@@ -25,7 +25,7 @@ from ..contract import read_manifest
 from ..options import declared
 from ..runtime.backend import RuntimeOptions, usable_cpus
 from ..server.options import ServerOptions
-from .options import ClusterOptions, Routing, replica_threads
+from .options import ClusterOptions, Routing, replica_threads, shared_threads
 
 __all__ = ["APP_NAME", "HEALTH_CHECK_SECONDS", "application", "build_app", "serve_cluster"]
 
@@ -60,9 +60,8 @@ def application(
     replicas; ``cpus``: the CPUs to share among them when ``runtime.threads`` is 0.
 
     Args:
-        check_cpus: refuse ``replicas`` x threads above ``cpus`` (and threads above this machine's CPUs):
-            on when ``cpus`` are the CPUs the replicas run on (a local Ray, or a connected cluster of one
-            node); off where they are counted elsewhere (each replica checks its threads on its node).
+        check_cpus: refuse ``replicas`` x threads above ``cpus``: on where ``cpus`` is the CPUs of the
+            Ray the replicas run on (each replica also checks its threads against its node's CPUs).
 
     Raises:
         ValueError: bad options, ``replicas`` x threads above ``cpus``; ContractError: not an export.
@@ -75,8 +74,8 @@ def application(
     from .routing import ConversationRouter, RoundRobinRouter
 
     cluster.validate()
-    # the threads are checked against the CPUs of the node a replica lands on, by the replica
-    (runtime if check_cpus else dataclasses.replace(runtime, threads=0)).validate()
+    # each replica checks its threads against the CPUs of the node it lands on (share_threads)
+    dataclasses.replace(runtime, threads=0).validate()
     if isinstance(runtime.threads, bool) or not isinstance(runtime.threads, int) or runtime.threads < 0:
         raise ValueError(f"--threads must be an integer >= 0, got {runtime.threads!r}")
     root = Path(model).resolve()
@@ -84,11 +83,10 @@ def application(
     if options.model_name is None:
         options = dataclasses.replace(options, model_name=root.name)
     options.validate()
-    threads = (
-        replica_threads(cluster.replicas, runtime, cpus)
-        if check_cpus
-        else (runtime.threads or max(1, cpus // cluster.replicas))
-    )
+    if check_cpus:
+        threads = replica_threads(cluster.replicas, runtime, cpus)
+    else:
+        threads = shared_threads(cluster.replicas, runtime, cpus)
     runtime = dataclasses.replace(runtime, threads=threads)
     router = ConversationRouter if cluster.routing == Routing.CONVERSATION else RoundRobinRouter
     replica = serve.deployment(ChatReplica, name="ChatReplica").options(
@@ -239,7 +237,7 @@ def serve_cluster(
         raise ValueError("--port 0 (a free port) needs the local Ray; give the port of the cluster's Serve proxy")
     on_term = signal.getsignal(signal.SIGTERM)
     ray.init(
-        address=cluster.address or None,
+        address=cluster.address or "local",  # "local": a new Ray even where `ray start` runs one
         num_cpus=usable_cpus() if local else None,
         include_dashboard=False,
         namespace=APP_NAME,
@@ -251,7 +249,7 @@ def serve_cluster(
     deployed = False
     try:
         cpus = int(ray.cluster_resources().get("CPU", 0))
-        app = application(model, options, runtime, cluster, cpus, check_cpus=local)
+        app = application(model, options, runtime, cluster, cpus)
         from ray.serve.config import HTTPOptions
 
         serve.start(http_options=HTTPOptions(host=host, port=port))  # a running Serve keeps its own
@@ -264,11 +262,12 @@ def serve_cluster(
         deadline = time.monotonic() + 30
         while len(board.reports.remote().result()) < cluster.replicas and time.monotonic() < deadline:
             time.sleep(0.2)  # /health says ok from the announcement on
-        threads = runtime.threads or replica_threads(cluster.replicas, runtime, cpus)
+        threads = shared_threads(cluster.replicas, runtime, cpus)
         shown = f"[{host}]" if ":" in host else host
         name = options.model_name or Path(model).resolve().name
         announce(
-            f"serving {name} on http://{shown}:{port}/v1 (Ray Serve: {cluster.replicas} replicas x {threads} threads, "
+            f"serving {name} on http://{shown}:{port}/v1 (Ray Serve: {cluster.replicas} replicas x {threads} "
+            f"thread{'s' if threads != 1 else ''}, "
             f"routing {Routing(cluster.routing).value}, queue {options.max_queue} each"
             f"{', API key required' if options.api_key else ''})"
         )

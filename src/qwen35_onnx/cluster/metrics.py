@@ -3,8 +3,9 @@ of the single-process server, :mod:`qwen35_onnx.server.metrics`) with a ``replic
 ingress's:
 
 - ``qwen35_onnx_cluster_requests_total{status}``: requests the ingress answered itself, not a
-  replica: ``413`` (body over the limit), ``429`` (every replica and the router's queue full),
-  ``503`` (the replica failed and the retry did too, or it failed mid-stream);
+  replica: ``400`` (a bad Content-Length, a client gone mid-body), ``401`` (no API key), ``413``
+  (body over the limit), ``429`` (every replica and the router's queue full), ``503`` (the replica
+  failed and the retry did too, no replica running, or it failed mid-stream);
 - ``qwen35_onnx_cluster_retries_total``: requests sent to a second replica after the first failed
   before answering;
 - ``qwen35_onnx_cluster_routes_total{decision}``: chat requests by where they went (``home``,

@@ -3,13 +3,14 @@ read without Ray: the command line checks them before anything starts."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import StrEnum
 
 from ..options import option
-from ..runtime.backend import RuntimeOptions, usable_cpus
+from ..runtime.backend import THREADS_ENV, RuntimeOptions, usable_cpus
 
-__all__ = ["ClusterOptions", "Routing", "replica_threads"]
+__all__ = ["ClusterOptions", "Routing", "replica_threads", "shared_threads"]
 
 
 class Routing(StrEnum):
@@ -89,20 +90,27 @@ class ClusterOptions:
 
 
 def replica_threads(replicas: int, runtime: RuntimeOptions, cpus: int | None = None) -> int:
-    """The intra-op threads of each replica: ``runtime.threads`` when set, else the ``cpus`` (default:
-    this machine's usable CPUs) shared evenly, at least 1.
+    """The intra-op threads of each replica: ``runtime.threads`` when set, else
+    ``$QWEN35_ONNX_THREADS`` when set, else the ``cpus`` (default: this machine's usable CPUs) shared
+    evenly, at least 1.
 
     Raises:
-        ValueError: ``replicas`` < 1, or ``replicas`` x threads above ``cpus`` (naming both), when the
-            replicas run on this machine (``cpus`` given or the default).
+        ValueError: ``replicas`` < 1, or ``replicas`` x threads above ``cpus`` (naming both).
     """
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas!r}")
     cpus = usable_cpus() if cpus is None else cpus
-    threads = runtime.threads or max(1, cpus // replicas)
+    threads = shared_threads(replicas, runtime, cpus)
     if replicas * threads > cpus:
         raise ValueError(
             f"--replicas {replicas} x --threads {threads} = {replicas * threads} threads, more than the {cpus} CPUs "
             "of the cluster; lower --replicas or --threads"
         )
     return threads
+
+
+def shared_threads(replicas: int, runtime: RuntimeOptions, cpus: int) -> int:
+    """``runtime.threads``, else ``$QWEN35_ONNX_THREADS``, else ``cpus`` // ``replicas`` (at least 1),
+    unchecked (:func:`replica_threads` checks)."""
+    text = os.environ.get(THREADS_ENV, "").strip()
+    return runtime.threads or (int(text) if text.isdigit() and int(text) else max(1, cpus // replicas))

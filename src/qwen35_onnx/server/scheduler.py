@@ -65,6 +65,7 @@ class Slots:
             f"the server is busy: {self.running} generations are running (its {self.size} slots) and "
             f"{len(self._waiters)} requests are waiting (the limit, --max-queue {self.max_queue}); retry later",
             code="queue_full",
+            retry_after=1,
         )
 
     def enter(self) -> asyncio.Future | None:

@@ -331,7 +331,7 @@ def test_soak_twelve_clients_on_four_slots(slot_export, photo):
         client.chat.completions.create(model="m", messages=requests[1], max_tokens=10, temperature=0)  # warm-up
         before = _rss_bytes(proc.pid)
         wrong, failures, dropped, sent = [], [], [0], [0]
-        lock = threading.Lock()
+        lock, drop_lock = threading.Lock(), threading.Lock()
 
         def run(c: int) -> None:
             for k in range(6):
@@ -340,25 +340,29 @@ def test_soak_twelve_clients_on_four_slots(slot_export, photo):
                 try:
                     with lock:
                         sent[0] += 1
-                    if n % 2 == 0:
-                        stream = client.chat.completions.create(
-                            model="m", messages=requests[which], max_tokens=10, temperature=0, stream=True
-                        )
-                        if n % 10 == 0:  # every fifth stream: the client leaves after its first chunks
+                    if n % 10 == 0:  # every fifth stream: the client leaves after its first chunks
+                        # (a reply long enough to be running when the server notices: it is cancelled); one
+                        # client at a time, waiting until the server has cancelled it: the server frees the slot
+                        # when it notices the closed connection, and a request sent before that would find all
+                        # 12 places taken (429), a race of the client, not of the server
+                        with drop_lock:
+                            stream = client.chat.completions.create(
+                                model="m", messages=requests[which], max_tokens=200, temperature=0, stream=True
+                            )
                             for i, _ in enumerate(stream):
                                 if i == 2:
                                     break
                             stream.close()
-                            with lock:
-                                dropped[0] += 1
-                                noticed = dropped[0]
-                            # the server frees the slot when it notices the closed connection (at its next
-                            # token): a request sent before that would find all 12 places taken (429)
-                            deadline = time.monotonic() + 30
-                            while httpx.get(f"{base}/health", timeout=10).json()["cancelled"] < noticed:
+                            dropped[0] += 1
+                            deadline = time.monotonic() + 60
+                            while httpx.get(f"{base}/health", timeout=10).json()["cancelled"] < dropped[0]:
                                 assert time.monotonic() < deadline, "a dropped stream was never cancelled"
                                 time.sleep(0.01)
-                            continue
+                        continue
+                    if n % 2 == 0:
+                        stream = client.chat.completions.create(
+                            model="m", messages=requests[which], max_tokens=10, temperature=0, stream=True
+                        )
                         content, reasoning = "", ""
                         for chunk in stream:
                             if chunk.choices:

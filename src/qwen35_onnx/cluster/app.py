@@ -97,14 +97,20 @@ def application(
         health_check_period_s=HEALTH_CHECK_SECONDS,
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
+        graceful_shutdown_wait_loop_s=0.5,
         request_router_config=RequestRouterConfig(
             request_router_class=router,
             request_router_kwargs={"route_imbalance": cluster.route_imbalance},
         ),
     )
-    board = serve.deployment(StatsBoard, name="StatsBoard").options(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    board = serve.deployment(StatsBoard, name="StatsBoard").options(
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=0.5
+    )
     ingress = serve.deployment(Ingress, name="Ingress").options(
-        num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
+        graceful_shutdown_wait_loop_s=0.5,
     )
     board_app = board.bind()
     return ingress.bind(replica.bind(str(root), options, runtime, board_app), board_app, options, cluster.replicas)

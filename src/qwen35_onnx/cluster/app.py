@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -193,22 +192,6 @@ def build_app(args: dict):
     )
 
 
-def _bindable_port(host: str, port: int) -> int:
-    """``port`` (0: a free one) after checking that ``host:port`` can be listened on now (Ray's proxy
-    binds it later; a port in use would only show in its log).
-
-    Raises:
-        OSError: the address cannot be bound, naming it.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        return sock.getsockname()[1]
-
-
 def serve_cluster(
     model: str | Path,
     options: ServerOptions,
@@ -230,6 +213,8 @@ def serve_cluster(
     ray, serve = import_ray()
     from ray.serve.exceptions import RayServeException
 
+    from ..server.app import base_url, bound_socket  # (fastapi: imported where the server runs)
+
     cluster.validate()
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
@@ -238,7 +223,8 @@ def serve_cluster(
         runtime.validate()
         replica_threads(cluster.replicas, runtime, usable_cpus())  # fail before Ray starts
         read_manifest(Path(model))
-        port = _bindable_port(host, port)
+        with bound_socket(host, port) as sock:  # Ray's proxy binds it later: a port in use would only show in its log
+            port = sock.getsockname()[1]
     elif not port:
         raise ValueError("--port 0 (a free port) needs the local Ray; give the port of the cluster's Serve proxy")
     on_term = signal.getsignal(signal.SIGTERM)
@@ -269,10 +255,9 @@ def serve_cluster(
         while len(board.reports.remote().result()) < cluster.replicas and time.monotonic() < deadline:
             time.sleep(0.2)  # /health says ok from the announcement on
         threads = shared_threads(cluster.replicas, runtime, cpus)
-        shown = f"[{host}]" if ":" in host else host
         name = options.model_name or Path(model).resolve().name
         announce(
-            f"serving {name} on http://{shown}:{port}/v1 (Ray Serve: {cluster.replicas} replicas x {threads} "
+            f"serving {name} on {base_url(host, port)}/v1 (Ray Serve: {cluster.replicas} replicas x {threads} "
             f"thread{'s' if threads != 1 else ''}, "
             f"routing {Routing(cluster.routing).value}, queue {options.max_queue} each"
             f"{', API key required' if options.api_key else ''})"

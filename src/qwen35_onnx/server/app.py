@@ -39,6 +39,7 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -80,7 +81,7 @@ from .scheduler import ScheduledGeneration, Scheduler
 
 log = logging.getLogger(__name__)
 
-__all__ = ["authorize", "create_app", "install_error_handlers", "read_body", "serve"]
+__all__ = ["authorize", "base_url", "bound_socket", "create_app", "install_error_handlers", "read_body", "serve"]
 
 STEP_SECONDS = 0.05
 """A non-streamed generation's step: tokens for up to this long per worker-thread job."""
@@ -405,6 +406,28 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
 
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port; IPv6 where ``host`` has a colon),
+    ``SO_REUSEADDR`` set, not yet listening.
+
+    Raises:
+        OSError: the address cannot be bound, naming it.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://host:port`` (an IPv6 host in brackets)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingConfig | None = None) -> FastAPI:
     """The FastAPI application serving ``pipeline`` (see the module docstring).
 
@@ -491,7 +514,6 @@ def serve(
         ContractError / ValueError / OSError: a bad export, bad options, an address in use.
     """
     import dataclasses
-    import socket
 
     import uvicorn
 
@@ -503,22 +525,14 @@ def serve(
     share_threads(runtime)  # the process is the server's: its graphs on one thread pool (prefill between steps)
     pipeline = Pipeline.from_exported(model, runtime)
     app = create_app(pipeline, options)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock = bound_socket(host, port)
     sock.listen(128)
     bound_port = sock.getsockname()[1]
-    shown = f"[{host}]" if family == socket.AF_INET6 else host
     config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5, access_log=True)
     server = uvicorn.Server(config)
     backend = pipeline.backend
     announce(
-        f"serving {options.model_name} on http://{shown}:{bound_port}/v1 ({backend.runtime} {backend.device}, "
+        f"serving {options.model_name} on {base_url(host, bound_port)}/v1 ({backend.runtime} {backend.device}, "
         f"capacity {pipeline.contract.capacity}, queue {options.max_queue}"
         f"{', API key required' if options.api_key else ''})"
     )

@@ -15,8 +15,22 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile "$(TORCH)"
-	$(PY) -m pip install --quiet --no-compile -e ".[export,test,serve,cluster,openvino,docs]"
+	$(PY) -m pip install --quiet --no-compile -e ".[export,test,serve,cluster,openvino,docs,video]"
 	touch $(STAMP)
+
+# The reference for the video tests: transformers' Qwen3VLVideoProcessor needs torchvision, and the PyPI
+# torchvision wheels need torch 2.14.1 (a CUDA build, about 5.5 GB, CPU-run here): a second environment beside
+# the one above, used only by tests/video_reference.py and the `verify --video` test (tests/test_video.py).
+REF_VENV ?= .venv-video-ref
+REF_STAMP := $(REF_VENV)/.installed
+
+$(REF_STAMP): $(STAMP)
+	test -x $(REF_VENV)/bin/python || python3 -m venv $(REF_VENV)
+	$(REF_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(REF_VENV)/bin/python -m pip install --quiet --no-compile torch==2.14.1 torchvision==0.29.1
+	$(REF_VENV)/bin/python -m pip install --quiet --no-compile -e ".[video]" \
+		"transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
+	touch $(REF_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/qwen35-onnx demo
@@ -35,10 +49,10 @@ docs: $(STAMP)
 	$(PY) -m typer qwen35_onnx.cli utils docs --name qwen35-onnx --title "CLI reference" --output docs/reference/cli.md
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
-test: lint docs
+test: lint docs $(REF_STAMP)
 	$(PYTEST)
 
-test-fast: lint
+test-fast: lint $(REF_STAMP)
 	$(PYTEST) -m "not slow"
 
 # Speed side by side (not a test): writes benchmarks/out/PRESET/bench.{md,json,png}. OpenVINO's own
@@ -49,4 +63,4 @@ bench: $(STAMP)
 	$(VENV)/bin/qwen35-onnx bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis site
+	rm -rf $(VENV) $(REF_VENV) .pytest_cache .hypothesis site

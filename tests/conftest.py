@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from .clips import CLIP_GRIDS
+
 CAPACITY = 128
 IMAGE_TOKENS = 64
 """Image-token budget of the test exports: the demo processor's minimum (65536 pixels), so that an
@@ -323,14 +325,15 @@ def image_exports(checkpoint, tmp_path_factory, shapes):
     - ``"any-portable"``: portable operators, the any-grid vision graph, one prefill bucket of the
       capacity (every prompt of tests/test_vision_grids.py holds an image: 64 tokens or more);
     - ``"static"``: portable operators, static vision grids (the processor's grid of every one of
-      :func:`shapes`, the photo's :data:`PHOTO_GRID` among them, plus 16 x 18, which none has;
-      OpenVINO runs it), prefill chunks :data:`PREFILL_CHUNKS`."""
+      :func:`shapes`, the photo's :data:`PHOTO_GRID` among them, the frame-pair grids of the test clips
+      (``tests/clips.py``), plus 16 x 18, which none has; OpenVINO runs it), prefill chunks
+      :data:`PREFILL_CHUNKS`."""
     forms = {
         "any-ort": {"ops": "ort", "prefill_chunks": PREFILL_CHUNKS},
         "any-portable": {"ops": "portable", "prefill_buckets": (IMAGE_CAPACITY,)},
         "static": {
             "ops": "portable",
-            "vision_grids": tuple(sorted(set(processor_grids(shapes)) | {PHOTO_GRID, (16, 18)})),
+            "vision_grids": tuple(sorted(set(processor_grids(shapes)) | {PHOTO_GRID, (16, 18)} | CLIP_GRIDS)),
             "prefill_chunks": PREFILL_CHUNKS,
         },
     }
@@ -387,6 +390,55 @@ def remember_generations(model):
 
     model.generate = remembered
     return model
+
+
+@pytest.fixture(scope="session")
+def clips(photo, tmp_path_factory) -> dict:
+    """The test clips (``tests/clips.py``), written once per run: ``{name: path}``."""
+    from .clips import clip_paths, make_clips
+
+    return clip_paths(build_once(tmp_path_factory, "clips", lambda out: make_clips(photo, out)))
+
+
+def video_reference_python() -> Path:
+    """The reference environment's Python (``make test`` builds it: Makefile ``REF_VENV``), or
+    ``$QWEN35_ONNX_VIDEO_REFERENCE_PYTHON``."""
+    import os
+
+    path = Path(
+        os.environ.get("QWEN35_ONNX_VIDEO_REFERENCE_PYTHON", Path(__file__).parents[1] / ".venv-video-ref/bin/python")
+    )
+    if not path.exists():
+        pytest.fail(f"{path} is missing: the video tests need the reference environment (make test builds it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def video_reference(checkpoint, tmp_path_factory):
+    """``video_reference(cases, resizes=()) -> dict``: transformers' own processing of ``cases`` (see
+    ``tests/video_reference.py``) in the reference environment, one run per call (about ten seconds)."""
+    import json
+    import subprocess
+
+    import numpy as np
+
+    folder = tmp_path_factory.mktemp("video-reference")
+
+    def run(cases: list[dict], resizes=()) -> dict:
+        spec, out = folder / f"spec-{len(list(folder.iterdir()))}.json", None
+        spec.write_text(
+            json.dumps({"checkpoint": str(checkpoint), "cases": cases, "resizes": [list(r) for r in resizes]})
+        )
+        out = spec.with_suffix(".npz")
+        script = Path(__file__).parent / "video_reference.py"
+        done = subprocess.run(
+            [str(video_reference_python()), str(script), str(spec), str(out)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        with np.load(out) as data:
+            return {key: data[key] for key in data.files}
+
+    return run
 
 
 @pytest.fixture(scope="session")

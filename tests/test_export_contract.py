@@ -243,10 +243,6 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
             r"vision grid 16x15: both sides must be multiples of the spatial merge size 2",
         ),
         (
-            dict(vision_grids=((8, 8),)),
-            r"vision grid 8x8 is 16384 pixels, below the image processor's min_pixels 65536",
-        ),
-        (
             dict(vision_grids=((32, 34),)),
             r"vision grid 32x34 is 272 image tokens \(278528 pixels\), above the budget of 256 tokens",
         ),

@@ -117,7 +117,6 @@ def contract_for(config, **options):
             dict(vision_grids=((15, 16),)),
             r"vision grid 15x16: both sides must be multiples of the spatial merge size 2",
         ),
-        (dict(vision_grids=((8, 8),)), r"vision grid 8x8 is 16384 pixels, below the image processor's min_pixels"),
         (dict(vision_grids=((32, 34),)), r"vision grid 32x34 is 272 image tokens .* above the budget of 256"),
         (dict(vision_grids=((16, 16), (16, 16))), r"vision grid 16x16 is listed twice"),
         (dict(vision_grids=((2, 512),)), r"vision grid 2x512: an aspect ratio above the image processor's limit"),

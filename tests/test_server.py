@@ -132,6 +132,9 @@ def image_dir(tmp_path_factory, photo) -> Path:
     return folder
 
 
+MAX_VIDEO_SECONDS = 5.0
+
+
 @pytest.fixture(scope="module")
 def server(bigram_export, image_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
@@ -152,6 +155,8 @@ def server(bigram_export, image_dir, tmp_path_factory):
             str(MAX_IMAGE),
             "--allowed-image-dir",
             str(image_dir),
+            "--max-video-seconds",
+            str(MAX_VIDEO_SECONDS),
             "--threads",
             "1",
         ],
@@ -295,6 +300,51 @@ def test_image_as_data_url_and_allowed_folder(client, server, photo, image_dir):
         model="bigram", messages=[{"role": "user", "content": content[:1] + local}], max_tokens=n
     )
     assert twice.usage.prompt_tokens == reply.usage.prompt_tokens + 66
+
+
+def video_message(url: str, text: str = "Hi") -> list[dict]:
+    return [
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text}]}
+    ]
+
+
+def video_data_url(path: Path) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_video_as_data_url_streamed_and_whole_with_thinking_on_and_off(client, server, clips, tmp_path, photo):
+    """The openai client sends the pan clip as a data URL: the streamed reply equals the whole one, thinking on
+    and off; the prompt holds the video's tokens (3 frame pairs of 20 tokens, each between vision start and end
+    after its timestamp); fps through vLLM's mm_processor_kwargs; over --max-video-seconds: 413."""
+    from .clips import pan_frames, write_clip
+
+    n = LEAD_TOKENS + CYCLE_TOKENS
+    messages = video_message(video_data_url(clips["pan"]))
+    text_only = client.chat.completions.create(model="bigram", messages=hi(), max_tokens=n)
+    for thinking in (True, False):
+        extra = {"chat_template_kwargs": {"enable_thinking": thinking}}
+        whole = client.chat.completions.create(model="bigram", messages=messages, max_tokens=n, extra_body=extra)
+        stream = client.chat.completions.create(
+            model="bigram", messages=messages, max_tokens=n, stream=True, extra_body=extra
+        )
+        reasoning, content, _, _ = collect(stream)
+        message = whole.choices[0].message
+        assert (reasoning or None, content) == (message.reasoning_content, message.content)
+        assert (message.reasoning_content is not None) == thinking
+    on = client.chat.completions.create(model="bigram", messages=messages, max_tokens=n)
+    # 3 pairs x (20 pads + start + end + "<t.t seconds>"): the timestamps' text tokens are the rest
+    assert on.usage.prompt_tokens > text_only.usage.prompt_tokens + 3 * 22
+    slower = client.chat.completions.create(
+        model="bigram", messages=messages, max_tokens=n, extra_body={"mm_processor_kwargs": {"fps": 1}}
+    )
+    assert slower.usage.prompt_tokens < on.usage.prompt_tokens  # 2 frame pairs instead of 3
+    long = write_clip(tmp_path / "long.mp4", pan_frames(photo, 24, 64, 64), fps=4)  # 6 seconds
+    assert_error(
+        post(server, {"messages": video_message(video_data_url(long))}),
+        413,
+        "messages[0].content[0].video_url.url",
+        "--max-video-seconds",
+    )
 
 
 @pytest.mark.slow
@@ -566,6 +616,22 @@ BAD_REQUESTS = [
         "messages[0].content[0].image_url.url",
         "limit",
     ),
+    (
+        {"messages": video_message("data:video/mp4;base64,aGVsbG8=")},
+        400,
+        "messages[0].content[0].video_url.url",
+        "cannot read video",
+    ),
+    (
+        {"messages": video_message("https://example.com/a.mp4")},
+        400,
+        "messages[0].content[0].video_url.url",
+        "not fetched",
+    ),
+    ({"messages": video_message("/etc/hostname")}, 400, "messages[0].content[0].video_url.url", "outside"),
+    ({"messages": hi(), "fps": 0}, 400, "fps", "a number > 0"),
+    ({"messages": hi(), "mm_processor_kwargs": {"num_frames": 4}}, 400, "mm_processor_kwargs", "fps only"),
+    ({"messages": hi(), "max_video_tokens": 0}, 400, "max_video_tokens", "an integer >= 1"),
 ]
 
 
@@ -701,7 +767,7 @@ def browser(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_path):
+def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_path, clips):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
@@ -776,6 +842,17 @@ def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_
     assert image_tokens == 64 + 70
     assert server.health()["last"]["prompt_tokens"] > first_prompt + n + image_tokens  # history + both images
     browser.save_screenshot(str(shots / "chat-page-3-images.png"))
+
+    # a video from the file picker: shown as a video, sent as a video_url part (3 frame pairs of 20 tokens)
+    with_images = server.health()["last"]["prompt_tokens"]
+    picker.send_keys(str(clips["pan"]))
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#attachments video")) == 1)
+    send("And this?")
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant")) == 3)
+    wait.until(lambda d: "finish: length" in text_of(last_reply(), ".meta"))
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".user")[-1].find_elements(By.TAG_NAME, "video")) == 1
+    assert server.health()["last"]["prompt_tokens"] > with_images + n + 3 * 22
+    browser.save_screenshot(str(shots / "chat-page-3-video.png"))
 
     # stop: a generation to the capacity (about 2000 tokens), stopped right after it is sent
     before = server.health()

@@ -2,7 +2,9 @@
 :meth:`Pipeline.stream_chat`).
 
 Each line is a user turn; ``/image PATH`` attaches an image to the next turn (repeatable, up to
-the export's ``max_images`` per prompt in total), ``/reset`` starts a new conversation,
+the export's ``max_images`` per prompt in total), ``/video PATH`` a video (repeatable; its frames are
+read when the turn is sent, and again by each later turn whose prompt holds it: the kept states spare
+only the prefill), ``/reset`` starts a new conversation,
 ``/quit`` (or end of input) leaves. The reply's content streams to stdout, its reasoning (if the
 chat template turns thinking on) to stderr.
 """
@@ -16,10 +18,11 @@ from typing import TextIO
 from .contract import PromptTooLongError
 from .conversation.images import load_image
 from .conversation.messages import ChatInputError
+from .conversation.videos import probe_video
 from .pipeline import Pipeline
 from .runtime.sampling import SamplingConfig
 
-HELP = "commands: /image PATH (attach to the next message), /reset, /quit"
+HELP = "commands: /image PATH, /video PATH (attach to the next message), /reset, /quit"
 
 
 def run_chat(
@@ -34,10 +37,14 @@ def run_chat(
     chat_template_kwargs: dict | None = None,
     prompt: Callable[[], None] | None = None,
     max_image_tokens: int | None = None,
+    fps: float | None = None,
+    max_video_tokens: int | None = None,
 ) -> int:
     """Run the conversation over input ``lines``; returns the number of answered turns.
 
-    An image is checked when attached (readable, within the export's ``max_images`` counting the
+    A video is checked when attached from its header (readable, a video stream with frames), its frames when
+    the turn is sent (``fps`` and ``max_video_tokens`` as :meth:`Pipeline.prepare_chat` takes them). An image
+    is checked when attached (readable, within the export's ``max_images`` counting the
     conversation's earlier images). A turn whose input is refused (prompt over the largest prefill
     bucket) prints one ``error: ...`` line to ``err`` and is dropped from the history with its
     attached images, so the conversation goes on (``/reset`` when the history outgrows the export).
@@ -47,6 +54,7 @@ def run_chat(
     history: list[dict] = [{"role": "system", "content": system}] if system else []
     states = pipe.state_cache() if pipe.contract.prefill_chunks else None
     pending_images: list[str] = []
+    pending: list[dict] = []  # the attached parts, in order
     answered = 0
     if prompt:
         prompt()
@@ -66,15 +74,26 @@ def run_chat(
                     err.write(f"error: {problem}\n")
                 else:
                     pending_images.append(str(Path(path).expanduser()))
+                    pending.append({"type": "image_url", "image_url": {"url": pending_images[-1]}})
                     err.write(f"[image {len(pending_images)} attached to the next message]\n")
+        elif line.startswith("/video"):
+            path = line[len("/video") :].strip()
+            try:
+                if not path:
+                    raise ValueError("/video needs a file path")
+                probe_video(Path(path).expanduser())
+            except (OSError, ValueError) as exc:
+                err.write(f"error: {exc}\n{HELP if not path else ''}".rstrip("\n") + "\n")
+            else:
+                pending.append({"type": "video", "video": str(Path(path).expanduser())})
+                err.write(f"[video {sum(p['type'] == 'video' for p in pending)} attached to the next message]\n")
         elif line.strip() == "/reset":
-            history, pending_images = history[:1] if system else [], []
+            history, pending_images, pending = history[:1] if system else [], [], []
             err.write("[new conversation]\n")
         elif line.startswith("/"):
             err.write(f"error: unknown command {line.split()[0]!r}; {HELP}\n")
-        elif line.strip() or pending_images:
-            content = [{"type": "image_url", "image_url": {"url": p}} for p in pending_images]
-            content.append({"type": "text", "text": line})
+        elif line.strip() or pending:
+            content = [*pending, {"type": "text", "text": line}]
             turn = history + [{"role": "user", "content": content}]
             try:
                 stream = pipe.stream_chat(
@@ -85,13 +104,15 @@ def run_chat(
                     chat_template_kwargs,
                     max_image_tokens=max_image_tokens,
                     state_cache=states,
+                    fps=fps,
+                    max_video_tokens=max_video_tokens,
                 )
             except (ChatInputError, ValueError, OSError) as exc:
                 hint = "; /reset starts a new conversation" if isinstance(exc, PromptTooLongError) and history else ""
-                err.write(f"error: {exc}{hint}\n" + ("[attached images dropped]\n" if pending_images else ""))
-                pending_images = []
+                err.write(f"error: {exc}{hint}\n" + ("[attachments dropped]\n" if pending else ""))
+                pending_images, pending = [], []
             else:
-                pending_images = []
+                pending_images, pending = [], []
                 for delta in stream:
                     if delta.reasoning_content:
                         err.write(delta.reasoning_content)

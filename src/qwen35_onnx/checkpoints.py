@@ -49,11 +49,30 @@ _IMAGE_PROCESSOR = {
     "size": {"shortest_edge": 65536, "longest_edge": 16777216},
 }
 
+#: Video processor settings (``video_preprocessor_config.json``) of the demo checkpoint: the published
+#: Qwen3.5 file's (``Qwen3VLVideoProcessor``, 2 frames per second, 4 to 768 frames, the pixels of all
+#: sampled frames together within ``shortest_edge`` 4096 and ``longest_edge`` 25165824).
+_VIDEO_PROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_sample_frames": True,
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+    "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+}
+
 #: Seed of the demo checkpoint's weights (see :func:`build_demo_checkpoint`).
 DEMO_SEED = 23
 
-# 2: the chat templates render tools; 3: the published processor pixel range; 4: the published added tokens
-_FORMAT_VERSION = 4
+# 2: the chat templates render tools; 3: the published processor pixel range; 4: the published added tokens;
+# 5: the published video processor settings
+_FORMAT_VERSION = 5
 _MARKER = ".qwen35_onnx_demo"
 _REQUIRED_FILES = (  # one weights file: save_pretrained shards above 50 GB only (the 9B preset is 18.8 GB)
     "config.json",
@@ -63,6 +82,7 @@ _REQUIRED_FILES = (  # one weights file: save_pretrained shards above 50 GB only
     "tokenizer_config.json",
     "chat_template.jinja",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
 )
 
 # Content parts of a message: every image or video part becomes ONE pad token between
@@ -349,6 +369,7 @@ def _write_checkpoint(folder: Path, seed: int, preset: str = "tiny") -> None:
     tokenizer = demo_tokenizer()
     tokenizer.save_pretrained(folder)
     Qwen2VLImageProcessorPil(**_IMAGE_PROCESSOR).save_pretrained(folder)
+    (Path(folder) / "video_preprocessor_config.json").write_text(json.dumps(_VIDEO_PROCESSOR, indent=2) + "\n")
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[preset_dtype(preset)]
     default = torch.get_default_dtype()
@@ -394,6 +415,9 @@ def build_demo_checkpoint(
       backend="pil")`` (or ``Qwen2VLImageProcessorPil.from_pretrained(path)``);
       with ``backend`` unset, transformers picks the torchvision class when
       torchvision is installed.
+    - ``video_preprocessor_config.json``: the published Qwen3.5 video processor settings
+      (``Qwen3VLVideoProcessor``: 2 frames per second, 4 to 768 frames, all frames' pixels within
+      4096 to 25165824).
     - ``.qwen35_onnx_demo``: marker (JSON with format version and seed), written last.
 
     The default seed, :data:`DEMO_SEED` = 23, was picked from seeds 0..89 so that

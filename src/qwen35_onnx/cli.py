@@ -191,6 +191,11 @@ MAX_IMAGE_TOKENS_HELP = (
     "--image-tokens). [default: the export's budget]"
 )
 THINKING_HELP = "Turn the chat template's thinking on or off (its enable_thinking). [default: the template's own]"
+FPS_HELP = "Frames sampled per second of video. [default: the checkpoint's video processor's, 2]"
+MAX_VIDEO_TOKENS_HELP = (
+    "Video-token limit per video (frames are sized down to fit it). [default: the video processor's own most "
+    "or half the export's capacity, the smaller]"
+)
 
 
 def _thinking_kwargs(thinking: bool | None) -> dict | None:
@@ -203,6 +208,20 @@ def _check_image_limit(pipe, max_image_tokens: int | None) -> None:
         pipe.preprocessor.sizing.limit(max_image_tokens)
     except USER_ERRORS as exc:
         _fail(ValueError(str(exc).replace("max_image_tokens", "--max-image-tokens", 1)))
+
+
+def _check_video_options(pipe, fps: float | None, max_video_tokens: int | None, videos: bool = True) -> None:
+    """``--fps`` and ``--max-video-tokens`` in range (and the export takes videos, where ``videos``), or one
+    ``error:`` line."""
+    from .conversation.videos import check_fps
+
+    try:
+        if fps is not None:
+            check_fps(fps)
+        if videos or max_video_tokens is not None:
+            pipe.preprocessor.video_sizing.limit(max_video_tokens)
+    except USER_ERRORS as exc:
+        _fail(ValueError(str(exc).replace("max_video_tokens", "--max-video-tokens", 1).replace("fps", "--fps", 1)))
 
 
 def _sampling(pipe, given: SamplingConfig, given_names: set[str]) -> SamplingConfig:
@@ -225,10 +244,17 @@ def generate(
         help="Image file (any size and mode; repeatable, up to the export's --max-images); omit for a text-only "
         "prompt.",
     ),
+    video: Optional[list[Path]] = typer.Option(
+        None, "--video", help="Video file (repeatable; after the images, before the prompt)."
+    ),
     prompt: str = typer.Option(..., "--prompt", help="User prompt."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Most tokens to generate."),
     max_image_tokens: Optional[int] = typer.Option(
         None, "--max-image-tokens", help=MAX_IMAGE_TOKENS_HELP, show_default=False
+    ),
+    fps: Optional[float] = typer.Option(None, "--fps", help=FPS_HELP, show_default=False),
+    max_video_tokens: Optional[int] = typer.Option(
+        None, "--max-video-tokens", help=MAX_VIDEO_TOKENS_HELP, show_default=False
     ),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable); not included in the output."),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help=THINKING_HELP, show_default=False),
@@ -236,13 +262,14 @@ def generate(
     sampling: SamplingConfig = None,
     sampling_given: set[str] = frozenset(),
 ) -> None:
-    """Stream text for an image and a prompt; timings go to stderr."""
+    """Stream text for images, videos and a prompt; timings go to stderr."""
     try:
         sampling.validate()
     except USER_ERRORS as exc:
         _fail(exc)
     pipe = _load(model, runtime)
     _check_image_limit(pipe, max_image_tokens)
+    _check_video_options(pipe, fps, max_video_tokens, bool(video))
     sampling = _sampling(pipe, sampling, sampling_given)
     try:
         stream = pipe.stream(
@@ -253,6 +280,9 @@ def generate(
             stop=stop,
             chat_template_kwargs=_thinking_kwargs(thinking),
             max_image_tokens=max_image_tokens,
+            video=video or None,
+            fps=fps,
+            max_video_tokens=max_video_tokens,
         )
     except USER_ERRORS as exc:
         _fail(exc)
@@ -277,8 +307,18 @@ def verify(
     model: Path = typer.Option(..., "--model", help="Export folder."),
     model_id: Path = typer.Option(..., "--model-id", help="The checkpoint folder it was exported from."),
     image: Optional[Path] = typer.Option(None, "--image", help="Image file; omit for a text-only prompt."),
+    video: Optional[Path] = typer.Option(
+        None,
+        "--video",
+        help="Video file (after the image); transformers reads it with its PyAV reader and the checkpoint's "
+        "Qwen3VLVideoProcessor, which needs torchvision.",
+    ),
     prompt: str = typer.Option("Describe this image.", "--prompt", help="The user's text."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Greedy tokens compared."),
+    fps: Optional[float] = typer.Option(None, "--fps", help=FPS_HELP, show_default=False),
+    max_video_tokens: Optional[int] = typer.Option(
+        None, "--max-video-tokens", help=MAX_VIDEO_TOKENS_HELP, show_default=False
+    ),
     runtime: RuntimeOptions = None,
 ) -> None:
     """Greedy token parity of the exported graphs against transformers; exit 1 on mismatch."""
@@ -290,9 +330,12 @@ def verify(
     except USER_ERRORS as exc:
         _fail(exc)
     pipe = _load(model, runtime)
+    _check_video_options(pipe, fps, max_video_tokens, video is not None)
     try:
-        parity = token_parity(pipe, model_id, image, prompt, max_new_tokens)
-    except USER_ERRORS as exc:
+        parity = token_parity(
+            pipe, model_id, image, prompt, max_new_tokens, video=video, fps=fps, max_video_tokens=max_video_tokens
+        )
+    except (*USER_ERRORS, ImportError) as exc:
         _fail(exc)
     typer.echo(parity.line())
     if not parity.ok:
@@ -527,11 +570,15 @@ def chat(
     max_image_tokens: Optional[int] = typer.Option(
         None, "--max-image-tokens", help=MAX_IMAGE_TOKENS_HELP, show_default=False
     ),
+    fps: Optional[float] = typer.Option(None, "--fps", help=FPS_HELP, show_default=False),
+    max_video_tokens: Optional[int] = typer.Option(
+        None, "--max-video-tokens", help=MAX_VIDEO_TOKENS_HELP, show_default=False
+    ),
     runtime: RuntimeOptions = None,
     sampling: SamplingConfig = None,
     sampling_given: set[str] = frozenset(),
 ) -> None:
-    """Interactive multi-turn chat: one line per turn, /image PATH attaches an image, /reset, /quit."""
+    """Interactive multi-turn chat: one line per turn, /image PATH and /video PATH attach, /reset, /quit."""
     from .chat_repl import HELP, run_chat
 
     try:
@@ -542,6 +589,7 @@ def chat(
         _fail(ValueError(f"--max-new-tokens must be >= 1 (omit it: until end of sequence), got {max_new_tokens}"))
     pipe = _load(model, runtime)
     _check_image_limit(pipe, max_image_tokens)
+    _check_video_options(pipe, fps, max_video_tokens, videos=False)
     sampling = _sampling(pipe, sampling, sampling_given)
     interactive = sys.stdin.isatty()
     if interactive:
@@ -560,6 +608,8 @@ def chat(
             chat_template_kwargs=kwargs,
             prompt=show_prompt,
             max_image_tokens=max_image_tokens,
+            fps=fps,
+            max_video_tokens=max_video_tokens,
         )
     except KeyboardInterrupt:
         typer.echo("", err=True)

@@ -196,8 +196,9 @@ def check_vision_grids(
     grids, image_tokens: int, patch_size: int, merge_size: int, min_pixels: int, max_pixels: int
 ) -> None:
     """Check static vision grids ``(h, w)`` (patches down, across): positive multiples of the merge
-    size, no repeats, and pixels (``h * w * patch_size**2``) within ``[min_pixels, min(max_pixels,
-    the budget's pixels)]``.
+    size, no repeats, and pixels (``h * w * patch_size**2``) at most ``min(max_pixels, the budget's pixels)``.
+    A grid below the image processor's ``min_pixels`` is allowed: no image gets it from the processor, but a
+    video's frame pairs do (the video processor's pixel range covers all frames together).
 
     Raises:
         ValueError: naming the grid and the limit it broke.
@@ -220,10 +221,6 @@ def check_vision_grids(
                 f"vision grid {h}x{w}: both sides must be multiples of the spatial merge size {merge_size}"
             )
         pixels = h * w * patch_size**2
-        if pixels < min_pixels:
-            raise ValueError(
-                f"vision grid {h}x{w} is {pixels} pixels, below the image processor's min_pixels {min_pixels}"
-            )
         if pixels > budget:
             raise ValueError(
                 f"vision grid {h}x{w} is {h * w // merge_size**2} image tokens ({pixels} pixels), above the budget of "

@@ -44,11 +44,12 @@ from PIL import Image
 from .contract import ContractError, ShapeContract, read_manifest
 from .conversation.grammar import GrammarCompiler, TokenConstraint
 from .conversation.images import load_image, to_rgb
-from .conversation.messages import ChatInputError, ImagePolicy, normalize_messages
+from .conversation.messages import ChatInputError, ChatVideo, ImagePolicy, ImageTooLarge, normalize_messages
 from .conversation.processor import ImageSizing, Preprocessor
 from .conversation.reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
 from .conversation.tool_calls import ToolCallParser
 from .conversation.tools import ReplyFormat, parse_reply_format
+from .conversation.videos import VideoLimitError, VideoLimits, check_fps, read_video
 from .group import GenerationGroup
 from .image_grids import grid_tokens
 from .runtime.backend import Backend, RuntimeOptions
@@ -180,7 +181,9 @@ class Pipeline:
         contract = read_manifest(root)
         cls._check_drafts(contract, options.draft_tokens)  # before any graph loads
         backend = open_backend(root, contract, options)
-        preprocessor = Preprocessor.from_pretrained(root, ImageSizing.of(contract), contract.image_token_id)
+        preprocessor = Preprocessor.from_pretrained(
+            root, ImageSizing.of(contract), contract.image_token_id, contract.capacity
+        )
         return cls(root, contract, backend, preprocessor, options.draft_tokens)
 
     @staticmethod
@@ -195,17 +198,24 @@ class Pipeline:
 
     # ---- host-side preparation -----------------------------------------------------------
     def prepare(
-        self, image, prompt: str, chat_template_kwargs: dict | None = None, max_image_tokens: int | None = None
+        self,
+        image,
+        prompt: str,
+        chat_template_kwargs: dict | None = None,
+        max_image_tokens: int | None = None,
+        video=None,
+        fps: float | None = None,
+        max_video_tokens: int | None = None,
     ) -> PreparedPrompt:
         """Chat-template and preprocess one user turn: ``image`` (a path, a PIL image, a list of
-        them, or None for text only) first, then ``prompt``; the one-turn case of
-        :meth:`prepare_chat` (``chat_template_kwargs``: template variables, e.g.
-        ``{"enable_thinking": False}``; ``max_image_tokens``: image-token limit per image, by
-        default the export's budget).
+        them, or None for text only) first, then ``video`` (a path, the file's bytes, a list of them, or None),
+        then ``prompt``; the one-turn case of :meth:`prepare_chat` (``chat_template_kwargs``: template variables,
+        e.g. ``{"enable_thinking": False}``; ``max_image_tokens``: image-token limit per image, by
+        default the export's budget; ``fps`` and ``max_video_tokens``: see :meth:`prepare_chat`).
 
         Raises:
             FileNotFoundError / ValueError: missing or unreadable image.
-            ChatInputError: more images than the export's ``max_images``.
+            ChatInputError: more images than the export's ``max_images``; an unreadable video.
             ValueError: the prompt does not fit the largest prefill bucket / the capacity.
         """
         if not isinstance(prompt, str):
@@ -225,9 +235,17 @@ class Pipeline:
                     f"image must be a file path, a PIL image, a list of them or None, got {type(picture).__name__}"
                 )
             content.append({"type": "image", "image": picture})
+        for clip in [] if video is None else video if isinstance(video, (list, tuple)) else [video]:
+            if not isinstance(clip, (str, os.PathLike, bytes, bytearray)):
+                raise TypeError(f"video must be a file path, bytes, a list of them or None, got {type(clip).__name__}")
+            content.append({"type": "video", "video": clip})
         content.append({"type": "text", "text": prompt})
         return self.prepare_chat(
-            [{"role": "user", "content": content}], chat_template_kwargs, max_image_tokens=max_image_tokens
+            [{"role": "user", "content": content}],
+            chat_template_kwargs,
+            max_image_tokens=max_image_tokens,
+            fps=fps,
+            max_video_tokens=max_video_tokens,
         )
 
     def reply_format(
@@ -253,10 +271,17 @@ class Pipeline:
         image_policy: ImagePolicy | None = None,
         reply: ReplyFormat | None = None,
         max_image_tokens: int | None = None,
+        fps: float | None = None,
+        max_video_tokens: int | None = None,
     ) -> PreparedPrompt:
         """Render OpenAI-style chat ``messages`` (roles system / user / assistant; content a string
-        or text and image parts, see :mod:`qwen35_onnx.conversation.messages`) with the checkpoint's chat
-        template, preprocess their images (prompt order) and check the result against the contract.
+        or text, image and video parts, see :mod:`qwen35_onnx.conversation.messages`) with the checkpoint's chat
+        template, preprocess their images and videos (prompt order) and check the result against the contract.
+
+        A video's frames are sampled at ``fps`` and sized within ``max_video_tokens`` as
+        :class:`~qwen35_onnx.conversation.processor.VideoSizing` states; each frame pair then runs through the
+        vision graph as an image of that grid (so the graphs see images only: the video pads are given as image
+        pads, :meth:`~qwen35_onnx.conversation.processor.Preprocessor.vision_ids`).
 
         Args:
             messages: the conversation, ending with the turn to answer.
@@ -266,16 +291,23 @@ class Pipeline:
             max_image_tokens: image-token limit per image (by default the export's budget, see
                 :class:`~qwen35_onnx.conversation.processor.ImageSizing`); an image part's
                 ``detail`` 'low' asks for the processor's grid at its ``min_pixels``.
+            fps: frames sampled per second of each video (default: the checkpoint's video processor's, 2).
+            max_video_tokens: video-token limit per video (default: the processor's own most or half the
+                capacity, the smaller).
 
         Raises:
-            ChatInputError: a malformed message or image (``param`` names the field), more
-                images than the export's ``max_images``, a bad ``max_image_tokens``, or an image
-                the processor refuses (aspect ratio above 200).
+            ChatInputError: a malformed message, image or video (``param`` names the field), more
+                images than the export's ``max_images``, a bad ``max_image_tokens``, ``fps`` or
+                ``max_video_tokens``, an image the processor refuses (aspect ratio above 200), a video that
+                cannot be read or sized (no video stream, a damaged file, too few frames, more frame pairs than
+                the limit has tokens); :class:`~qwen35_onnx.conversation.messages.ImageTooLarge` for a video
+                over the ``image_policy``'s duration or frame-size limit.
             ValueError: text that is not valid Unicode, a template that cannot render, or a
                 prompt longer than the largest prefill bucket / the capacity.
         """
-        template_messages, images = normalize_messages(messages, image_policy)
+        template_messages, media = normalize_messages(messages, image_policy)
         c = self.contract
+        images = [item for item in media if not isinstance(item, ChatVideo)]
         if len(images) > c.max_images:
             raise ChatInputError(
                 f"the messages hold {len(images)} images, more than the {c.max_images} this export takes "
@@ -289,28 +321,60 @@ class Pipeline:
                     text.encode("utf-8")
                 except UnicodeEncodeError as exc:
                     raise ValueError(f"message text is not valid Unicode: {exc}") from None
-        pieces, grids = [], []
-        try:
-            self.preprocessor.sizing.limit(max_image_tokens)
-        except ValueError as exc:
-            raise ChatInputError(str(exc), "max_image_tokens") from None
-        for picture in images:
+        pieces, grids, tokens = [], [], []
+        for name, check, value in (
+            ("max_image_tokens", self.preprocessor.sizing.limit, max_image_tokens),
+            ("fps", check_fps, fps),
+            ("max_video_tokens", lambda v: self.preprocessor.video_sizing.limit(v), max_video_tokens),
+        ):
+            if value is None and name != "max_image_tokens":
+                continue
             try:
-                values, grid = self.preprocessor.pixel_values(picture.image, max_image_tokens, picture.detail)
+                check(value)
             except ValueError as exc:
-                raise ChatInputError(f"{picture.param}: {exc}", picture.param) from None
+                raise ChatInputError(str(exc), name) from None
+        for item in media:
+            if isinstance(item, ChatVideo):
+                values, video_grids, count = self._video_inputs(item, image_policy, fps, max_video_tokens)
+                grids.extend(video_grids)
+            else:
+                try:
+                    values, grid = self.preprocessor.pixel_values(item.image, max_image_tokens, item.detail)
+                except ValueError as exc:
+                    raise ChatInputError(f"{item.param}: {exc}", item.param) from None
+                grids.append(grid)
+                count = grid_tokens(grid[1:], c.spatial_merge_size)
             pieces.append(values)
-            grids.append(grid)
-        tokens = [grid_tokens((h, w), c.spatial_merge_size) for _, h, w in grids]
+            tokens.append(count)
         tools = [tool.template_form() for tool in reply.offered_tools] if reply is not None else None
         ids, text = self.preprocessor.encode_chat(template_messages, tokens, chat_template_kwargs, tools)
-        prepared = self.prepare_ids(ids, np.concatenate(pieces) if pieces else None, grids)
+        vision_ids = self.preprocessor.vision_ids(ids)
+        prepared = self.prepare_ids(vision_ids, np.concatenate(pieces) if pieces else None, grids)
         prepared.opens_reasoning = prompt_opens_reasoning(text)
         if c.prefill_chunks:  # where the next turn's state may continue from
             prepared.snapshot_points = self.preprocessor.history_boundaries(
                 template_messages, tokens, ids, chat_template_kwargs, tools
             )
         return prepared
+
+    def _video_inputs(self, video: ChatVideo, policy: ImagePolicy | None, fps, max_video_tokens):
+        """A video part's patches ``[t*h*w, patch_dim]``, its ``t`` frame-pair grids ``(1, h, w)`` and its
+        :class:`~qwen35_onnx.conversation.processor.VideoTokens` (:meth:`prepare_chat`).
+
+        Raises:
+            ChatInputError / ImageTooLarge: naming the part (see :meth:`prepare_chat`).
+        """
+        policy = policy or ImagePolicy.trusted()
+        limits = VideoLimits(policy.max_video_seconds, policy.max_video_frame_pixels)
+        try:
+            settings = self.preprocessor.video_sizing.settings
+            clip = read_video(video.source, settings, fps, limits)
+            values, (t, h, w), count = self.preprocessor.video_pixel_values(clip, max_video_tokens)
+        except VideoLimitError as exc:
+            raise ImageTooLarge(f"{video.param}: {exc}", video.param) from None
+        except (FileNotFoundError, ValueError) as exc:
+            raise ChatInputError(f"{video.param}: {exc}", video.param) from None
+        return values, [(1, h, w)] * t, count
 
     def prepare_ids(
         self, input_ids: np.ndarray, pixel_values: np.ndarray | None = None, image_grids=()
@@ -402,8 +466,12 @@ class Pipeline:
         max_image_tokens: int | None = None,
         group: GenerationGroup | None = None,
         draft_tokens: int | None = None,
+        video=None,
+        fps: float | None = None,
+        max_video_tokens: int | None = None,
     ) -> GenerationStream:
-        """Start a generation for ``image`` (path, PIL image, a list of them, or None) and
+        """Start a generation for ``image`` (path, PIL image, a list of them, or None), ``video`` (path, bytes,
+        a list of them, or None; ``fps`` and ``max_video_tokens``: see :meth:`prepare_chat`) and
         ``prompt``; iterate the returned stream for text pieces. ``sampling`` None: the
         checkpoint's :attr:`sampling_defaults`; ``SamplingConfig()`` is greedy; ``group``
         (:meth:`group`): decode together with the group's other generations; ``draft_tokens``: speculative
@@ -414,7 +482,7 @@ class Pipeline:
             ValueError / FileNotFoundError: bad ``max_new_tokens``, sampling options or stop
                 strings, prompt over the largest bucket or capacity, unreadable image.
         """
-        prepared = self.prepare(image, prompt, chat_template_kwargs, max_image_tokens)
+        prepared = self.prepare(image, prompt, chat_template_kwargs, max_image_tokens, video, fps, max_video_tokens)
         return self.stream_prepared(prepared, max_new_tokens, sampling, stop, group=group, draft_tokens=draft_tokens)
 
     def stream_chat(
@@ -433,8 +501,11 @@ class Pipeline:
         state_cache: SnapshotCache | None = None,
         group: GenerationGroup | None = None,
         draft_tokens: int | None = None,
+        fps: float | None = None,
+        max_video_tokens: int | None = None,
     ) -> ChatStream:
-        """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`), answered by
+        """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`, also for ``fps`` and
+        ``max_video_tokens``), answered by
         streaming :class:`ChatDelta` s; ``max_new_tokens`` None: until end of sequence or capacity.
         ``tools``, ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` as in OpenAI's
         API (see :meth:`reply_format`): calls come back parsed (``ChatDelta.tool_calls``,
@@ -448,7 +519,9 @@ class Pipeline:
             ChatInputError / ValueError: see :meth:`reply_format`, :meth:`prepare_chat` and :meth:`stream`.
         """
         reply = self.reply_format(tools, tool_choice, parallel_tool_calls, response_format)
-        prepared = self.prepare_chat(messages, chat_template_kwargs, image_policy, reply, max_image_tokens)
+        prepared = self.prepare_chat(
+            messages, chat_template_kwargs, image_policy, reply, max_image_tokens, fps, max_video_tokens
+        )
         return self.stream_chat_prepared(
             prepared, max_new_tokens, sampling, stop, reply, state_cache, group, draft_tokens
         )

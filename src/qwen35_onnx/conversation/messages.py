@@ -9,8 +9,12 @@ An assistant message may carry ``tool_calls`` (``[{"id", "type": "function", "fu
 "arguments": JSON object text}}]``) and a ``tool`` message answers one (``tool_call_id``, text content).
 
 with parts ``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url": ...}}``
-(or ``"image_url": "..."``) and, from Python, ``{"type": "image", "image": PIL image or path}``.
-Images are allowed in user messages only (as in the OpenAI API). An image URL is a
+(or ``"image_url": "..."``), ``{"type": "video_url", "video_url": {"url": ...}}`` (as vLLM accepts
+it) and, from Python, ``{"type": "image", "image": PIL image or path}`` and ``{"type": "video",
+"video": path or bytes}``. Images and videos are allowed in user messages only (as in the OpenAI API).
+A video URL is a ``data:video/...;base64,...`` URL or a local file as for images; its bytes are
+checked here, its frames are read later (:mod:`.videos`, with the policy's duration and frame-size
+limits). An image URL is a
 ``data:image/{png,jpeg,webp,gif};base64,...`` URL, or a local file (a path or a ``file://`` URL)
 when the :class:`ImagePolicy` allows it; ``http(s)`` URLs are refused (the runtime fetches
 nothing from the network). ``developer`` is OpenAI's newer name for ``system`` and is rendered
@@ -18,7 +22,7 @@ as ``system``. An assistant message's ``reasoning_content`` is dropped (Qwen tem
 earlier turns' reasoning too).
 
 What the chat template receives: ``{"role", "content"}`` with content a string, or a list of
-``{"type": "text", "text"}`` and ``{"type": "image"}`` parts (one image placeholder each), the
+``{"type": "text", "text"}``, ``{"type": "image"}`` and ``{"type": "video"}`` parts (one placeholder each), the
 form transformers' processors pass to ``apply_chat_template``; an assistant's calls as
 ``tool_calls: [{"type": "function", "function": {"name", "arguments": dict}}]`` (the form chat
 templates iterate).
@@ -42,6 +46,7 @@ from .images import to_rgb
 
 __all__ = [
     "ChatImage",
+    "ChatVideo",
     "ChatInputError",
     "DETAILS",
     "ImageTooLarge",
@@ -67,10 +72,38 @@ class ChatImage:
     param: str = "messages"
 
 
+@dataclass(frozen=True)
+class ChatVideo:
+    """One video of a conversation, not yet decoded: its file (``path``) or encoded bytes (``data``), and the
+    request field it came from (``param``)."""
+
+    path: Path | None = None
+    data: bytes | None = None
+    param: str = "messages"
+
+    @property
+    def source(self) -> Path | bytes:
+        """What :func:`.videos.read_video` reads: the file, else the bytes."""
+        return self.path if self.path is not None else self.data
+
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+VIDEO_MEDIA_TYPES = (
+    "video/mp4",
+    "video/webm",
+    "video/quicktime",
+    "video/x-matroska",
+    "video/x-msvideo",
+    "video/mpeg",
+    "video/ogg",
+    "video/3gpp",
+)
+DEFAULT_MAX_VIDEO_BYTES = 100 * 1024 * 1024
+DEFAULT_MAX_VIDEO_SECONDS = 600.0
+DEFAULT_MAX_VIDEO_FRAME_PIXELS = 3840 * 2160
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
 
 
@@ -84,7 +117,7 @@ class ChatInputError(ValueError):
 
 
 class ImageTooLarge(ChatInputError):
-    """An image over the :class:`ImagePolicy` limits (bytes or pixels); a server answers 413."""
+    """An image or video over the :class:`ImagePolicy` limits (bytes or pixels); a server answers 413."""
 
 
 @dataclass(frozen=True)
@@ -99,12 +132,18 @@ class ImagePolicy:
         max_image_bytes: largest encoded image (bytes of a file or of a decoded data URL).
         max_image_pixels: largest image (width x height) decoded from a data URL; checked from
             the header, before the pixels are decoded (a small file can hold a huge image).
+        max_video_bytes: largest encoded video (a data URL's decoded bytes or a file).
+        max_video_seconds: longest video, seconds (from its stream header, before decoding).
+        max_video_frame_pixels: largest video frame (width x height, from its stream header).
     """
 
     local_dir: Path | None = None
     allow_any_local: bool = False
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
+    max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS
+    max_video_frame_pixels: int = DEFAULT_MAX_VIDEO_FRAME_PIXELS
 
     @classmethod
     def trusted(cls) -> ImagePolicy:
@@ -112,22 +151,23 @@ class ImagePolicy:
         return cls(allow_any_local=True)
 
 
-def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[list[dict], list[ChatImage]]:
-    """Check OpenAI-style ``messages`` and split them into template messages and images.
+def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[list[dict], list[ChatImage | ChatVideo]]:
+    """Check OpenAI-style ``messages`` and split them into template messages, images and videos.
 
     Args:
         messages: a non-empty list of message dicts (see the module docstring).
         policy: where images may come from (default :meth:`ImagePolicy.trusted`).
 
     Returns:
-        ``(template_messages, images)``: messages for ``apply_chat_template`` (one
-        ``{"type": "image"}`` part per image) and the images (:class:`ChatImage`: RGB ``PIL.Image``
-        and ``detail``) in prompt order.
+        ``(template_messages, media)``: messages for ``apply_chat_template`` (one
+        ``{"type": "image"}`` part per image, one ``{"type": "video"}`` per video) and the images
+        (:class:`ChatImage`: RGB ``PIL.Image`` and ``detail``) and videos (:class:`ChatVideo`, not yet
+        decoded) in prompt order.
 
     Raises:
         ChatInputError: naming the field: not a list, empty, unknown role, bad content or part
-            type, an image outside a user message, an image URL that is remote, not allowed,
-            too large or not a decodable image.
+            type, an image or video outside a user message, an image or video URL that is remote, not
+            allowed, too large or (an image) not decodable.
     """
     policy = policy or ImagePolicy.trusted()
     if not isinstance(messages, (list, tuple)):
@@ -135,7 +175,7 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
     if not messages:
         raise ChatInputError("messages must hold at least one message", "messages")
     rendered: list[dict] = []
-    images: list[ChatImage] = []
+    images: list[ChatImage | ChatVideo] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -173,6 +213,11 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
                     raise ChatInputError(f"{here}: images are allowed in user messages only, not in {role!r}", here)
                 images.append(ChatImage(_part_image(part, here, policy), _detail(part, here), here))
                 parts.append({"type": "image"})
+            elif kind in ("video_url", "video"):
+                if role != "user":
+                    raise ChatInputError(f"{here}: videos are allowed in user messages only, not in {role!r}", here)
+                images.append(_part_video(part, here, policy))
+                parts.append({"type": "video"})
             else:
                 if not isinstance(part, dict):
                     raise ChatInputError(
@@ -180,7 +225,7 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
                         f"...}}), got {type(part).__name__} {_clip(part)}",
                         here,
                     )
-                raise ChatInputError(f"{here}.type {kind!r} must be 'text' or 'image_url'", f"{here}.type")
+                raise ChatInputError(f"{here}.type {kind!r} must be 'text', 'image_url' or 'video_url'", f"{here}.type")
         rendered.append({"role": _template_role(role), "content": parts, **calls})
     return rendered, images
 
@@ -261,6 +306,78 @@ def _part_image(part: dict, here: str, policy: ImagePolicy) -> Image.Image:
     return decode_image_url(value, field_name, policy)
 
 
+def _part_video(part: dict, here: str, policy: ImagePolicy) -> ChatVideo:
+    if part["type"] == "video":
+        value = part.get("video")
+        if isinstance(value, (bytes, bytearray)):
+            if len(value) > policy.max_video_bytes:
+                raise ImageTooLarge(
+                    f"{here}.video: the video is {len(value)} bytes, more than the limit of {policy.max_video_bytes} "
+                    "bytes",
+                    f"{here}.video",
+                )
+            return ChatVideo(data=bytes(value), param=f"{here}.video")
+        if isinstance(value, (str, os.PathLike)):
+            path = _local_file(os.fspath(value), f"{here}.video", policy, "video")
+            return ChatVideo(path=path, param=f"{here}.video")
+        raise ChatInputError(f"{here}.video must be a path or bytes, got {type(value).__name__}", f"{here}.video")
+    value = part.get("video_url")
+    field_name = f"{here}.video_url"
+    if isinstance(value, dict):
+        value, field_name = value.get("url"), f"{here}.video_url.url"
+    if not isinstance(value, str) or not value:
+        raise ChatInputError(f"{field_name} must be a non-empty string URL, got {value!r:.80}", field_name)
+    return decode_video_url(value, field_name, policy)
+
+
+def decode_video_url(url: str, param: str, policy: ImagePolicy) -> ChatVideo:
+    """The video of a ``data:video/...;base64,`` URL, a ``file://`` URL or a local path (as the policy allows),
+    not yet decoded.
+
+    Raises:
+        ChatInputError: naming ``param``: remote URL, unsupported media type, bad base64, too many bytes
+            (:class:`ImageTooLarge`), local files not allowed or outside the allowed folder, a missing file.
+    """
+    if url[:5].lower() == "data:":
+        data = _data_url_bytes(url, param, VIDEO_MEDIA_TYPES, policy.max_video_bytes, "video")
+        return ChatVideo(data=data, param=param)
+    return ChatVideo(path=_local_file(_url_path(url, param, "video"), param, policy, "video"), param=param)
+
+
+def _data_url_bytes(url: str, param: str, media_types: tuple[str, ...], limit: int, kind: str) -> bytes:
+    """The decoded payload of a base64 ``data:`` URL of one of ``media_types``, at most ``limit`` bytes."""
+    match = _DATA_URL.match(url)
+    example = "data:image/png;base64,<data>" if kind == "image" else "data:video/mp4;base64,<data>"
+    if not match or not match.group("b64"):
+        raise ChatInputError(f"{param}: a data URL must look like {example}", param)
+    media = (match.group("type") or "").lower()
+    if media not in media_types:
+        raise ChatInputError(f"{param}: media type {media or 'none'!r} is not one of {', '.join(media_types)}", param)
+    payload = url[match.end() :]
+    decoded_size = len(payload.rstrip("=")) * 3 // 4  # exact for valid base64
+    if decoded_size > limit:
+        raise ImageTooLarge(f"{param}: the {kind} is {decoded_size} bytes, more than the limit of {limit} bytes", param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ChatInputError(f"{param}: the data URL is not valid base64 ({exc})", param) from None
+    if len(data) > limit:
+        raise ImageTooLarge(f"{param}: the {kind} is {len(data)} bytes, more than the limit of {limit} bytes", param)
+    return data
+
+
+def _url_path(url: str, param: str, kind: str) -> str:
+    """The local path of a ``file://`` URL or a plain path; remote URLs are refused."""
+    scheme = urlparse(url).scheme.lower()
+    if scheme == "file":
+        return unquote(urlparse(url).path)
+    if len(scheme) > 1:  # a one-letter "scheme" is a Windows drive
+        raise ChatInputError(
+            f"{param}: {scheme}:// {kind} URLs are not fetched; send the {kind} as a data: URL (base64)", param
+        )
+    return url
+
+
 def decode_image_url(url: str, param: str, policy: ImagePolicy) -> Image.Image:
     """Image of a ``data:`` URL, a ``file://`` URL or a local path (as the policy allows).
 
@@ -270,50 +387,32 @@ def decode_image_url(url: str, param: str, policy: ImagePolicy) -> Image.Image:
             undecodable image.
     """
     if url[:5].lower() == "data:":
-        match = _DATA_URL.match(url)
-        if not match or not match.group("b64"):
-            raise ChatInputError(f"{param}: a data URL must look like data:image/png;base64,<data>", param)
-        media = (match.group("type") or "").lower()
-        if media not in IMAGE_MEDIA_TYPES:
-            raise ChatInputError(
-                f"{param}: media type {media or 'none'!r} is not one of {', '.join(IMAGE_MEDIA_TYPES)}", param
-            )
-        payload = url[match.end() :]
-        decoded_size = len(payload.rstrip("=")) * 3 // 4  # exact for valid base64
-        if decoded_size > policy.max_image_bytes:
-            raise ImageTooLarge(
-                f"{param}: the image is {decoded_size} bytes, more than the limit of {policy.max_image_bytes} bytes",
-                param,
-            )
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ChatInputError(f"{param}: the data URL is not valid base64 ({exc})", param) from None
-        if len(data) > policy.max_image_bytes:
-            raise ImageTooLarge(
-                f"{param}: the image is {len(data)} bytes, more than the limit of {policy.max_image_bytes} bytes", param
-            )
+        data = _data_url_bytes(url, param, IMAGE_MEDIA_TYPES, policy.max_image_bytes, "image")
         return _open_image_bytes(data, param, policy.max_image_pixels)
-    scheme = urlparse(url).scheme.lower()
-    if scheme == "file":
-        return _local_image(unquote(urlparse(url).path), param, policy)
-    if len(scheme) > 1:  # a one-letter "scheme" is a Windows drive
-        raise ChatInputError(
-            f"{param}: {scheme}:// image URLs are not fetched; send the image as a data: URL (base64)", param
-        )
-    return _local_image(url, param, policy)
+    return _local_image(_url_path(url, param, "image"), param, policy)
 
 
 def _local_image(path: str, param: str, policy: ImagePolicy) -> Image.Image:
-    """A local image file as the policy allows: a relative path is taken inside ``local_dir``
+    """A local image file as the policy allows (:func:`_local_file`), decoded."""
+    resolved = _local_file(path, param, policy, "image")
+    try:
+        data = resolved.read_bytes()
+    except OSError as exc:
+        raise ChatInputError(f"{param}: cannot read {path[:200]!r}: {exc.strerror or exc}", param) from None
+    return _open_image_bytes(data, param, policy.max_image_pixels, formats=None)
+
+
+def _local_file(path: str, param: str, policy: ImagePolicy, kind: str) -> Path:
+    """A local image or video file as the policy allows: a relative path is taken inside ``local_dir``
     (the current folder with ``allow_any_local``); the resolved path (links and ``..`` followed)
     must lie inside ``local_dir``; the file must be a regular file within the byte limit."""
     if not policy.allow_any_local and policy.local_dir is None:
         raise ChatInputError(
-            f"{param}: local image paths are not allowed here (the server reads local images only from a folder "
-            "given with --allowed-image-dir); send the image as a data: URL",
+            f"{param}: local {kind} paths are not allowed here (the server reads local files only from a folder "
+            f"given with --allowed-image-dir); send the {kind} as a data: URL",
             param,
         )
+    limit = policy.max_image_bytes if kind == "image" else policy.max_video_bytes
     shown = repr(path[:200])
     outside = False
     try:
@@ -327,20 +426,14 @@ def _local_image(path: str, param: str, policy: ImagePolicy) -> Image.Image:
     except (OSError, ValueError, RuntimeError) as exc:  # embedded NUL, name too long, symlink loop
         raise ChatInputError(f"{param}: {shown} is not a usable file path ({exc})", param) from None
     if outside:
-        raise ChatInputError(f"{param}: {shown} is outside the allowed image folder", param)
+        raise ChatInputError(f"{param}: {shown} is outside the allowed {kind} folder", param)
     if not exists:
-        raise ChatInputError(f"{param}: image file not found: {shown}", param)
+        raise ChatInputError(f"{param}: {kind} file not found: {shown}", param)
     if not regular:
-        raise ChatInputError(f"{param}: image path {shown} is not a regular file", param)
-    if size > policy.max_image_bytes:
-        raise ImageTooLarge(
-            f"{param}: {shown} is {size} bytes, more than the limit of {policy.max_image_bytes} bytes", param
-        )
-    try:
-        data = resolved.read_bytes()
-    except OSError as exc:
-        raise ChatInputError(f"{param}: cannot read {shown}: {exc.strerror or exc}", param) from None
-    return _open_image_bytes(data, param, policy.max_image_pixels, formats=None)
+        raise ChatInputError(f"{param}: {kind} path {shown} is not a regular file", param)
+    if size > limit:
+        raise ImageTooLarge(f"{param}: {shown} is {size} bytes, more than the limit of {limit} bytes", param)
+    return resolved
 
 
 WEB_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")

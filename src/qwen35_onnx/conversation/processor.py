@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
+import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +40,9 @@ from ..image_grids import Grid, choose_grid, fit_budget, grid_tokens, processor_
 from .detokenizer import TextStreamer
 from .messages import DETAILS
 from .reasoning import THINK_END, THINK_START
+from .videos import VideoClip, VideoSettings, frame_timestamps, video_patches, video_smart_resize
 
-__all__ = ["ImageSizing", "Preprocessor", "TemplateKwargsError"]
+__all__ = ["ImageSizing", "Preprocessor", "TemplateKwargsError", "VideoSizing", "VideoTokens", "media_kinds"]
 
 
 class ImageSizing:
@@ -141,10 +145,118 @@ class ImageSizing:
         return choose_grid(height, width, grids, exact), exact
 
 
+class VideoSizing:
+    """How this export sizes videos: the checkpoint's video processor rule (:mod:`.videos`) within a video-token
+    limit, each frame pair within the export's image-token budget (the vision graph runs once per pair), on a grid
+    the export serves.
+
+    The rule: a video of ``T`` sampled frames makes ``pairs = ceil(T / 2)`` frame pairs; with a limit of ``L``
+    video tokens each pair may have ``per_pair = min(L // pairs, image_tokens)`` tokens, and the processor's
+    ``max_pixels`` becomes ``min(its own for T frames, T * per_pair * (patch * merge)**2)``: the grid transformers
+    gives with ``size.longest_edge`` at that value. Where its rounding still leaves a pair over ``per_pair`` the
+    grid is scaled down (aspect kept); on a static-grid export the pair grid is the exported grid closest to it
+    (:func:`~qwen35_onnx.image_grids.choose_grid`), among those within ``per_pair``.
+
+    Args:
+        settings: the checkpoint's video processor settings.
+        images: the export's :class:`ImageSizing` (its budget per frame pair and its static grids).
+        capacity: the export's capacity in tokens; the default limit is half of it.
+    """
+
+    def __init__(self, settings: VideoSettings, images: ImageSizing, capacity: int):
+        self.settings, self.images, self.capacity = settings, images, int(capacity)
+
+    @property
+    def default_tokens(self) -> int:
+        """The limit of a call that sets none: the processor's own most (``max_pixels`` in tokens) or half the
+        capacity, the smaller (room is left for the text and the reply)."""
+        s = self.settings
+        own = s.max_pixels // (s.factor**2 * s.temporal_patch_size)
+        return max(1, min(own, self.capacity // 2))
+
+    def limit(self, max_video_tokens: int | None) -> int:
+        """The video-token limit of one video: :attr:`default_tokens`, or ``max_video_tokens``.
+
+        Raises:
+            ValueError: ``max_video_tokens`` not an integer, below 1 or above the capacity (naming both).
+        """
+        if max_video_tokens is None:
+            return self.default_tokens
+        if isinstance(max_video_tokens, bool) or not isinstance(max_video_tokens, int):
+            raise ValueError(f"max_video_tokens must be an integer, got {max_video_tokens!r}")
+        if not 1 <= max_video_tokens <= self.capacity:
+            raise ValueError(
+                f"max_video_tokens {max_video_tokens} must lie in [1, {self.capacity}] (the export's capacity, "
+                "--max-seq-len)"
+            )
+        return max_video_tokens
+
+    def grid(
+        self, num_frames: int, height: int, width: int, max_video_tokens: int | None = None
+    ) -> tuple[Grid, Grid, int]:
+        """``(grid, processor_grid, max_pixels)`` for ``num_frames`` sampled frames of ``width x height``: the patch
+        grid of every frame pair, the grid the checkpoint's processor gives with ``max_pixels`` (the class
+        docstring's rule), and that ``max_pixels``.
+
+        Raises:
+            ValueError: a bad limit (:meth:`limit`); fewer than 2 frames; an aspect ratio above 200; a limit that
+                leaves a frame pair less than one token; no static grid within it.
+        """
+        s, images = self.settings, self.images
+        tokens = self.limit(max_video_tokens)
+        pairs = math.ceil(num_frames / s.temporal_patch_size)
+        per_pair = min(tokens // max(pairs, 1), images.image_tokens)
+        if per_pair < 1:
+            raise ValueError(
+                f"the video's {num_frames} sampled frames make {pairs} frame pairs, and max_video_tokens {tokens} "
+                f"leaves less than one token for each: too long for this export (capacity {self.capacity} tokens); "
+                "sample fewer frames per second (fps) or send a shorter clip"
+            )
+        top = min(s.frame_budget(num_frames), num_frames * per_pair * s.factor**2)
+        h, w = video_smart_resize(num_frames, height, width, s.temporal_patch_size, s.factor, s.min_pixels, top)
+        exact = (h // s.patch_size, w // s.patch_size)
+        if not images.grids:
+            return fit_budget(exact, per_pair, s.merge_size), exact, top
+        grids = [g for g in images.grids if grid_tokens(g, s.merge_size) <= per_pair]
+        if not grids:
+            smallest = min(grid_tokens(g, s.merge_size) for g in images.grids)
+            raise ValueError(
+                f"the video's {pairs} frame pairs may have {per_pair} tokens each (max_video_tokens {tokens}), fewer "
+                f"than this export's smallest vision grid ({smallest} tokens)"
+            )
+        return choose_grid(height, width, grids, exact), exact, top
+
+
+@dataclass(frozen=True)
+class VideoTokens:
+    """A video's place in the prompt: each frame pair's time in seconds and its tokens (the same for every pair)."""
+
+    timestamps: tuple[float, ...]
+    tokens_per_pair: int
+
+    @property
+    def total(self) -> int:
+        """Video tokens of the whole video."""
+        return len(self.timestamps) * self.tokens_per_pair
+
+
+def media_kinds(messages: list[dict]) -> list[str]:
+    """``"image"`` / ``"video"`` for each image or video part of template ``messages``, in order."""
+    return [
+        part["type"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") in ("image", "video")
+    ]
+
+
 class TemplateKwargsError(ValueError):
     """``chat_template_kwargs`` tries to set a parameter of ``apply_chat_template`` itself."""
 
 
+VIDEO_TOKEN, VISION_START, VISION_END = "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"
+"""Qwen3VLProcessor's video pad and vision markers (a tokenizer may name its own ``video_token``)."""
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 """Files of which a folder needs one for ``AutoTokenizer`` (a fast tokenizer, or a BPE vocabulary)."""
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -164,9 +276,15 @@ class Preprocessor:
     """
 
     def __init__(
-        self, tokenizer, image_processor: Qwen2VLImageProcessorPil, sizing: ImageSizing, image_token_id: int
+        self,
+        tokenizer,
+        image_processor: Qwen2VLImageProcessorPil,
+        sizing: ImageSizing,
+        image_token_id: int,
+        videos: VideoSizing | Exception | None = None,
     ) -> None:
-        """Wire the parts together; prefer :meth:`from_pretrained`.
+        """Wire the parts together; prefer :meth:`from_pretrained`. ``videos``: how videos are sized (None, or the
+        error that loading the video processor settings raised: videos are then refused with it).
 
         Raises:
             ValueError: the processor's patch or merge size differs from ``sizing``'s;
@@ -195,9 +313,17 @@ class Preprocessor:
         self.sizing = sizing
         self.image_token_id = int(image_token_id)
         self.image_token = image_token
+        self._videos = videos
+        # the video pad: the tokenizer's own attribute where it has one, as Qwen3VLProcessor takes it
+        self.video_token = getattr(tokenizer, "video_token", None) or VIDEO_TOKEN
+        video_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        self.video_token_id = None if video_id in (None, tokenizer.unk_token_id) else int(video_id)
+        self.vision_start, self.vision_end = VISION_START, VISION_END
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, sizing: ImageSizing, image_token_id: int) -> Preprocessor:
+    def from_pretrained(
+        cls, path: str | os.PathLike, sizing: ImageSizing, image_token_id: int, capacity: int | None = None
+    ) -> Preprocessor:
         """Load tokenizer, chat template and image processor from a Hugging Face folder.
 
         Args:
@@ -206,6 +332,8 @@ class Preprocessor:
             sizing: how the export sizes images (:meth:`ImageSizing.of` its contract).
             image_token_id: ``config.image_token_id`` of the checkpoint (from the
                 shape contract), e.g. 248056 for Qwen3.5.
+            capacity: the export's capacity in tokens, for the video-token limits (:class:`VideoSizing`); None:
+                no videos.
 
         Raises:
             OSError: the folder lacks the tokenizer or image-processor files, naming them.
@@ -223,7 +351,57 @@ class Preprocessor:
                 "tokenizer_config.json)"
             )
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(path)
-        return cls(tokenizer, image_processor, sizing, image_token_id)
+        videos = None
+        if capacity is not None:
+            try:
+                videos = VideoSizing(VideoSettings.from_pretrained(path), sizing, capacity)
+            except (OSError, ValueError) as exc:  # images still work; a video names this
+                videos = exc
+        return cls(tokenizer, image_processor, sizing, image_token_id, videos)
+
+    @property
+    def video_sizing(self) -> VideoSizing:
+        """How videos are sized (:class:`VideoSizing`).
+
+        Raises:
+            ValueError: the export takes no videos: no video pad token in the tokenizer, or video processor
+                settings that could not be loaded (naming why).
+        """
+        if self.video_token_id is None:
+            raise ValueError(f"the tokenizer has no video token {self.video_token!r}, so this export takes no videos")
+        if isinstance(self._videos, Exception):
+            raise ValueError(f"this export's video processor settings cannot be used: {self._videos}")
+        if self._videos is None:
+            raise ValueError("this preprocessor was made without a capacity, so it sizes no videos")
+        return self._videos
+
+    def video_pixel_values(
+        self, clip: VideoClip, max_video_tokens: int | None = None
+    ) -> tuple[np.ndarray, tuple[int, int, int], VideoTokens]:
+        """Sampled frames -> vision-graph input and the video's place in the prompt, as the checkpoint's video
+        processor does it (:class:`VideoSizing` for the grid, :func:`.videos.video_patches` for the pixels).
+
+        Returns:
+            ``(pixel_values, grid_thw, tokens)``: float32 ``[t*h*w, C*T*P*P]`` (frame pair ``i``'s patches at rows
+            ``i*h*w ...``), ``(t, h, w)`` and the :class:`VideoTokens` (each pair's time and tokens).
+
+        Raises:
+            ValueError: see :attr:`video_sizing` and :meth:`VideoSizing.grid`.
+        """
+        sizing = self.video_sizing
+        grid, _, _ = sizing.grid(len(clip.frames), clip.height, clip.width, max_video_tokens)
+        values, t = video_patches(clip.frames, grid, sizing.settings)
+        times = frame_timestamps(clip.frame_indices, clip.source_fps, sizing.settings.temporal_patch_size)
+        tokens = VideoTokens(tuple(times), grid_tokens(grid, sizing.settings.merge_size))
+        return values, (t, *grid), tokens
+
+    def vision_ids(self, input_ids: np.ndarray) -> np.ndarray:
+        """``input_ids`` with every video pad replaced by the image pad: the graphs place vision embeddings at
+        image pads, and a video's frame pairs are images to them (each its own run of pads between vision start
+        and end). The pad's own embedding is never used, so the logits are those of the video pads."""
+        if self.video_token_id is None:
+            return input_ids
+        return np.where(input_ids == self.video_token_id, self.image_token_id, input_ids)
 
     def pixel_values(
         self, image: Image.Image, max_image_tokens: int | None = None, detail: str = "auto"
@@ -293,7 +471,7 @@ class Preprocessor:
     def encode_chat(
         self,
         messages: list[dict],
-        image_tokens: list[int],
+        image_tokens: list,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
     ) -> tuple[np.ndarray, str]:
@@ -301,36 +479,35 @@ class Preprocessor:
 
         ``messages`` are chat-template messages (:func:`.messages.normalize_messages`): each
         ``{"type": "image"}`` part becomes one image placeholder, which is replaced by that image's
-        number of image tokens (as ``Qwen3VLProcessor`` does, in prompt order); the text is rendered with
-        ``add_generation_prompt=True`` plus ``chat_template_kwargs`` (e.g. Qwen3.5's
-        ``enable_thinking``) and tokenized without adding special tokens again.
+        number of image tokens; each ``{"type": "video"}`` part becomes the template's
+        ``<|vision_start|><|video_pad|><|vision_end|>``, which is replaced by one ``<{t:.1f} seconds>``,
+        ``<|vision_start|>``, the pair's video pads and ``<|vision_end|>`` per frame pair (as ``Qwen3VLProcessor``
+        does, in prompt order). The text is rendered with ``add_generation_prompt=True`` plus
+        ``chat_template_kwargs`` (e.g. Qwen3.5's ``enable_thinking``) and tokenized without adding special
+        tokens again.
 
         Args:
-            messages: ``[{"role", "content": str | [{"type": "text", "text"} | {"type": "image"}]}]``.
-            image_tokens: the image tokens of each image (>= 1 each), one per image part, in order.
+            messages: ``[{"role", "content": str | [{"type": "text", "text"} | {"type": "image"} |
+                {"type": "video"}]}]``.
+            image_tokens: one entry per image or video part, in order: an image's tokens (an int >= 1), a video's
+                :class:`VideoTokens`.
             chat_template_kwargs: extra template variables.
             tools: OpenAI-form tool definitions the template lists (``tools`` of
                 ``apply_chat_template``), None for none.
 
         Returns:
-            ``(input_ids, prompt_text)``: int64 ``[1, S]`` and the rendered prompt (before the
-            placeholder expansion).
+            ``(input_ids, prompt_text)``: int64 ``[1, S]`` (video pads as the tokenizer's video token; see
+            :meth:`vision_ids`) and the rendered prompt (before the placeholder expansion).
 
         Raises:
-            ValueError: the rendered template holds other than one image placeholder per image
-                part (e.g. a message text contains the placeholder itself), the template
-                fails to render, or tokenization did not yield the expected image tokens.
+            ValueError: the parts and ``image_tokens`` disagree, the rendered template holds other placeholders
+                than one per image or video part (e.g. a message text contains the placeholder itself), the
+                template fails to render, or tokenization did not yield the expected image and video tokens.
         """
-        image_tokens = [int(n) for n in image_tokens]
-        if any(n < 1 for n in image_tokens):
+        media = [m if isinstance(m, VideoTokens) else int(m) for m in image_tokens]
+        if any(not isinstance(m, VideoTokens) and m < 1 for m in media):
             raise ValueError(f"every image needs at least one image token, got {image_tokens}")
-        n_images = sum(
-            1
-            for m in messages
-            if isinstance(m.get("content"), list)
-            for part in m["content"]
-            if part.get("type") == "image"
-        )
+        kinds = media_kinds(messages)
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & self.reserved_template_kwargs())
         if reserved:
@@ -339,20 +516,21 @@ class Preprocessor:
                 "not template variables)"
             )
         text = self._render(messages, tools, True, kwargs)
-        if n_images != len(image_tokens):
-            raise ValueError(
-                f"the messages hold {n_images} images but {len(image_tokens)} image-token counts were given"
-            )
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != n_images:
-            raise ValueError(
-                f"the chat-templated prompt holds {len(pieces) - 1} image placeholders {self.image_token!r}; "
-                f"expected {n_images} (does the text contain {self.image_token!r}?)"
-            )
-        ids = self._tokenize_expanded(pieces, image_tokens)
-        got, expected = int((ids == self.image_token_id).sum()), sum(image_tokens)
-        if got != expected:
-            raise ValueError(f"tokenized prompt holds {got} image tokens, expected {expected}")
+        given = ["video" if isinstance(m, VideoTokens) else "image" for m in media]
+        if kinds != given:
+            if "video" not in kinds + given:
+                raise ValueError(
+                    f"the messages hold {len(kinds)} images but {len(given)} image-token counts were given"
+                )
+            raise ValueError(f"the messages hold the parts {kinds} but token counts for {given} were given")
+        ids = self._tokenize_media(text, media)
+        for token_id, expected, name in (
+            (self.image_token_id, sum(m for m in media if isinstance(m, int)), "image"),
+            (self.video_token_id, sum(m.total for m in media if isinstance(m, VideoTokens)), "video"),
+        ):
+            got = int((ids == token_id).sum()) if token_id is not None else 0
+            if got != expected:
+                raise ValueError(f"tokenized prompt holds {got} {name} tokens, expected {expected}")
         return ids[None, :], text
 
     def _render(self, messages: list[dict], tools, generation_prompt: bool, kwargs: dict) -> str:
@@ -364,16 +542,41 @@ class Preprocessor:
         except Exception as exc:  # jinja2 errors, raise_exception() in templates
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
-    def _tokenize_expanded(self, pieces: list[str], image_tokens: list[int]) -> np.ndarray:
-        """Token ids of ``pieces`` joined by each image's run of image tokens."""
-        text = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(image_tokens, pieces[1:]))
+    def _tokenize_media(self, text: str, media: list) -> np.ndarray:
+        """Token ids of the rendered ``text`` with each placeholder expanded (:meth:`encode_chat`).
+
+        Raises:
+            ValueError: the placeholders in ``text`` are not one per entry of ``media``, of its kind, in order.
+        """
+        wrapper = self.vision_start + self.video_token + self.vision_end
+        placeholder = f"({re.escape(self.image_token)}|{re.escape(self.video_token)})"
+        pieces = re.split(placeholder, text.replace(wrapper, self.video_token))
+        found = pieces[1::2]
+        expected = [self.video_token if isinstance(m, VideoTokens) else self.image_token for m in media]
+        if found != expected:
+            n_images, n_videos = found.count(self.image_token), found.count(self.video_token)
+            what = f"{n_images} image placeholders {self.image_token!r}"
+            if n_videos or self.video_token in expected:
+                what += f" and {n_videos} video placeholders {self.video_token!r}"
+            raise ValueError(
+                f"the chat-templated prompt holds {what}; expected {expected.count(self.image_token)} and "
+                f"{expected.count(self.video_token)} in the order of the parts (does the text contain a placeholder?)"
+            )
+        out = [pieces[0]]
+        for m, piece in zip(media, pieces[2::2]):
+            if isinstance(m, VideoTokens):
+                pads = self.vision_start + self.video_token * m.tokens_per_pair + self.vision_end
+                out.append("".join(f"<{t:.1f} seconds>{pads}" for t in m.timestamps))
+            else:
+                out.append(self.image_token * m)
+            out.append(piece)
         with self.lock:
-            return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+            return np.asarray(self.tokenizer("".join(out), add_special_tokens=False)["input_ids"], dtype=np.int64)
 
     def history_boundaries(
         self,
         messages: list[dict],
-        image_tokens: list[int],
+        image_tokens: list,
         input_ids: np.ndarray,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
@@ -390,21 +593,12 @@ class Preprocessor:
         points = set()
         for count in {n_system, len(messages)} - {0}:
             head = messages[:count]
-            n_images = sum(
-                1
-                for m in head
-                if isinstance(m.get("content"), list)
-                for part in m["content"]
-                if part.get("type") == "image"
-            )
+            n_media = len(media_kinds(head))
             try:
                 text = self._render(head, tools, False, dict(chat_template_kwargs or {}))
+                history = self._tokenize_media(text, list(image_tokens[:n_media]))
             except ValueError:
                 continue
-            pieces = text.split(self.image_token)
-            if len(pieces) - 1 != n_images:
-                continue
-            history = self._tokenize_expanded(pieces, [int(n) for n in image_tokens[:n_images]])
             ids = np.asarray(input_ids).reshape(-1)
             n = min(history.shape[0], ids.shape[0])
             differ = np.flatnonzero(history[:n] != ids[:n])

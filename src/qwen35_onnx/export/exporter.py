@@ -76,6 +76,7 @@ PROCESSOR_FILES = (
     "chat_template.jinja",
     "chat_template.json",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
     "processor_config.json",
     "generation_config.json",
     "config.json",
@@ -662,7 +663,7 @@ def open_weights(model_id: str | Path, config, dtype: Dtype = Dtype.FP32):
 
 
 def copy_processor_files(src: Path, dst: Path) -> None:
-    """Copy the tokenizer, chat template, image-processor and config files next to the graphs."""
+    """Copy the tokenizer, chat template, image- and video-processor and config files next to the graphs."""
     for name in PROCESSOR_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, dst / name)

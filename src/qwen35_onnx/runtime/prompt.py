@@ -72,8 +72,9 @@ def prepare_ids(
 
     Raises:
         ValueError: bad shape, token ids outside the vocabulary, image tokens that do not match
-            the images, more images than ``max_images``, a grid the export does not serve, or a
-            prompt longer than the largest bucket / capacity.
+            the images, more image tokens than a bucket prefill's rows (``max_images`` x ``image_tokens``;
+            chunked prefill has no such limit), a grid the export does not serve, or a prompt longer than the
+            largest bucket / capacity.
     """
     c = contract
     ids = np.asarray(input_ids)
@@ -87,8 +88,14 @@ def prepare_ids(
     grids = tuple(_grid(g) for g in image_grids)
     if pixel_values is None and grids:
         raise ValueError(f"{len(grids)} image grids were given without pixel_values")
-    if len(grids) > c.max_images:
-        raise ValueError(f"the prompt holds {len(grids)} images, more than the export's max_images {c.max_images}")
+    vision_tokens = sum(t * h * w for t, h, w in grids) // c.spatial_merge_size**2
+    if not c.prefill_chunks and vision_tokens > c.n_image_rows:
+        # (chunked prefill takes any number of images; a bucket's prefill graph has rows for max_images)
+        raise ValueError(
+            f"the prompt holds {len(grids)} images (or video frame pairs) of {vision_tokens} image tokens, more than "
+            f"the {c.n_image_rows} rows of this export's prefill graphs (max_images {c.max_images} x "
+            f"{c.image_tokens}); re-export with --prefill-chunks, or with more --max-images"
+        )
     for _, h, w in grids:
         c.check_grid((h, w))
     if pixel_values is not None:

@@ -23,9 +23,10 @@ a non-streamed generation) is noticed at once: its generation is closed between 
 its slot passes on.
 
 Errors are OpenAI error bodies ``{"error": {"message", "type", "param", "code"}}``: 400 for
-malformed JSON, wrong types, bad values, bad messages or images, prompts over the capacity;
-401 for a missing or wrong API key; 413 for a body over ``max_body_bytes`` or an image over
-``max_image_bytes`` / ``max_image_pixels``; 422 (``reply_format_failed``, naming ``tools`` or
+malformed JSON, wrong types, bad values, bad messages, images or videos, prompts over the capacity;
+401 for a missing or wrong API key; 413 for a body over ``max_body_bytes``, an image over
+``max_image_bytes`` / ``max_image_pixels`` or a video over ``max_video_bytes`` / ``max_video_seconds`` /
+``max_video_frame_pixels``; 422 (``reply_format_failed``, naming ``tools`` or
 ``response_format``, null when the grammar held both; the grammar engine's report in the log only)
 when the grammar that enforces a reply fails mid-reply; 429 for a full queue; 500 (``server_error``,
 logged) when a generation fails otherwise. A streamed reply has begun with 200: its failure is an
@@ -223,10 +224,23 @@ class ChatServer:
     def prepare(self, req: ChatRequest) -> PreparedPrompt:  # preparation thread
         try:
             self.pipeline.grammars.check(req.reply)
-            return self.pipeline.prepare_chat(req.messages, req.chat_template_kwargs, self.image_policy, req.reply)
+            return self.pipeline.prepare_chat(
+                req.messages,
+                req.chat_template_kwargs,
+                self.image_policy,
+                req.reply,
+                fps=req.fps,
+                max_video_tokens=req.max_video_tokens,
+            )
         except ImageTooLarge as exc:
+            video = ".video" in (exc.param or "")
+            limits = (
+                "--max-video-bytes, --max-video-seconds, --max-video-frame-pixels"
+                if video
+                else "--max-image-bytes, --max-image-pixels"
+            )
             raise APIError(
-                413, f"{exc} (--max-image-bytes, --max-image-pixels)", exc.param, "image_too_large"
+                413, f"{exc} ({limits})", exc.param, "video_too_large" if video else "image_too_large"
             ) from None
         except ChatInputError as exc:
             raise bad_request(str(exc), exc.param) from None

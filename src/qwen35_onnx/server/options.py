@@ -27,7 +27,10 @@ class ServerOptions:
         max_body_bytes: largest request body.
         max_image_bytes: largest encoded image (a data URL's decoded bytes or a file).
         max_image_pixels: largest image (width x height), read from its header before decoding.
-        allowed_image_dir: local image paths / file:// URLs are read from inside this folder
+        max_video_bytes: largest encoded video (a data URL's decoded bytes or a file).
+        max_video_seconds: longest video, read from its header before decoding.
+        max_video_frame_pixels: largest video frame (width x height), read from its header.
+        allowed_image_dir: local image and video paths / file:// URLs are read from inside this folder
             only; None: no local files (data: URLs only).
         state_cache_bytes: host bytes of kept states (an export with prefill chunks): a request whose
             messages begin as an earlier one's continues from that state; 0: none kept.
@@ -50,10 +53,19 @@ class ServerOptions:
         "--max-image-pixels",
         "Largest image in pixels (width x height, read before decoding); larger gets 413.",
     )
+    max_video_bytes: int = option(100 * MIB, "--max-video-bytes", "Largest encoded video; larger gets 413.")
+    max_video_seconds: float = option(
+        600.0, "--max-video-seconds", "Longest video in seconds (read before decoding); longer gets 413."
+    )
+    max_video_frame_pixels: int = option(
+        3840 * 2160,
+        "--max-video-frame-pixels",
+        "Largest video frame in pixels (width x height, read before decoding); larger gets 413.",
+    )
     allowed_image_dir: Path | None = option(
         None,
         "--allowed-image-dir",
-        "Folder from which local image paths / file:// URLs may be read; by default none (data: URLs only).",
+        "Folder from which local image and video paths / file:// URLs may be read; by default none (data: URLs only).",
     )
 
     state_cache_bytes: int = option(
@@ -77,6 +89,12 @@ class ServerOptions:
             raise ValueError(f"--max-image-bytes must be >= 1, got {self.max_image_bytes}")
         if self.max_image_pixels < 1:
             raise ValueError(f"--max-image-pixels must be >= 1, got {self.max_image_pixels}")
+        if self.max_video_bytes < 1:
+            raise ValueError(f"--max-video-bytes must be >= 1, got {self.max_video_bytes}")
+        if not self.max_video_seconds > 0:
+            raise ValueError(f"--max-video-seconds must be > 0, got {self.max_video_seconds}")
+        if self.max_video_frame_pixels < 1:
+            raise ValueError(f"--max-video-frame-pixels must be >= 1, got {self.max_video_frame_pixels}")
         if isinstance(self.state_cache_bytes, bool) or not isinstance(self.state_cache_bytes, int):
             raise ValueError(f"--state-cache-bytes must be an integer, got {self.state_cache_bytes!r}")
         if self.state_cache_bytes < 0:
@@ -92,4 +110,7 @@ class ServerOptions:
             allow_any_local=False,
             max_image_bytes=self.max_image_bytes,
             max_image_pixels=self.max_image_pixels,
+            max_video_bytes=self.max_video_bytes,
+            max_video_seconds=self.max_video_seconds,
+            max_video_frame_pixels=self.max_video_frame_pixels,
         )

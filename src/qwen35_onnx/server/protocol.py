@@ -5,10 +5,11 @@
 Request fields: the OpenAI Chat Completions body (``messages``, ``stream``, ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
 ``stream_options.include_usage``, ``n`` = 1, ``tools``, ``tool_choice``, ``parallel_tool_calls``,
-``response_format``) plus two extensions vLLM also takes: ``top_k`` and ``chat_template_kwargs``
-(e.g. ``{"enable_thinking": false}``). Replies carry ``reasoning_content`` next to ``content``
-(vLLM's field) and ``tool_calls`` (streamed whole, one delta per call). Features this server does
-not have are refused with 400, never ignored.
+``response_format``) plus extensions vLLM also takes: ``top_k``, ``chat_template_kwargs``
+(e.g. ``{"enable_thinking": false}``) and ``mm_processor_kwargs.fps`` (frames sampled per second of
+video; also as ``fps``), and ``max_video_tokens`` (the video-token limit of each video). Replies carry
+``reasoning_content`` next to ``content`` (vLLM's field) and ``tool_calls`` (streamed whole, one delta
+per call). Features this server does not have are refused with 400, never ignored.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     chat_template_kwargs: dict | None = None
     reply: ReplyFormat = field(default_factory=ReplyFormat)
+    fps: float | None = None
+    max_video_tokens: int | None = None
 
 
 def _is_int(value) -> bool:
@@ -168,6 +171,20 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
 
+    fps = optional("fps", lambda v: _is_number(v) and math.isfinite(v) and v > 0, "a number > 0 (frames per second)")
+    mm_kwargs = optional("mm_processor_kwargs", lambda v: isinstance(v, dict), "an object")
+    if mm_kwargs:
+        unknown = sorted(set(mm_kwargs) - {"fps"})
+        if unknown:
+            raise bad_request(f"mm_processor_kwargs may set fps only, got {', '.join(unknown)}", "mm_processor_kwargs")
+        value = mm_kwargs.get("fps")
+        if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
+            raise bad_request(
+                f"mm_processor_kwargs.fps must be a number > 0, got {json.dumps(value)[:80]}", "mm_processor_kwargs.fps"
+            )
+        fps = value if value is not None else fps
+    max_video_tokens = optional("max_video_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+
     # Features this server does not have: refused rather than silently ignored.
     try:
         reply = parse_reply_format(
@@ -196,6 +213,8 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
         stop=stop,
         chat_template_kwargs=kwargs or None,
         reply=reply,
+        fps=None if fps is None else float(fps),
+        max_video_tokens=max_video_tokens,
     )
 
 

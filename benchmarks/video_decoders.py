@@ -136,7 +136,7 @@ def main() -> None:
                     start = time.perf_counter()
                     frames = decode(clip)
                     times.append((time.perf_counter() - start) * 1e3)
-                expected = reference[:: SAMPLE_EVERY] if "converted" in name else reference
+                expected = reference[::SAMPLE_EVERY] if "converted" in name else reference
                 same_shape = frames.shape == expected.shape
                 diff = int(np.abs(frames.astype(np.int16) - expected).max()) if same_shape else None
                 rows.append(

@@ -84,7 +84,12 @@ def check_parity(pipe, checkpoint, reference_model, messages, grids):
     c = pipe.contract
     prepared = pipe.prepare_chat(messages)
     assert prepared.image_grids == tuple(grids)
-    ids, pixel_values, reference_grids = reference_prompt(checkpoint, raw_image_messages(messages), c.image_max_pixels)
+    reference_inputs = reference_prompt(checkpoint, raw_image_messages(messages), c.image_max_pixels)
+    ids, pixel_values, reference_grids = (
+        reference_inputs.input_ids,
+        reference_inputs.pixel_values,
+        reference_inputs.image_grid_thw,
+    )
     assert [tuple(g) for g in reference_grids.tolist()] == list(grids)
     np.testing.assert_array_equal(prepared.input_ids, ids)
     np.testing.assert_allclose(prepared.pixel_values, pixel_values, rtol=0, atol=1e-6)

@@ -357,14 +357,17 @@ def test_dynamic_kv_export_is_refused(ov_export, tmp_path):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
-def test_any_grid_vision_export_is_refused(fixed_export):
-    """The any-grid vision graph (a dynamic patch count) would compile again for every image size:
-    refused at load, before any graph is read, naming the export option to use."""
+def test_the_any_grid_vision_export_compiles_each_grid_on_first_use(fixed_export, photo):
+    """The any-grid vision graph (a dynamic patch count) loads without compiling; the photo's grid compiles on
+    its first run, static, and is reused."""
     assert not read_manifest(fixed_export).static_vision
-    with pytest.raises(
-        ContractError, match=r"one vision graph for any image grid .*re-export with --vision-grids static"
-    ):
-        Pipeline.from_exported(fixed_export, runtime="openvino")
+    pipe = Pipeline.from_exported(fixed_export, runtime="openvino")
+    graphs = pipe.backend.graphs
+    assert graphs.loaded_grids == [] and graphs.grids.compiles == 0
+    for _ in range(2):
+        pipe.generation(pipe.prepare(photo, PROMPT)).run_vision()
+    assert graphs.loaded_grids == [PHOTO_GRID] and graphs.grids.compiles == 1
+    assert graphs.vision(PHOTO_GRID).inputs["pixel_values"] == [256, pipe.contract.patch_dim]
 
 
 @pytest.mark.slow

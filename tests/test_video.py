@@ -134,17 +134,22 @@ def test_clips_match_transformers_on_onnx_runtime(image_exports, single, clips, 
         assert result.token_ids == expected and len(expected) == NEW_TOKENS, name
 
 
-def test_clips_match_transformers_on_openvino_static_grids(image_exports, single, clips, reference_model):
+@pytest.mark.parametrize("kind", ["any-portable", "static"])
+def test_clips_match_transformers_on_openvino(image_exports, single, clips, reference_model, kind):
+    """The default export (its any-grid vision graph reshaped to each clip's frame-pair grid) and a static export
+    whose grids include the clips'."""
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.sampling import SamplingConfig
 
     ref, _ = single
-    pipe = Pipeline.from_exported(image_exports("static"), runtime="openvino")
-    for name in ("pan", "portrait", "odd"):
+    pipe = Pipeline.from_exported(image_exports(kind), runtime="openvino")
+    for name in CLIPS:
         prepared = pipe.prepare(None, PROMPT, video=clips[name])
-        assert {g[1:] for g in prepared.image_grids} <= set(pipe.contract.vision_grids)
+        if kind == "static":
+            assert {g[1:] for g in prepared.image_grids} <= set(pipe.contract.vision_grids)
         result = pipe.generate_prepared(prepared, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig())
         assert result.token_ids == reference_tokens(reference_model, ref, name, NEW_TOKENS, pipe.stop_token_ids), name
+    assert sorted(g for g in pipe.backend.graphs.loaded_grids if g is not None) == sorted(CLIP_GRIDS)
 
 
 def test_an_image_and_a_video_then_turns_from_kept_states(

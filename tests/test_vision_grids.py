@@ -30,12 +30,18 @@ def static_export(image_exports):
     return image_exports("static")
 
 
-@pytest.mark.parametrize("ops", ["ort", "portable"])
-def test_raw_pictures_of_every_shape_match_transformers(any_grid_exports, checkpoint, reference_model, shapes, ops):
+@pytest.mark.parametrize(
+    ("ops", "runtime"), [("ort", "onnxruntime"), ("portable", "onnxruntime"), ("portable", "openvino")]
+)
+def test_raw_pictures_of_every_shape_match_transformers(
+    any_grid_exports, checkpoint, reference_model, shapes, ops, runtime
+):
+    """The default (any-grid) export: one graph on ONNX Runtime; on OpenVINO that graph reshaped to each picture's
+    grid and compiled on first use, four grids kept (the fifth picture's grid drops the first's)."""
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.verify import token_parity
 
-    pipe = Pipeline.from_exported(any_grid_exports(ops))
+    pipe = Pipeline.from_exported(any_grid_exports(ops), runtime=runtime)
     assert not pipe.contract.static_vision
     grids = []
     for name, picture in shapes.items():
@@ -44,7 +50,18 @@ def test_raw_pictures_of_every_shape_match_transformers(any_grid_exports, checkp
         grids.append(pipe.prepare(picture, PROMPT).image_grids[0][1:])
     assert grids == processor_grids(shapes)
     assert len(set(grids)) == len(grids)  # five different grids, one graph
-    assert pipe.backend.graphs.loaded_grids == [None]
+    graphs = pipe.backend.graphs
+    if runtime == "onnxruntime":
+        assert graphs.loaded_grids == [None]
+        return
+    assert graphs.grids.compiles == 5 and graphs.loaded_grids == grids[1:]  # each compiled once; four kept
+    for grid in graphs.loaded_grids:  # each compiled grid is static
+        graph = graphs.vision(grid)
+        assert graph.inputs["pixel_values"] == [grid[0] * grid[1], pipe.contract.patch_dim]
+    pipe.prepare(shapes["square"], PROMPT)  # no graph runs in prepare
+    assert graphs.grids.compiles == 5
+    token_parity(pipe, checkpoint, shapes["square"], PROMPT, 4, model=reference_model)
+    assert graphs.grids.compiles == 6 and graphs.loaded_grids[-1] == grids[0]  # dropped, used again: compiled again
 
 
 def test_static_grids_on_openvino_compile_once_each_and_match_transformers(
@@ -72,12 +89,12 @@ def test_static_grids_on_openvino_compile_once_each_and_match_transformers(
         assert graph.outputs["image_embeds"][0] == grid[0] * grid[1] // 4
 
 
-def test_openvino_refuses_the_any_grid_export(any_grid_exports):
-    from qwen35_onnx.contract import ContractError
-    from qwen35_onnx.pipeline import Pipeline
+def test_the_vision_grid_cache_option_is_checked():
+    from qwen35_onnx.runtime.backend import RuntimeOptions
 
-    with pytest.raises(ContractError, match="any image grid .* --vision-grids static"):
-        Pipeline.from_exported(any_grid_exports("portable"), runtime="openvino")
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="vision_grid_cache must be an integer >= 1"):
+            RuntimeOptions(vision_grid_cache=bad).validate()
 
 
 def test_a_picture_without_its_grid_goes_to_the_closest_static_grid(static_export, shapes):

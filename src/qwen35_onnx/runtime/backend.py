@@ -90,6 +90,8 @@ class RuntimeOptions:
             kernel time, in microseconds) and write each profile into this folder as
             ``<graph>_<time>.json`` (Chrome trace format) when the session ends; '' (the default):
             no profiling. ``qwen35-onnx bench --profile`` reads them.
+        vision_grid_cache: OpenVINO with an any-grid export: how many vision grids stay compiled (the any-grid
+            graph reshaped to each grid and compiled on first use; least recently used dropped), >= 1.
     """
 
     runtime: Runtime = option(
@@ -124,6 +126,12 @@ class RuntimeOptions:
         "--profile-dir",
         "onnxruntime: write each graph session's profile (per-node kernel times, JSON) into this folder.",
     )
+    vision_grid_cache: int = option(
+        4,
+        "--vision-grid-cache",
+        "openvino with an any-grid export: vision grids kept compiled (each compiles on the first image or video "
+        "frame pair of its grid; the least recently used is dropped beyond this many).",
+    )
 
     def validate(self) -> None:
         """Check the names and numbers (the device is checked by the backend that opens it).
@@ -147,6 +155,9 @@ class RuntimeOptions:
                 f"threads {self.threads} is more than the {usable_cpus()} CPUs this process may run on "
                 "(more threads than CPUs only wait for each other)"
             )
+        cache = self.vision_grid_cache
+        if isinstance(cache, bool) or not isinstance(cache, numbers.Integral) or cache < 1:
+            raise ValueError(f"vision_grid_cache must be an integer >= 1 (compiled vision grids kept), got {cache!r}")
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, numbers.Integral):
             raise ValueError(
                 f"draft_tokens must be an integer from 0 (off) to {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}"

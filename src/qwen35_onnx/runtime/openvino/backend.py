@@ -6,14 +6,21 @@ Checked before anything compiles:
 
 - the export: fixed KV (a dynamic-mode export is refused: its decode KV grows by one token per
   step, so a static compiler would compile the decode graph again for every token; NPU
-  compilers take static shapes only); static vision grids (the any-grid vision graph is refused the
-  same way: it would compile again for every image size); no operator outside the ONNX standard that OpenVINO cannot
+  compilers take static shapes only); no operator outside the ONNX standard that OpenVINO cannot
   read (``--ops ort`` exports are refused naming the operators);
 - each graph: read by OpenVINO's ONNX reader (a failure is a ContractError with its summary),
-  no dynamic dimension on any input or output (``Model.is_dynamic()``), the contract in its
+  no dynamic dimension on any input or output (``Model.is_dynamic()``; the any-grid vision graph's patch
+  count excepted, see below), the contract in its
   ``metadata_props`` (OpenVINO keeps them in the model's ``rt_info['framework']``) equal to the
   manifest's, and its input/output shapes and element types cross-checked by the shared
   :mod:`qwen35_onnx.runtime.checks` functions, exactly as on ONNX Runtime.
+
+Vision: a static-grid export's graph of each grid compiles on first use. The any-grid vision graph (the default
+export) is read once and, for each image's or video frame pair's grid, reshaped to that grid's patch count and
+compiled on first use (:class:`VisionGridCache`): every compiled grid is static, as an NPU compiler needs, and
+the most recently used ``RuntimeOptions.vision_grid_cache`` grids stay compiled. The reshaped models are clones
+of the one read model, whose weights they share until compiled (what a compiled grid then holds is measured in
+``benchmarks/video``).
 
 Decode states stay in OpenVINO tensors (:mod:`.decoders`); speculative decoding's verify and MTP runs write into
 host buffers bound as OpenVINO tensors (:mod:`.speculative`).
@@ -21,7 +28,9 @@ host buffers bound as OpenVINO tensors (:mod:`.speculative`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +39,7 @@ import openvino as ov
 from ...contract import METADATA_KEY, STATE_NAMES, ContractError, KvMode, Ops, ShapeContract, plain
 from ...onnxfile.scan import OnnxScanError, scan
 from ..backend import STATE_NUMPY_DTYPES, Backend, Decoder, GraphSet, Runtime, RuntimeOptions, fill_state
-from ..checks import GraphSpec, check_export_files
+from ..checks import GraphSpec, check_export_files, check_vision
 from ..draft_buffers import MtpCache, VerifyBuffers
 from .decoders import STATE_TYPES, OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request
 from .speculative import run_mtp, run_verify
@@ -118,6 +127,31 @@ class CompiledGraph(GraphSpec):
     request: ov.InferRequest | None = None
 
 
+@dataclass
+class VisionGridCache:
+    """The any-grid vision graph compiled for each grid, least recently used first, at most ``capacity`` kept;
+    each grid's compile time in ms (``compile_ms``, kept after its graph is dropped) and how many compiles
+    (``compiles``: a grid dropped and used again compiles again)."""
+
+    capacity: int = 4
+    graphs: OrderedDict = field(default_factory=OrderedDict)
+    compile_ms: dict = field(default_factory=dict)
+    compiles: int = 0
+
+    def get(self, grid: tuple[int, int]) -> CompiledGraph | None:
+        graph = self.graphs.get(grid)
+        if graph is not None:
+            self.graphs.move_to_end(grid)
+        return graph
+
+    def put(self, grid: tuple[int, int], graph: CompiledGraph, compile_ms: float) -> None:
+        self.graphs[grid] = graph
+        self.compile_ms[grid] = compile_ms
+        self.compiles += 1
+        while len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+
+
 class OpenVinoGraphSet(GraphSet):
     """The graphs of one export compiled by OpenVINO (see :class:`~qwen35_onnx.runtime.backend.GraphSet`);
     every graph is read, checked (static, metadata, shapes) and then compiled, once. Each compiled
@@ -129,9 +163,49 @@ class OpenVinoGraphSet(GraphSet):
             or does not compile.
     """
 
-    def __init__(self, root: Path, contract: ShapeContract, core: ov.Core, device: str, config: dict):
+    def __init__(
+        self, root: Path, contract: ShapeContract, core: ov.Core, device: str, config: dict, grid_cache: int = 4
+    ):
         self.core, self.device, self.config = core, device, config
+        self.grids = VisionGridCache(grid_cache)
         super().__init__(root, contract)
+
+    def vision(self, grid: tuple[int, int] | None) -> CompiledGraph:
+        """As the base class; with the any-grid graph, that graph reshaped to ``grid`` and compiled
+        (:class:`VisionGridCache`)."""
+        graph = super().vision(grid)
+        if self.contract.static_vision or grid is None:
+            return graph
+        grid = (int(grid[0]), int(grid[1]))
+        cached = self.grids.get(grid)
+        if cached is not None:
+            return cached
+        patches = grid[0] * grid[1]
+        model = graph.model.clone()
+        shapes = {}
+        for port in model.inputs:
+            rest = [d.get_length() for d in list(port.get_partial_shape())[1:]]
+            shapes[port] = ov.PartialShape([patches, *rest])
+        try:
+            model.reshape(shapes)
+        except RuntimeError as exc:
+            raise ContractError(
+                f"vision graph cannot be reshaped to the {grid[0]}x{grid[1]} grid: {_summary(exc)}"
+            ) from None
+        static = self._describe(
+            f"{graph.name} {grid[0]}x{grid[1]}", model, graph.contract, set(graph.inputs) | set(graph.outputs)
+        )
+        check_vision(self.contract, static, grid)
+        start = time.perf_counter()
+        compiled = self._prepare(static)
+        self.grids.put(grid, compiled, 1000 * (time.perf_counter() - start))
+        return compiled
+
+    @property
+    def loaded_grids(self) -> list[tuple[int, int] | None]:
+        """The compiled vision grids: a static export's loaded grids; the any-grid graph's compiled ones (least
+        recently used first)."""
+        return super().loaded_grids if self.contract.static_vision else list(self.grids.graphs)
 
     def _read(self, key: str, path: Path) -> CompiledGraph:
         if not path.is_file():
@@ -149,24 +223,37 @@ class OpenVinoGraphSet(GraphSet):
             raise ContractError(f"{key} graph {str(path)!r} has no {METADATA_KEY!r} metadata: not a qwen35-onnx export")
         contract = ShapeContract.from_json(model.get_rt_info(["framework", METADATA_KEY]).astype(str))
         graph_names = set(onnx_names.inputs) | set(onnx_names.outputs)
+        any_grid = key == self.contract.vision_graph_key(None) and not self.contract.static_vision
+        return self._describe(key, model, contract, graph_names, dynamic_patches=any_grid, path=path)
+
+    @staticmethod
+    def _describe(
+        key: str, model: ov.Model, contract, graph_names, dynamic_patches: bool = False, path: Path | None = None
+    ) -> CompiledGraph:
+        """The :class:`CompiledGraph` (not yet compiled) of an OpenVINO ``model``: its ports' shapes and types.
+        ``dynamic_patches``: the any-grid vision graph, whose first dimension (the patch count) is left dynamic
+        (named ``patches``) for :meth:`vision` to reshape; any other dynamic dimension is refused."""
         tables: dict[str, dict[str, list]] = {"input": {}, "output": {}}
         types: dict[str, str] = {}
         for kind, ports in (("input", model.inputs), ("output", model.outputs)):
             for port in ports:
                 name = next((n for n in sorted(port.get_names()) if n in graph_names), port.get_any_name())
                 shape = port.get_partial_shape()
-                if shape.is_dynamic:
+                dims = list(shape)
+                fixed = dims[1:] if dynamic_patches else dims
+                if any(d.is_dynamic for d in fixed) or (not dynamic_patches and shape.is_dynamic):
                     raise ContractError(
                         f"{key} graph {kind} {name!r} has the dynamic shape {shape}: OpenVINO would compile it with a "
                         "dynamic dimension, and the fixed-shape contract needs every dimension static "
                         "(re-export the graph with this version, --kv-cache fixed)"
                     )
-                tables[kind][name] = [int(d.get_length()) for d in shape]
+                tables[kind][name] = ["patches" if d.is_dynamic else int(d.get_length()) for d in dims]
                 type_name = port.get_element_type().get_type_name()
                 types[name] = ONNX_TYPE_OF.get(type_name, type_name)
-        if model.is_dynamic():
+        if model.is_dynamic() and not dynamic_patches:
+            where = f"{str(path)!r}" if path is not None else key
             raise ContractError(
-                f"{key} graph {str(path)!r} has a dynamic dimension inside: OpenVINO cannot compile it statically"
+                f"{key} graph {where} has a dynamic dimension inside: OpenVINO cannot compile it statically"
             )
         graph = CompiledGraph(
             name=key, contract=contract, inputs=tables["input"], outputs=tables["output"], types=types
@@ -175,6 +262,8 @@ class OpenVinoGraphSet(GraphSet):
         return graph
 
     def _prepare(self, graph: CompiledGraph) -> CompiledGraph:
+        if graph.model is not None and graph.model.is_dynamic():  # the any-grid vision graph: compiled per grid
+            return graph
         try:
             graph.compiled = self.core.compile_model(graph.model, self.device, self.config)
         except RuntimeError as exc:
@@ -192,8 +281,7 @@ class OpenVinoBackend(Backend):
 
     Raises:
         ValueError: device not available, or precision it does not support.
-        ContractError: the export cannot run on OpenVINO (dynamic KV, the any-grid vision graph,
-            ``--ops ort``), or see
+        ContractError: the export cannot run on OpenVINO (dynamic KV, ``--ops ort``), or see
             :class:`OpenVinoGraphSet`.
     """
 
@@ -212,12 +300,6 @@ class OpenVinoBackend(Backend):
                 f"the export at {str(root)!r} has a dynamic KV cache (--kv-cache {contract.kv_mode}), which OpenVINO "
                 "would have to compile again for every decode step; re-export with --kv-cache fixed for OpenVINO"
             )
-        if not contract.static_vision:
-            raise ContractError(
-                f"the export at {str(root)!r} has one vision graph for any image grid (a dynamic patch count, "
-                "--vision-grids any), which OpenVINO would have to compile again for every image size; re-export with "
-                "--vision-grids static (or a list of grids) for OpenVINO"
-            )
         check_export_files(root, contract)
         if contract.ops != Ops.PORTABLE:
             path = root / contract.graphs["decode"]
@@ -233,7 +315,7 @@ class OpenVinoBackend(Backend):
         config = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
         if threads:
             config["INFERENCE_NUM_THREADS"] = threads
-        self.graphs = OpenVinoGraphSet(root, contract, core, self.device, config)
+        self.graphs = OpenVinoGraphSet(root, contract, core, self.device, config, options.vision_grid_cache)
 
     def _run_vision(self, graph: CompiledGraph, feeds: dict[str, np.ndarray]) -> np.ndarray:
         request = graph.request

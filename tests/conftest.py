@@ -249,16 +249,7 @@ def fixed_export(checkpoint, tmp_path_factory) -> Path:
 
 
 PHOTO_GRID = (16, 16)
-"""The shipped 256 x 256 photo's patch grid: the one static vision grid of `static_export`."""
-
-
-def static_grid_export(checkpoint: Path, tmp_path_factory) -> Path:
-    """`fixed_export` (portable operators, fixed KV) with one static vision graph, for the photo's
-    grid, instead of the any-grid graph, which OpenVINO refuses (it would compile again for every
-    image size); built once per run (the OpenVINO, CLI and server tests share it)."""
-    return shared_export(
-        tmp_path_factory, checkpoint, "openvino", kv_mode="fixed", ops="portable", vision_grids=(PHOTO_GRID,)
-    )
+"""The shipped 256 x 256 photo's patch grid (64 tokens)."""
 
 
 @pytest.fixture(scope="session")

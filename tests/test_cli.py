@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from .conftest import CAPACITY, static_grid_export
+from .conftest import CAPACITY
 
 pytestmark = pytest.mark.slow
 
@@ -217,15 +217,15 @@ def test_export_missing_checkpoint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ov_export(checkpoint, tmp_path_factory):
-    """An export OpenVINO runs (conftest's `static_grid_export`, one build per run)."""
-    return static_grid_export(checkpoint, tmp_path_factory)
+def ov_export(fixed_export):
+    """An export OpenVINO runs: the portable fixed-KV export (its any-grid vision graph reshaped per grid)."""
+    return fixed_export
 
 
 @pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
 def test_runtime_generates_without_torch(request, photo, runtime):
     """torch (and the onnx package) made unimportable (as in an install without the export extra);
-    OpenVINO on a static-grid export."""
+    OpenVINO on the same export."""
     export = request.getfixturevalue("fixed_export" if runtime == "onnxruntime" else "ov_export")
     code = textwrap.dedent(
         f"""

@@ -13,7 +13,7 @@ import pytest
 from qwen35_onnx.contract import METADATA_KEY, ContractError, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import CAPACITY, MAX_NEW_TOKENS, PHOTO_GRID, PROMPT, logit_cosine, random_prompt, static_grid_export
+from .conftest import CAPACITY, MAX_NEW_TOKENS, PHOTO_GRID, PROMPT, logit_cosine, random_prompt
 from .test_cli import invoke_cli, run_cli
 
 ov = pytest.importorskip("openvino")
@@ -23,8 +23,10 @@ GRID = PHOTO_GRID
 
 
 @pytest.fixture(scope="module")
-def ov_export(checkpoint, tmp_path_factory):
-    return static_grid_export(checkpoint, tmp_path_factory)
+def ov_export(fixed_export):
+    """The portable fixed-KV export with its any-grid vision graph (reshaped to each grid on OpenVINO); the
+    static-grid path: tests/test_vision_grids.py and tests/test_video.py."""
+    return fixed_export
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +112,11 @@ def test_each_graph_agrees_with_onnxruntime(ov_pipe, ort_pipe, photo):
 # ---- static compilation ---------------------------------------------------------------------
 def test_every_graph_compiles_without_a_dynamic_dimension(ov_pipe):
     contract = ov_pipe.contract
-    assert contract.vision_grids == (GRID,)
+    assert not contract.static_vision  # the any-grid graph, compiled for the grid
     graphs = [ov_pipe.backend.graphs.vision(GRID), ov_pipe.backend.graphs.decode] + [
         ov_pipe.backend.graphs.prefill(b) for b in contract.prefill_buckets
     ]
-    assert [g.name for g in graphs] == ["vision_16x16", "decode"] + [f"prefill_{b}" for b in contract.prefill_buckets]
+    assert [g.name for g in graphs] == ["vision 16x16", "decode"] + [f"prefill_{b}" for b in contract.prefill_buckets]
     for graph in graphs:
         compiled = graph.compiled
         assert compiled is not None and graph.model is None, graph.name
@@ -154,13 +156,13 @@ def test_each_graph_is_compiled_once(ov_export, photo, monkeypatch):
     result = pipe.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
     assert result.timings.decode_steps == MAX_NEW_TOKENS - 1
     # the photo's 64 image tokens and the text: 78 tokens, the 128 bucket
-    assert sorted(compiled) == ["decode", "prefill_128", "vision_16x16"]
+    assert sorted(compiled) == ["decode", "prefill_128", "vision"]  # the any-grid graph at the photo's grid
     pipe.generate(None, "Hello", max_new_tokens=8)  # the other bucket
-    assert sorted(compiled) == ["decode", "prefill_128", "prefill_32", "vision_16x16"]
+    assert sorted(compiled) == ["decode", "prefill_128", "prefill_32", "vision"]
     pipe.generate(photo, "Again?", max_new_tokens=2)  # the same grid and bucket
     pipe.generate(None, "Hello again", max_new_tokens=2)  # the same bucket
     pipe.generate_prepared(pipe.prepare_ids(random_prompt(pipe, 40, seed=1)), max_new_tokens=4)  # 128 again
-    assert sorted(compiled) == ["decode", "prefill_128", "prefill_32", "vision_16x16"]
+    assert sorted(compiled) == ["decode", "prefill_128", "prefill_32", "vision"]
     assert compiled.count("decode") == 1
 
 

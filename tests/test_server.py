@@ -27,7 +27,6 @@ from PIL import Image
 from pydantic import Field
 
 from .bigram import CAPACITY, CYCLE, CYCLE_TOKENS, LEAD_TOKENS, PROMPT_TOKENS, REASONING
-from .conftest import static_grid_export
 
 KEY = "sk-test-key"
 MAX_BODY = 1024 * 1024
@@ -707,11 +706,11 @@ def test_metrics_count_requests_tokens_and_times(server, client):
 
 
 @pytest.mark.slow
-def test_serve_on_openvino_answers_as_on_onnxruntime(checkpoint, tmp_path_factory, photo, tmp_path):
+def test_serve_on_openvino_answers_as_on_onnxruntime(fixed_export, photo, tmp_path):
     pytest.importorskip("openvino")
 
-    # OpenVINO takes static vision grids only: both runtimes serve conftest's static-grid export (the photo's grid)
-    export = static_grid_export(checkpoint, tmp_path_factory)
+    # both runtimes serve the portable fixed-KV export (on OpenVINO its vision graph compiled at the photo's grid)
+    export = fixed_export
     image = "data:image/jpeg;base64," + base64.b64encode(photo.read_bytes()).decode()
     messages = [
         {

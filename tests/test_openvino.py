@@ -31,7 +31,8 @@ def ov_export(fixed_export):
 
 @pytest.fixture(scope="module")
 def ov_pipe(ov_export):
-    return Pipeline.from_exported(ov_export, runtime="openvino")
+    """Every graph compiled static: the vision graph per grid (``vision_grid_cache``), as static compilers take it."""
+    return Pipeline.from_exported(ov_export, runtime="openvino", vision_grid_cache=1)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def test_each_graph_is_compiled_once(ov_export, photo, monkeypatch):
         return real(self, model, *args, **kwargs)
 
     monkeypatch.setattr(ov.Core, "compile_model", spy)
-    pipe = Pipeline.from_exported(ov_export, runtime="openvino")
+    pipe = Pipeline.from_exported(ov_export, runtime="openvino", vision_grid_cache=1)
     assert sorted(compiled) == ["decode"]
     result = pipe.generate(photo, PROMPT, max_new_tokens=MAX_NEW_TOKENS)
     assert result.timings.decode_steps == MAX_NEW_TOKENS - 1
@@ -359,17 +360,23 @@ def test_dynamic_kv_export_is_refused(ov_export, tmp_path):
         Pipeline.from_exported(folder, runtime="openvino")
 
 
-def test_the_any_grid_vision_export_compiles_each_grid_on_first_use(fixed_export, photo):
-    """The any-grid vision graph (a dynamic patch count) loads without compiling; the photo's grid compiles on
-    its first run, static, and is reused."""
+def test_the_any_grid_vision_graph_compiles_once_or_per_grid(fixed_export, photo):
+    """The any-grid vision graph: by default one compile with its patch count dynamic (one copy of the weights);
+    with --vision-grid-cache 1 each grid reshaped and compiled static on its first use, then reused."""
     assert not read_manifest(fixed_export).static_vision
     pipe = Pipeline.from_exported(fixed_export, runtime="openvino")
     graphs = pipe.backend.graphs
+    assert graphs.loaded_grids == [None] and graphs.vision(PHOTO_GRID).dynamic and graphs.grids.compiles == 0
+    embeds = pipe.generation(pipe.prepare(photo, PROMPT)).run_vision()
+    per_grid = Pipeline.from_exported(fixed_export, runtime="openvino", vision_grid_cache=1)
+    graphs = per_grid.backend.graphs
     assert graphs.loaded_grids == [] and graphs.grids.compiles == 0
     for _ in range(2):
-        pipe.generation(pipe.prepare(photo, PROMPT)).run_vision()
+        again = per_grid.generation(per_grid.prepare(photo, PROMPT)).run_vision()
+    np.testing.assert_allclose(again, embeds, rtol=0, atol=1e-4)
     assert graphs.loaded_grids == [PHOTO_GRID] and graphs.grids.compiles == 1
-    assert graphs.vision(PHOTO_GRID).inputs["pixel_values"] == [256, pipe.contract.patch_dim]
+    graph = graphs.vision(PHOTO_GRID)
+    assert not graph.dynamic and graph.inputs["pixel_values"] == [256, pipe.contract.patch_dim]
 
 
 @pytest.mark.slow

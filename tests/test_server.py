@@ -311,7 +311,9 @@ def video_data_url(path: Path) -> str:
     return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def test_video_as_data_url_streamed_and_whole_with_thinking_on_and_off(client, server, clips, tmp_path, photo):
+def test_video_as_data_url_streamed_and_whole_with_thinking_on_and_off(
+    client, server, clips, tmp_path, photo, image_dir
+):
     """The openai client sends the pan clip as a data URL: the streamed reply equals the whole one, thinking on
     and off; the prompt holds the video's tokens (3 frame pairs of 20 tokens, each between vision start and end
     after its timestamp); fps through vLLM's mm_processor_kwargs; over --max-video-seconds: 413."""
@@ -337,6 +339,16 @@ def test_video_as_data_url_streamed_and_whole_with_thinking_on_and_off(client, s
         model="bigram", messages=messages, max_tokens=n, extra_body={"mm_processor_kwargs": {"fps": 1}}
     )
     assert slower.usage.prompt_tokens < on.usage.prompt_tokens  # 2 frame pairs instead of 3
+    # a playlist inside the allowed folder naming a file outside it: read as bytes, FFmpeg cannot follow it
+    outside = write_clip(tmp_path / "outside.ts", pan_frames(photo, 8, 64, 64), fps=4)
+    playlist = f"#EXTM3U\n#EXT-X-TARGETDURATION:2\n#EXTINF:2.0,\n{outside}\n#EXT-X-ENDLIST\n"
+    (image_dir / "list.m3u8").write_text(playlist)
+    assert_error(
+        post(server, {"messages": video_message("list.m3u8")}),
+        400,
+        "messages[0].content[0].video_url.url",
+        "cannot read video",
+    )
     long = write_clip(tmp_path / "long.mp4", pan_frames(photo, 24, 64, 64), fps=4)  # 6 seconds
     assert_error(
         post(server, {"messages": video_message(video_data_url(long))}),
@@ -628,7 +640,8 @@ BAD_REQUESTS = [
         "not fetched",
     ),
     ({"messages": video_message("/etc/hostname")}, 400, "messages[0].content[0].video_url.url", "outside"),
-    ({"messages": hi(), "fps": 0}, 400, "fps", "a number > 0"),
+    ({"messages": hi(), "fps": 0}, 400, "fps", "a number in (0, 1000]"),
+    ({"messages": hi(), "fps": 2**1100}, 400, "fps", "a number in (0, 1000]"),
     ({"messages": hi(), "mm_processor_kwargs": {"num_frames": 4}}, 400, "mm_processor_kwargs", "fps only"),
     ({"messages": hi(), "max_video_tokens": 0}, 400, "max_video_tokens", "an integer >= 1"),
 ]

@@ -136,8 +136,8 @@ def test_clips_match_transformers_on_onnx_runtime(image_exports, single, clips, 
 
 @pytest.mark.parametrize("kind", ["any-portable", "static"])
 def test_clips_match_transformers_on_openvino(image_exports, single, clips, reference_model, kind):
-    """The default export (its any-grid vision graph reshaped to each clip's frame-pair grid) and a static export
-    whose grids include the clips'."""
+    """The default export (its any-grid vision graph compiled once, dynamic) and a static export whose grids
+    include the clips'."""
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.sampling import SamplingConfig
 
@@ -149,7 +149,11 @@ def test_clips_match_transformers_on_openvino(image_exports, single, clips, refe
             assert {g[1:] for g in prepared.image_grids} <= set(pipe.contract.vision_grids)
         result = pipe.generate_prepared(prepared, max_new_tokens=NEW_TOKENS, sampling=SamplingConfig())
         assert result.token_ids == reference_tokens(reference_model, ref, name, NEW_TOKENS, pipe.stop_token_ids), name
-    assert sorted(g for g in pipe.backend.graphs.loaded_grids if g is not None) == sorted(CLIP_GRIDS)
+    graphs = pipe.backend.graphs
+    if kind == "static":
+        assert sorted(graphs.loaded_grids) == sorted(CLIP_GRIDS)
+    else:  # one compile with a dynamic patch count (the CPU plugin takes it): one copy of the weights
+        assert graphs.loaded_grids == [None] and graphs.vision(None).dynamic
 
 
 def test_an_image_and_a_video_then_turns_from_kept_states(
@@ -225,6 +229,20 @@ def _zero_frames(path):
     return path
 
 
+def _raw_h264(path, frames) -> bytes:
+    """An Annex B H.264 elementary stream of ``frames`` (no container: streams of two sizes concatenate)."""
+    import av
+
+    height, width = frames[0].shape[:2]
+    with av.open(str(path), "w", format="h264") as container:
+        stream = container.add_stream("libx264", rate=4)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for array in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")))
+        container.mux(stream.encode())
+    return path.read_bytes()
+
+
 def _unknown_codec(path, source):
     data = source.read_bytes().replace(b"V_MPEG4/ISO/AVC", b"V_MPEG4/ISO/XYZ")
     path.write_bytes(data)
@@ -234,14 +252,17 @@ def _unknown_codec(path, source):
 def test_bad_videos_are_refused_before_any_graph(image_exports, clips, tmp_path, photo):
     """A corrupt file, no video stream, zero frames, one frame, a clip too long for the capacity, a huge frame,
     an unknown codec: a ChatInputError naming the part (ImageTooLarge for the limits), and no graph ran."""
+    from qwen35_onnx.conversation import videos
     from qwen35_onnx.conversation.messages import ChatInputError, ImagePolicy, ImageTooLarge
     from qwen35_onnx.pipeline import Pipeline
 
     from .clips import pan_frames
 
     pipe = Pipeline.from_exported(image_exports("any-ort"))
-    ran = []
+    ran, decoded = [], []
     pipe.backend.run_vision = lambda *a, **k: ran.append("vision")
+    decode = videos._decode
+    videos._decode = lambda *a, **k: decoded.append(a[3]) or decode(*a, **k)
     corrupt = tmp_path / "corrupt.mp4"
     corrupt.write_bytes(clips["pan"].read_bytes()[:2000])
     garbage = tmp_path / "garbage.mp4"
@@ -259,13 +280,26 @@ def test_bad_videos_are_refused_before_any_graph(image_exports, clips, tmp_path,
         ),
         "codec": (_unknown_codec(tmp_path / "codec.mkv", mkv), "cannot decode|codec"),
     }
-    for name, (path, message) in cases.items():
-        with pytest.raises((ChatInputError, ValueError), match=message) as info:
-            pipe.prepare_chat([user(video_part(path))])
-        if isinstance(info.value, ChatInputError) and name != "too long":
-            assert info.value.param == "messages[0].content[0].video", name
-    with pytest.raises(ValueError, match="more than the capacity 256"):  # a token a pair, still too many
-        pipe.prepare_chat([user(video_part(cases["too long"][0]))], max_video_tokens=256)
+    size_change = tmp_path / "sizes.h264"
+    size_change.write_bytes(
+        _raw_h264(tmp_path / "a.h264", pan_frames(photo, 4, 64, 64))
+        + _raw_h264(tmp_path / "b.h264", pan_frames(photo, 4, 96, 64))
+    )
+    cases["size change"] = (size_change, "change size within the stream: frame 4 is 96x64")
+    try:
+        for name, (path, message) in cases.items():
+            with pytest.raises((ChatInputError, ValueError), match=message) as info:
+                pipe.prepare_chat([user(video_part(path))])
+            assert isinstance(info.value, ChatInputError) and info.value.param == "messages[0].content[0].video", name
+        long = str(cases["too long"][0])
+        with pytest.raises(ChatInputError, match="take at least .* tokens .* more than the 256 the capacity leaves"):
+            pipe.prepare_chat([user(video_part(long))], max_video_tokens=256)  # a token a pair, still too many
+        assert long not in decoded  # refused from the header, before any frame was decoded
+        for fps in (1e308, 2**1100, float("nan"), -1):
+            with pytest.raises(ChatInputError, match="fps must be a positive number .* at most 1000"):
+                pipe.prepare_chat([user(video_part(clips["pan"]))], fps=fps)
+    finally:
+        videos._decode = decode
     big = write_clip(tmp_path / "big.mp4", pan_frames(photo, 4, 320, 240))
     policy = ImagePolicy(allow_any_local=True, max_video_frame_pixels=320 * 240 - 1)
     with pytest.raises(ImageTooLarge, match="76800 pixels, more than the limit"):
@@ -302,7 +336,7 @@ def test_video_urls_follow_the_policy(clips, tmp_path):
         normalize_messages([user({"type": "video_url", "video_url": str(clips["pan"])})], ImagePolicy())
     inside = ImagePolicy(local_dir=clips["pan"].parent)
     _, media = normalize_messages([user({"type": "video_url", "video_url": {"url": clips["pan"].name}})], inside)
-    assert media[0].path == clips["pan"].resolve()
+    assert media[0].data == clips["pan"].read_bytes()  # read here: FFmpeg opens it from memory
     with pytest.raises(ChatInputError, match="videos are allowed in user messages only"):
         normalize_messages([{"role": "assistant", "content": [part]}])
 

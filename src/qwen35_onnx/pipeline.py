@@ -333,10 +333,13 @@ class Pipeline:
                 check(value)
             except ValueError as exc:
                 raise ChatInputError(str(exc), name) from None
+        used = 0  # vision tokens so far: a video is refused before it is decoded where its pairs cannot fit
         for item in media:
             if isinstance(item, ChatVideo):
-                values, video_grids, count = self._video_inputs(item, image_policy, fps, max_video_tokens)
+                room = c.capacity - used
+                values, video_grids, count = self._video_inputs(item, image_policy, fps, max_video_tokens, room)
                 grids.extend(video_grids)
+                used += count.total
             else:
                 try:
                     values, grid = self.preprocessor.pixel_values(item.image, max_image_tokens, item.detail)
@@ -344,6 +347,7 @@ class Pipeline:
                     raise ChatInputError(f"{item.param}: {exc}", item.param) from None
                 grids.append(grid)
                 count = grid_tokens(grid[1:], c.spatial_merge_size)
+                used += count
             pieces.append(values)
             tokens.append(count)
         tools = [tool.template_form() for tool in reply.offered_tools] if reply is not None else None
@@ -357,18 +361,33 @@ class Pipeline:
             )
         return prepared
 
-    def _video_inputs(self, video: ChatVideo, policy: ImagePolicy | None, fps, max_video_tokens):
+    def _video_inputs(self, video: ChatVideo, policy: ImagePolicy | None, fps, max_video_tokens, room: int):
         """A video part's patches ``[t*h*w, patch_dim]``, its ``t`` frame-pair grids ``(1, h, w)`` and its
-        :class:`~qwen35_onnx.conversation.processor.VideoTokens` (:meth:`prepare_chat`).
+        :class:`~qwen35_onnx.conversation.processor.VideoTokens` (:meth:`prepare_chat`). The grid is chosen from the
+        stream's header before any frame is decoded, the video refused there when its frame pairs' tokens alone
+        (pads and vision markers) exceed ``room``, and each frame is resized as it is decoded.
 
         Raises:
             ChatInputError / ImageTooLarge: naming the part (see :meth:`prepare_chat`).
         """
         policy = policy or ImagePolicy.trusted()
-        limits = VideoLimits(policy.max_video_seconds, policy.max_video_frame_pixels)
+        limits = VideoLimits(policy.max_video_seconds, policy.max_video_frame_pixels, policy.max_video_frames)
+
+        def size(num_frames: int, height: int, width: int) -> tuple[int, int]:
+            grid = sizing.grid(num_frames, height, width, max_video_tokens)[0]
+            pairs = -(-num_frames // sizing.settings.temporal_patch_size)
+            tokens = pairs * (grid_tokens(grid, sizing.settings.merge_size) + 2)
+            if tokens > room:
+                raise ValueError(
+                    f"the video's {pairs} frame pairs take at least {tokens} tokens (their pads and vision markers), "
+                    f"more than the {room} the capacity leaves it ({self.contract.capacity}, --max-seq-len); sample "
+                    "fewer frames per second (fps), allow fewer video tokens (max_video_tokens), or send a shorter clip"
+                )
+            return grid[0] * sizing.settings.patch_size, grid[1] * sizing.settings.patch_size
+
         try:
-            settings = self.preprocessor.video_sizing.settings
-            clip = read_video(video.source, settings, fps, limits)
+            sizing = self.preprocessor.video_sizing
+            clip = read_video(video.source, sizing.settings, fps, limits, size)
             values, (t, h, w), count = self.preprocessor.video_pixel_values(clip, max_video_tokens)
         except VideoLimitError as exc:
             raise ImageTooLarge(f"{video.param}: {exc}", video.param) from None

@@ -98,46 +98,38 @@ def image_ttft(og, model_dir: str, precision: str, image: dict, warmup: int, run
     image library) through ``VLMPipeline.generate`` with its chat template, on a pipeline
     whose prefix cache is off (the same picture and question every run would come from the cache);
     also the prompt's token count as the pipeline reports it."""
-    import numpy as np
-    import openvino as ov
-
-    scheduler = og.SchedulerConfig()
-    scheduler.enable_prefix_caching = False
-    pipe = og.VLMPipeline(model_dir, "CPU", scheduler_config=scheduler, INFERENCE_PRECISION_HINT=precision)
-    tensor = ov.Tensor(np.ascontiguousarray(np.load(image["path"])[None]))  # [1, H, W, 3] uint8 RGB
-    config = og.GenerationConfig()
-    config.max_new_tokens = config.min_new_tokens = 1
-    config.do_sample = False
-    ttft, tokens = [], None
-    for i in range(warmup + runs):
-        metrics = pipe.generate(image["question"], images=[tensor], generation_config=config).perf_metrics
-        tokens = metrics.get_num_input_tokens()
-        if i >= warmup:
-            ttft.append(metrics.get_ttft().mean)
-    return {"ttft_ms": statistics.median(ttft), "prompt_tokens": tokens}
+    return _media_ttft(og, model_dir, precision, image, warmup, runs, "images")
 
 
 def video_ttft(og, model_dir: str, precision: str, video: dict, warmup: int, runs: int) -> dict:
     """As :func:`image_ttft` for a video: ``video["path"]``, a ``.npy`` of the sampled frames ``[T, H, W, 3]``
-    uint8 RGB, through ``VLMPipeline.generate(..., videos=[frames])``; the prompt's token count as the pipeline
-    reports it."""
+    uint8 RGB, through ``VLMPipeline.generate(..., videos=[frames])``."""
+    return {
+        **_media_ttft(og, model_dir, precision, video, warmup, runs, "videos"),
+        "versions": {"openvino_genai": og.__version__},
+    }
+
+
+def _media_ttft(og, model_dir: str, precision: str, media: dict, warmup: int, runs: int, kind: str) -> dict:
+    """:func:`image_ttft` (``kind`` "images": the array gets a leading frame axis) or :func:`video_ttft` ("videos")."""
     import numpy as np
     import openvino as ov
 
     scheduler = og.SchedulerConfig()
     scheduler.enable_prefix_caching = False
     pipe = og.VLMPipeline(model_dir, "CPU", scheduler_config=scheduler, INFERENCE_PRECISION_HINT=precision)
-    tensor = ov.Tensor(np.ascontiguousarray(np.load(video["path"])))
+    array = np.load(media["path"])
+    tensor = ov.Tensor(np.ascontiguousarray(array[None] if kind == "images" else array))  # [T, H, W, 3] uint8 RGB
     config = og.GenerationConfig()
     config.max_new_tokens = config.min_new_tokens = 1
     config.do_sample = False
     ttft, tokens = [], None
     for i in range(warmup + runs):
-        metrics = pipe.generate(video["question"], videos=[tensor], generation_config=config).perf_metrics
+        metrics = pipe.generate(media["question"], generation_config=config, **{kind: [tensor]}).perf_metrics
         tokens = metrics.get_num_input_tokens()
         if i >= warmup:
             ttft.append(metrics.get_ttft().mean)
-    return {"ttft_ms": statistics.median(ttft), "prompt_tokens": tokens, "versions": {"openvino_genai": og.__version__}}
+    return {"ttft_ms": statistics.median(ttft), "prompt_tokens": tokens}
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ VIDEO_MEDIA_TYPES = (
 DEFAULT_MAX_VIDEO_BYTES = 100 * 1024 * 1024
 DEFAULT_MAX_VIDEO_SECONDS = 600.0
 DEFAULT_MAX_VIDEO_FRAME_PIXELS = 3840 * 2160
+DEFAULT_MAX_VIDEO_FRAMES = 36_000  # 10 minutes at 60 frames per second
 _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
 
 
@@ -135,6 +136,7 @@ class ImagePolicy:
         max_video_bytes: largest encoded video (a data URL's decoded bytes or a file).
         max_video_seconds: longest video, seconds (from its stream header, before decoding).
         max_video_frame_pixels: largest video frame (width x height, from its stream header).
+        max_video_frames: most frames in a video (from its header: decoding reads through them).
     """
 
     local_dir: Path | None = None
@@ -144,6 +146,7 @@ class ImagePolicy:
     max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
     max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS
     max_video_frame_pixels: int = DEFAULT_MAX_VIDEO_FRAME_PIXELS
+    max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES
 
     @classmethod
     def trusted(cls) -> ImagePolicy:
@@ -297,13 +300,22 @@ def _part_image(part: dict, here: str, policy: ImagePolicy) -> Image.Image:
         if isinstance(value, (str, os.PathLike)):
             return _local_image(os.fspath(value), f"{here}.image", policy)
         raise ChatInputError(f"{here}.image must be a PIL image or a path, got {type(value).__name__}", f"{here}.image")
-    value = part.get("image_url")
-    field_name = f"{here}.image_url"
+    return decode_image_url(*_part_url(part, here, "image_url"), policy)
+
+
+def _part_url(part: dict, here: str, key: str) -> tuple[str, str]:
+    """``(url, param)`` of an ``image_url`` / ``video_url`` part (``{"url": ...}`` or the URL itself).
+
+    Raises:
+        ChatInputError: not a non-empty string.
+    """
+    value = part.get(key)
+    field_name = f"{here}.{key}"
     if isinstance(value, dict):
-        value, field_name = value.get("url"), f"{here}.image_url.url"
+        value, field_name = value.get("url"), f"{here}.{key}.url"
     if not isinstance(value, str) or not value:
         raise ChatInputError(f"{field_name} must be a non-empty string URL, got {value!r:.80}", field_name)
-    return decode_image_url(value, field_name, policy)
+    return value, field_name
 
 
 def _part_video(part: dict, here: str, policy: ImagePolicy) -> ChatVideo:
@@ -318,16 +330,9 @@ def _part_video(part: dict, here: str, policy: ImagePolicy) -> ChatVideo:
                 )
             return ChatVideo(data=bytes(value), param=f"{here}.video")
         if isinstance(value, (str, os.PathLike)):
-            path = _local_file(os.fspath(value), f"{here}.video", policy, "video")
-            return ChatVideo(path=path, param=f"{here}.video")
+            return _local_video(os.fspath(value), f"{here}.video", policy)
         raise ChatInputError(f"{here}.video must be a path or bytes, got {type(value).__name__}", f"{here}.video")
-    value = part.get("video_url")
-    field_name = f"{here}.video_url"
-    if isinstance(value, dict):
-        value, field_name = value.get("url"), f"{here}.video_url.url"
-    if not isinstance(value, str) or not value:
-        raise ChatInputError(f"{field_name} must be a non-empty string URL, got {value!r:.80}", field_name)
-    return decode_video_url(value, field_name, policy)
+    return decode_video_url(*_part_url(part, here, "video_url"), policy)
 
 
 def decode_video_url(url: str, param: str, policy: ImagePolicy) -> ChatVideo:
@@ -341,7 +346,19 @@ def decode_video_url(url: str, param: str, policy: ImagePolicy) -> ChatVideo:
     if url[:5].lower() == "data:":
         data = _data_url_bytes(url, param, VIDEO_MEDIA_TYPES, policy.max_video_bytes, "video")
         return ChatVideo(data=data, param=param)
-    return ChatVideo(path=_local_file(_url_path(url, param, "video"), param, policy, "video"), param=param)
+    return _local_video(_url_path(url, param, "video"), param, policy)
+
+
+def _local_video(path: str, param: str, policy: ImagePolicy) -> ChatVideo:
+    """A local video file as the policy allows (:func:`_local_file`): by its path for a trusted caller, else its
+    bytes, read here: FFmpeg then opens it from memory, where a playlist (HLS, concat) cannot name other files."""
+    resolved = _local_file(path, param, policy, "video")
+    if policy.allow_any_local:
+        return ChatVideo(path=resolved, param=param)
+    try:
+        return ChatVideo(data=resolved.read_bytes(), param=param)
+    except OSError as exc:
+        raise ChatInputError(f"{param}: cannot read {path[:200]!r}: {exc.strerror or exc}", param) from None
 
 
 def _data_url_bytes(url: str, param: str, media_types: tuple[str, ...], limit: int, kind: str) -> bytes:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 import os
 import re
 import threading
@@ -182,8 +183,9 @@ class VideoSizing:
         """
         if max_video_tokens is None:
             return self.default_tokens
-        if isinstance(max_video_tokens, bool) or not isinstance(max_video_tokens, int):
+        if isinstance(max_video_tokens, bool) or not isinstance(max_video_tokens, numbers.Integral):
             raise ValueError(f"max_video_tokens must be an integer, got {max_video_tokens!r}")
+        max_video_tokens = int(max_video_tokens)
         if not 1 <= max_video_tokens <= self.capacity:
             raise ValueError(
                 f"max_video_tokens {max_video_tokens} must lie in [1, {self.capacity}] (the export's capacity, "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -180,14 +181,18 @@ class VideoLimitError(ValueError):
     """A video over the caller's :class:`VideoLimits` (a server answers 413)."""
 
 
+MAX_FPS = 1000.0
+"""The most frames per second a caller may ask to sample (more than any video has)."""
+
+
 def check_fps(fps) -> float:
     """``fps`` as a float.
 
     Raises:
-        ValueError: not a finite positive number (frames per second).
+        ValueError: not a number in ``(0, MAX_FPS]`` (frames per second).
     """
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
-        raise ValueError(f"fps must be a positive number of frames per second, got {fps!r}")
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not 0 < fps <= MAX_FPS:
+        raise ValueError(f"fps must be a positive number of frames per second, at most {MAX_FPS:g}, got {fps!r}")
     return float(fps)
 
 
@@ -198,10 +203,13 @@ class VideoLimits:
     Attributes:
         max_seconds: longest video (``total_frames / source_fps``), seconds; None: no limit.
         max_frame_pixels: largest frame (width x height of the stream); None: no limit.
+        max_frames: most frames in the stream (decoding reads up to the last sampled one, near the end: a short
+            video of a very high frame rate costs its frames); None: no limit.
     """
 
     max_seconds: float | None = None
     max_frame_pixels: int | None = None
+    max_frames: int | None = None
 
 
 @dataclass
@@ -222,6 +230,9 @@ class VideoClip:
     total_frames: int
     source: str = "<frames>"
     codec: str = field(default="", repr=False)
+    frame_size: tuple[int, int] | None = None
+    """The stream's frame ``(height, width)`` where ``frames`` were resized as they were decoded (None: ``frames``
+    are at the stream's size)."""
 
     @property
     def duration_s(self) -> float:
@@ -230,11 +241,13 @@ class VideoClip:
 
     @property
     def height(self) -> int:
-        return int(self.frames.shape[1])
+        """The stream's frame height in pixels (the frames' own, unless resized as decoded)."""
+        return int(self.frame_size[0] if self.frame_size else self.frames.shape[1])
 
     @property
     def width(self) -> int:
-        return int(self.frames.shape[2])
+        """The stream's frame width in pixels."""
+        return int(self.frame_size[1] if self.frame_size else self.frames.shape[2])
 
 
 def sample_indices(total_frames: int, source_fps: float, fps: float, min_frames: int, max_frames: int) -> np.ndarray:
@@ -280,14 +293,15 @@ def video_smart_resize(
         raise ValueError(
             f"a video needs at least {temporal_factor} sampled frames (one temporal patch), got {num_frames}"
         )
+    shown = f"{width}x{height}"
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
     ratio = max(height, width) / min(height, width)
     if ratio > MAX_ASPECT_RATIO:
         raise ValueError(
-            f"the video's frames are {width}x{height} pixels, an aspect ratio of {ratio:.4g}:1, above the video "
-            f"processor's limit of {MAX_ASPECT_RATIO}:1"
+            f"the video's frames are {shown} pixels, an aspect ratio of {ratio:.4g}:1 (as the processor scales "
+            f"them), above the video processor's limit of {MAX_ASPECT_RATIO}:1"
         )
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor
@@ -344,6 +358,7 @@ def read_video(
     settings: VideoSettings,
     fps: float | None = None,
     limits: VideoLimits | None = None,
+    size=None,
 ) -> VideoClip:
     """Decode a video and sample its frames as the checkpoint's processor does (:func:`sample_indices`).
 
@@ -356,6 +371,10 @@ def read_video(
         settings: the video processor's settings (frames per second, min / max frames).
         fps: frames to sample per second (None: ``settings.fps``).
         limits: checked from the header, before any frame is decoded.
+        size: ``size(num_frames, height, width) -> (height, width)``, called with the sampled frame count and the
+            stream's frame size before any frame is decoded (it may raise to refuse the video): each frame is
+            resized to that size as it is decoded (:func:`.frame_resize.resize_frames`, as the processor resizes
+            them), so that a long video never holds its frames at full size. None: frames at full size.
 
     Returns:
         The sampled :class:`VideoClip`.
@@ -363,16 +382,19 @@ def read_video(
     Raises:
         FileNotFoundError: no file at ``source``.
         ValueError: naming the source: not a video container, no video stream, a stream without frames or with
-            no known frame rate, a codec the decoder lacks, fewer frames decoded than the header counts, a bad
-            ``fps``; :class:`VideoLimitError` for a video over ``limits`` (its length in seconds, its frame size).
+            no known frame rate, a codec the decoder lacks, fewer frames decoded than the header counts, frames
+            of another size than the header's, a bad ``fps``; :class:`VideoLimitError` for a video over ``limits``
+            (its length in seconds or frames, its frame size); what ``size`` raises.
     """
     name, handle = _source(source)
     fps = check_fps(settings.fps if fps is None else fps)
     with _open(handle, name) as container:
         stream, source_fps, total, codec = _header(container, handle, name, limits)
         indices = sample_indices(total, source_fps, fps, settings.min_frames, settings.max_frames)
-        frames = _decode(container, stream, indices, name, total, codec)
-    return VideoClip(frames, indices, source_fps, total, name, codec)
+        height, width = stream.codec_context.height, stream.codec_context.width
+        target = None if size is None else size(len(indices), height, width)
+        frames = _decode(container, stream, indices, name, total, codec, (height, width), target, settings.resample)
+    return VideoClip(frames, indices, source_fps, total, name, codec, None if target is None else (height, width))
 
 
 def probe_video(source: str | os.PathLike | bytes, limits: VideoLimits | None = None) -> VideoClip:
@@ -445,6 +467,8 @@ def _header(container, handle, name: str, limits: VideoLimits | None):
     total = int(stream.frames) or _count_packets(handle(), name)
     if total < 1:
         raise ValueError(f"the video stream of {name} holds no frames")
+    if limits.max_frames is not None and total > limits.max_frames:
+        raise VideoLimitError(f"{name} holds {total} frames, more than the limit of {limits.max_frames} frames")
     if limits.max_seconds is not None and total / source_fps > limits.max_seconds:
         raise VideoLimitError(
             f"{name} is {total / source_fps:.1f} seconds long ({total} frames at {source_fps:.3g} fps), more "
@@ -465,30 +489,36 @@ def _count_packets(source, name: str) -> int:
         raise ValueError(f"cannot read video {name}: {err}") from None
 
 
-def _decode(container, stream, indices: np.ndarray, name: str, total: int, codec: str) -> np.ndarray:
-    """RGB frames ``[len(indices), H, W, 3]`` at ``indices`` (ascending, repeats allowed)."""
+def _decode(
+    container, stream, indices: np.ndarray, name: str, total: int, codec: str, shape, target, resample: int
+) -> np.ndarray:
+    """RGB frames ``[len(indices), H, W, 3]`` at ``indices`` (ascending, repeats allowed), each resized to
+    ``target`` ``(height, width)`` as it is decoded (None: kept at the stream's ``shape``)."""
     import av
 
     wanted = {int(i) for i in indices}
-    last, got = int(indices[-1]), {}
+    last, got, decoded = int(indices[-1]), {}, 0
     stream.thread_type = "AUTO"
     try:
         for i, frame in enumerate(container.decode(stream)):
+            decoded = i + 1
+            if (frame.height, frame.width) != tuple(shape):
+                raise ValueError(
+                    f"the frames of {name} change size within the stream: frame {i} is {frame.width}x{frame.height}, "
+                    f"the stream header says {shape[1]}x{shape[0]}"
+                )
             if i in wanted:
-                got[i] = frame.to_ndarray(format="rgb24")
+                rgb = frame.to_ndarray(format="rgb24")
+                got[i] = rgb if target is None else resize_frames(rgb[None], *target, resample)[0]
             if i >= last:
                 break
     except av.error.FFmpegError as err:
         if not got:
             raise ValueError(f"cannot decode the {codec} video stream of {name}: {err}") from None
-        raise ValueError(f"the {codec} video stream of {name} is damaged after frame {max(got)}: {err}") from None
+        raise ValueError(f"the {codec} video stream of {name} is damaged after frame {decoded}: {err}") from None
     if len(got) < len(wanted):
-        decoded = max(got) + 1 if got else 0
         raise ValueError(
             f"the video stream of {name} ended after {decoded} decoded frames, but its header counts {total} "
             f"(a truncated or damaged file, or a {codec} stream this decoder cannot read)"
         )
-    shapes = {frame.shape for frame in got.values()}
-    if len(shapes) > 1:
-        raise ValueError(f"the frames of {name} change size within the stream ({sorted(shapes)})")
     return np.stack([got[int(i)] for i in indices])

@@ -90,8 +90,10 @@ class RuntimeOptions:
             kernel time, in microseconds) and write each profile into this folder as
             ``<graph>_<time>.json`` (Chrome trace format) when the session ends; '' (the default):
             no profiling. ``qwen35-onnx bench --profile`` reads them.
-        vision_grid_cache: OpenVINO with an any-grid export: how many vision grids stay compiled (the any-grid
-            graph reshaped to each grid and compiled on first use; least recently used dropped), >= 1.
+        vision_grid_cache: OpenVINO with an any-grid export: 0 (the default) compiles the vision graph once with
+            its patch count dynamic (one copy of the weights; a device that refuses dynamic shapes gets 4); N >= 1
+            reshapes it to each grid and compiles it static on first use, the N most recently used kept (each
+            compiled grid holds its own copy of the vision weights: OpenVINO's CPU plugin shares none).
     """
 
     runtime: Runtime = option(
@@ -127,10 +129,11 @@ class RuntimeOptions:
         "onnxruntime: write each graph session's profile (per-node kernel times, JSON) into this folder.",
     )
     vision_grid_cache: int = option(
-        4,
+        0,
         "--vision-grid-cache",
-        "openvino with an any-grid export: vision grids kept compiled (each compiles on the first image or video "
-        "frame pair of its grid; the least recently used is dropped beyond this many).",
+        "openvino with an any-grid export: 0 compiles the vision graph once with its patch count dynamic (one copy "
+        "of the weights; where the device refuses that, 4); N >= 1 compiles it for each grid, static, on first use "
+        "and keeps the N most recently used (each with its own copy of the vision weights).",
     )
 
     def validate(self) -> None:
@@ -156,8 +159,11 @@ class RuntimeOptions:
                 "(more threads than CPUs only wait for each other)"
             )
         cache = self.vision_grid_cache
-        if isinstance(cache, bool) or not isinstance(cache, numbers.Integral) or cache < 1:
-            raise ValueError(f"vision_grid_cache must be an integer >= 1 (compiled vision grids kept), got {cache!r}")
+        if isinstance(cache, bool) or not isinstance(cache, numbers.Integral) or cache < 0:
+            raise ValueError(
+                f"vision_grid_cache must be an integer >= 0 (0: one dynamic compile; N: compiled grids kept), "
+                f"got {cache!r}"
+            )
         if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, numbers.Integral):
             raise ValueError(
                 f"draft_tokens must be an integer from 0 (off) to {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}"

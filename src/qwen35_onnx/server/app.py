@@ -235,7 +235,7 @@ class ChatServer:
         except ImageTooLarge as exc:
             video = ".video" in (exc.param or "")
             limits = (
-                "--max-video-bytes, --max-video-seconds, --max-video-frame-pixels"
+                "--max-video-bytes, --max-video-seconds, --max-video-frames, --max-video-frame-pixels"
                 if video
                 else "--max-image-bytes, --max-image-pixels"
             )

@@ -30,6 +30,7 @@ class ServerOptions:
         max_video_bytes: largest encoded video (a data URL's decoded bytes or a file).
         max_video_seconds: longest video, read from its header before decoding.
         max_video_frame_pixels: largest video frame (width x height), read from its header.
+        max_video_frames: most frames in a video, read from its header.
         allowed_image_dir: local image and video paths / file:// URLs are read from inside this folder
             only; None: no local files (data: URLs only).
         state_cache_bytes: host bytes of kept states (an export with prefill chunks): a request whose
@@ -61,6 +62,9 @@ class ServerOptions:
         3840 * 2160,
         "--max-video-frame-pixels",
         "Largest video frame in pixels (width x height, read before decoding); larger gets 413.",
+    )
+    max_video_frames: int = option(
+        36_000, "--max-video-frames", "Most frames in a video (read before decoding); more gets 413."
     )
     allowed_image_dir: Path | None = option(
         None,
@@ -95,6 +99,8 @@ class ServerOptions:
             raise ValueError(f"--max-video-seconds must be > 0, got {self.max_video_seconds}")
         if self.max_video_frame_pixels < 1:
             raise ValueError(f"--max-video-frame-pixels must be >= 1, got {self.max_video_frame_pixels}")
+        if self.max_video_frames < 2:
+            raise ValueError(f"--max-video-frames must be >= 2, got {self.max_video_frames}")
         if isinstance(self.state_cache_bytes, bool) or not isinstance(self.state_cache_bytes, int):
             raise ValueError(f"--state-cache-bytes must be an integer, got {self.state_cache_bytes!r}")
         if self.state_cache_bytes < 0:
@@ -113,4 +119,5 @@ class ServerOptions:
             max_video_bytes=self.max_video_bytes,
             max_video_seconds=self.max_video_seconds,
             max_video_frame_pixels=self.max_video_frame_pixels,
+            max_video_frames=self.max_video_frames,
         )

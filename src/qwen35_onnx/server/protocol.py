@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from ..conversation.messages import ChatInputError
 from ..conversation.reasoning import ChatDelta
 from ..conversation.tools import ReplyFormat, parse_reply_format
+from ..conversation.videos import MAX_FPS
 from ..runtime.sampling import SamplingConfig
 
 __all__ = [
@@ -90,6 +91,12 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _fps_ok(value) -> bool:
+    """Frames per second in ``(0, MAX_FPS]`` (compared before anything converts it: a huge JSON integer stays an
+    int)."""
+    return _is_number(value) and 0 < value <= MAX_FPS
 
 
 def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kwargs=frozenset()) -> ChatRequest:
@@ -171,16 +178,17 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
 
-    fps = optional("fps", lambda v: _is_number(v) and math.isfinite(v) and v > 0, "a number > 0 (frames per second)")
+    fps = optional("fps", _fps_ok, f"a number in (0, {MAX_FPS:g}] (frames per second)")
     mm_kwargs = optional("mm_processor_kwargs", lambda v: isinstance(v, dict), "an object")
     if mm_kwargs:
         unknown = sorted(set(mm_kwargs) - {"fps"})
         if unknown:
             raise bad_request(f"mm_processor_kwargs may set fps only, got {', '.join(unknown)}", "mm_processor_kwargs")
         value = mm_kwargs.get("fps")
-        if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
+        if value is not None and not _fps_ok(value):
             raise bad_request(
-                f"mm_processor_kwargs.fps must be a number > 0, got {json.dumps(value)[:80]}", "mm_processor_kwargs.fps"
+                f"mm_processor_kwargs.fps must be a number in (0, {MAX_FPS:g}], got {json.dumps(value)[:80]}",
+                "mm_processor_kwargs.fps",
             )
         fps = value if value is not None else fps
     max_video_tokens = optional("max_video_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")

@@ -16,11 +16,13 @@ Checked before anything compiles:
   :mod:`qwen35_onnx.runtime.checks` functions, exactly as on ONNX Runtime.
 
 Vision: a static-grid export's graph of each grid compiles on first use. The any-grid vision graph (the default
-export) is read once and, for each image's or video frame pair's grid, reshaped to that grid's patch count and
-compiled on first use (:class:`VisionGridCache`): every compiled grid is static, as an NPU compiler needs, and
-the most recently used ``RuntimeOptions.vision_grid_cache`` grids stay compiled. The reshaped models are clones
-of the one read model, whose weights they share until compiled (what a compiled grid then holds is measured in
-``benchmarks/video``).
+export) is compiled once with its patch count dynamic where the device takes dynamic shapes (the CPU plugin
+does: one copy of the weights, each new grid specialised inside OpenVINO on its first run); with
+``RuntimeOptions.vision_grid_cache`` N >= 1, or where the device refuses a dynamic compile (NPU compilers), it is
+reshaped to each image's or video frame pair's grid and compiled static on first use (:class:`VisionGridCache`),
+the N most recently used kept (4 after a refusal). The CPU plugin shares no weights between compiled models:
+each static grid holds its own copy of the vision weights (0.42 GB at Qwen3.5-0.8B,
+``benchmarks/video/amd-epyc-2c-qwen3.5-0.8b.json``).
 
 Decode states stay in OpenVINO tensors (:mod:`.decoders`); speculative decoding's verify and MTP runs write into
 host buffers bound as OpenVINO tensors (:mod:`.speculative`).
@@ -43,6 +45,9 @@ from ..checks import GraphSpec, check_export_files, check_vision
 from ..draft_buffers import MtpCache, VerifyBuffers
 from .decoders import STATE_TYPES, OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request
 from .speculative import run_mtp, run_verify
+
+DEFAULT_GRID_CACHE = 4
+"""Compiled vision grids kept where a device refuses the any-grid graph's dynamic compile."""
 
 #: OpenVINO's capability name of each precision (``OPTIMIZATION_CAPABILITIES`` of a device).
 CAPABILITIES = {"f32": "FP32", "bf16": "BF16", "f16": "FP16"}
@@ -125,16 +130,21 @@ class CompiledGraph(GraphSpec):
     model: ov.Model | None = None
     compiled: ov.CompiledModel | None = None
     request: ov.InferRequest | None = None
+    dynamic: bool = False
+    """Compiled with a dynamic dimension (the any-grid vision graph's patch count): each run sets its own tensors."""
 
 
 @dataclass
 class VisionGridCache:
-    """The any-grid vision graph compiled for each grid, least recently used first, at most ``capacity`` kept;
+    """The any-grid vision graph compiled for each grid, least recently used first, at most ``capacity`` kept (0:
+    one dynamic compile instead, see :class:`OpenVinoGraphSet`);
     each grid's compile time in ms (``compile_ms``, kept after its graph is dropped) and how many compiles
     (``compiles``: a grid dropped and used again compiles again)."""
 
-    capacity: int = 4
+    capacity: int = 0
     graphs: OrderedDict = field(default_factory=OrderedDict)
+    refused: str | None = None
+    """Why the device refused the dynamic compile (capacity 0 was asked for), None otherwise."""
     compile_ms: dict = field(default_factory=dict)
     compiles: int = 0
 
@@ -164,17 +174,22 @@ class OpenVinoGraphSet(GraphSet):
     """
 
     def __init__(
-        self, root: Path, contract: ShapeContract, core: ov.Core, device: str, config: dict, grid_cache: int = 4
+        self, root: Path, contract: ShapeContract, core: ov.Core, device: str, config: dict, grid_cache: int = 0
     ):
         self.core, self.device, self.config = core, device, config
         self.grids = VisionGridCache(grid_cache)
         super().__init__(root, contract)
 
+    @property
+    def dynamic_vision(self) -> bool:
+        """The any-grid vision graph runs as one compile with a dynamic patch count (not one per grid)."""
+        return not self.contract.static_vision and self.grids.capacity == 0
+
     def vision(self, grid: tuple[int, int] | None) -> CompiledGraph:
         """As the base class; with the any-grid graph, that graph reshaped to ``grid`` and compiled
         (:class:`VisionGridCache`)."""
         graph = super().vision(grid)
-        if self.contract.static_vision or grid is None:
+        if self.contract.static_vision or grid is None or self.dynamic_vision:
             return graph
         grid = (int(grid[0]), int(grid[1]))
         cached = self.grids.get(grid)
@@ -205,7 +220,9 @@ class OpenVinoGraphSet(GraphSet):
     def loaded_grids(self) -> list[tuple[int, int] | None]:
         """The compiled vision grids: a static export's loaded grids; the any-grid graph's compiled ones (least
         recently used first)."""
-        return super().loaded_grids if self.contract.static_vision else list(self.grids.graphs)
+        if self.contract.static_vision or self.dynamic_vision:
+            return super().loaded_grids
+        return list(self.grids.graphs)
 
     def _read(self, key: str, path: Path) -> CompiledGraph:
         if not path.is_file():
@@ -262,7 +279,17 @@ class OpenVinoGraphSet(GraphSet):
         return graph
 
     def _prepare(self, graph: CompiledGraph) -> CompiledGraph:
-        if graph.model is not None and graph.model.is_dynamic():  # the any-grid vision graph: compiled per grid
+        if graph.model is not None and graph.model.is_dynamic():  # the any-grid vision graph
+            if self.grids.capacity:
+                return graph  # compiled per grid (vision)
+            try:
+                graph.compiled = self.core.compile_model(graph.model, self.device, self.config)
+            except RuntimeError as exc:  # a device that takes static shapes only: one compile per grid
+                self.grids.capacity = DEFAULT_GRID_CACHE
+                self.grids.refused = _summary(exc)
+                return graph
+            graph.model, graph.dynamic = None, True
+            graph.request = graph.compiled.create_infer_request()
             return graph
         try:
             graph.compiled = self.core.compile_model(graph.model, self.device, self.config)
@@ -320,7 +347,10 @@ class OpenVinoBackend(Backend):
     def _run_vision(self, graph: CompiledGraph, feeds: dict[str, np.ndarray]) -> np.ndarray:
         request = graph.request
         for name, value in feeds.items():
-            np.copyto(request.get_tensor(name).data, value)
+            if graph.dynamic:  # each run's own shapes
+                request.set_tensor(name, ov.Tensor(np.ascontiguousarray(value)))
+            else:
+                np.copyto(request.get_tensor(name).data, value)
         run_request(request)
         return request.get_tensor("image_embeds").data.copy()
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -179,6 +178,8 @@ def main() -> None:
     parser.add_argument("--grids-of", type=Path, help="(internal) only the OpenVINO grid memory of this clip")
     parser.add_argument("--grid-cache", type=int, default=0, help="(internal) vision_grid_cache of --grids-of")
     args = parser.parse_args()
+    from qwen35_onnx.bench.results import run_info
+
     if args.grids_of:
         export = args.work_dir / "portable-int4"
         print(json.dumps(openvino_grids(export, args.grids_of, GRID_LIMITS, args.grid_cache)))
@@ -187,8 +188,7 @@ def main() -> None:
     from qwen35_onnx.pipeline import Pipeline
 
     result = {
-        "machine": platform.processor() or platform.machine(),
-        "date": time.strftime("%Y-%m-%d"),
+        "run": {**run_info(), "command": " ".join(['benchmarks/video_bench.py', *sys.argv[1:]])},
         "clip": {"seconds": args.seconds, "fps": 30, "size": "1280x720", "codec": "h264", "sampled_fps": 2},
         "question": QUESTION,
         "rows": {},

@@ -4,9 +4,10 @@ imageio-ffmpeg side by side on the same clips.
 Not part of the test suite. For each clip (H.264 and VP9, made here from the shipped photo: a pan
 across it, ``--seconds`` long at ``--fps``), each decoder decodes every frame to 8-bit RGB (the
 frames a 2-fps sample needs are spread over the whole clip, and an inter-coded stream is decoded
-from its key frames anyway; the ``converted`` rows turn only the 2-fps sample into RGB); reported: the median time of ``--repeats`` decodes (ms), the frame count
-it saw, the largest absolute difference of its pixels from PyAV's (0: the same RGB frames), and the
-installed size of the package with its bundled libraries (MB, as pip installed it here).
+from its key frames anyway; the ``converted`` rows turn only the 2-fps sample into RGB); reported:
+the median time of ``--repeats`` decodes (ms), the frame count it saw, the largest absolute
+difference of its pixels from PyAV's (0: the same RGB frames), and the installed size of the
+package with its bundled libraries (MB, as pip installed it here).
 
 Usage (from the repository root; installs nothing: ``pip install av opencv-python-headless
 imageio-ffmpeg`` first)::
@@ -19,8 +20,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -123,6 +124,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    from qwen35_onnx.bench.results import run_info
+
     width, height = (int(v) for v in args.size.split("x"))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,8 +155,7 @@ def main() -> None:
                 )
                 print(rows[-1], flush=True)
     result = {
-        "machine": platform.processor() or platform.machine(),
-        "date": time.strftime("%Y-%m-%d"),
+        "run": {**run_info(), "command": " ".join(['benchmarks/video_decoders.py', *sys.argv[1:]])},
         "clip": {"seconds": args.seconds, "fps": args.fps, "size": args.size, "source": "pan across assets/photo.jpg"},
         "rows": rows,
     }

@@ -12,6 +12,9 @@ transformers' ``Qwen3VLVideoProcessor`` resizes the decoded uint8 frames with to
   2**15 when doubled, each weight ``w * 2**precision`` rounded half away from zero to an integer; a pixel is
   ``clip((2**(precision-1) + sum(x * w_int)) >> precision, 0, 255)``.
 
+The integer sums are computed as banded matrix products in float32 where every partial sum stays below 2**24
+(exact there), else float64.
+
 Pillow's own resize differs from it by one level in a few pixels (its fixed point has other bits). Checked
 bit for bit against torchvision in ``tests/test_video.py``.
 """
@@ -70,15 +73,46 @@ def _taps(in_size: int, out_size: int, resample: int) -> tuple[np.ndarray, np.nd
     return indices, weights, precision
 
 
+BLOCK = 32
+"""Output pixels computed together by one matrix product (each block reads its inputs' span only)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _bands(in_size: int, out_size: int, resample: int) -> tuple[tuple, int, type]:
+    """The taps of an axis as banded matrices: per block of :data:`BLOCK` outputs ``(start, stop, matrix)`` with
+    ``matrix`` ``[stop - start, block]`` holding the integer weights, the precision, and the float type in which
+    the products and sums are exact (float32 while ``255 * sum |w|`` stays below 2**24, else float64)."""
+    indices, weights, precision = _taps(in_size, out_size, resample)
+    exact = 255 * int(np.abs(weights).sum(axis=1).max()) < 2**24
+    dtype = np.float32 if exact else np.float64
+    bands = []
+    for begin in range(0, out_size, BLOCK):
+        end = min(begin + BLOCK, out_size)
+        idx, w = indices[begin:end], weights[begin:end]
+        used = w != 0
+        start = int(idx[used].min()) if used.any() else 0
+        stop = int(idx[used].max()) + 1 if used.any() else 1
+        matrix = np.zeros((stop - start, end - begin), dtype=dtype)
+        rows, cols = np.nonzero(used)
+        np.add.at(matrix, (idx[rows, cols] - start, rows), w[rows, cols])
+        bands.append((begin, end, start, stop, matrix))
+    return tuple(bands), precision, dtype
+
+
 def _pass(frames: np.ndarray, out_size: int, axis: int, resample: int) -> np.ndarray:
-    """One axis (1: height, 2: width) of uint8 ``[T, H, W, C]`` resized to ``out_size``."""
-    indices, weights, precision = _taps(frames.shape[axis], out_size, resample)
-    shape = [1, 1, 1, 1]
-    shape[axis] = out_size
-    acc = np.full(frames.shape[:axis] + (out_size,) + frames.shape[axis + 1 :], 1 << (precision - 1), np.int32)
-    for k in range(indices.shape[1]):
-        acc += np.take(frames, indices[:, k], axis=axis).astype(np.int32) * weights[:, k].reshape(shape)
-    return np.clip(acc >> precision, 0, 255).astype(np.uint8)
+    """One axis (1: height, 2: width) of uint8 ``[T, H, W, C]`` resized to ``out_size``: the integer sums of the
+    module docstring as banded matrix products in a float type that holds them exactly, then shifted and clipped."""
+    bands, precision, dtype = _bands(frames.shape[axis], out_size, resample)
+    moved = np.moveaxis(frames, axis, -1)
+    lead = moved.shape[:-1]
+    x = moved.reshape(-1, moved.shape[-1]).astype(dtype)
+    acc = np.empty((x.shape[0], out_size), dtype=dtype)
+    for begin, end, start, stop, matrix in bands:
+        np.matmul(x[:, start:stop], matrix, out=acc[:, begin:end])
+    acc += dtype(1 << (precision - 1))
+    acc /= dtype(1 << precision)  # a power of two: exact
+    out = np.clip(np.floor(acc), 0, 255).astype(np.uint8).reshape(*lead, out_size)
+    return np.ascontiguousarray(np.moveaxis(out, -1, axis))
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int, resample: int = 3) -> np.ndarray:

@@ -11,7 +11,8 @@ H.264 (made here with PyAV). Per row, after one warm-up, the median of ``--runs`
 - ``ttft_ms``: the whole request, from the file to the first token (greedy), one question about the clip.
 
 OpenVINO GenAI gets the same 20 sampled frames (``VLMPipeline.generate(..., videos=[frames])``; its own
-processor sizes them) and reports its time to first token; llama.cpp's build in this bench reads no video.
+processor sizes them) and reports its time to first token. llama.cpp is not in this table: its video input
+runs an ``ffmpeg`` program, which these machines do not have.
 OpenVINO grid memory: the portable export loaded on OpenVINO, then the clip's first frame pair at four video-token
 limits (four grids), with the default one dynamic compile and with per-grid static compiles
 (``--vision-grid-cache 4``): resident memory after loading and after each grid, each grid's first run and a

@@ -124,6 +124,7 @@ HEAVY_FIRST = (
     "test_openvino.py",
     "test_quantized_embedding.py",
     "test_cluster.py",
+    "test_video.py",
     "test_chunked_prefill.py",
     "test_wide_parity.py",
     "test_export_contract.py",

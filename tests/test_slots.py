@@ -283,6 +283,10 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+DROP_WAIT = 15
+"""Seconds a soak client waits for its dropped stream to be cancelled (a 200-token reply ends well before)."""
+
+
 @pytest.mark.slow
 def test_soak_twelve_clients_on_four_slots(slot_export, photo):
     """12 concurrent openai clients x 6 requests (streamed and not, images, every fifth stream dropped mid-way)
@@ -344,7 +348,10 @@ def test_soak_twelve_clients_on_four_slots(slot_export, photo):
                         # (a reply long enough to be running when the server notices: it is cancelled); one
                         # client at a time, waiting until the server has cancelled it: the server frees the slot
                         # when it notices the closed connection, and a request sent before that would find all
-                        # 12 places taken (429), a race of the client, not of the server
+                        # 12 places taken (429), a race of the client, not of the server. Under a loaded machine
+                        # the reply (200 tokens) may end before the server notices (then it counts as completed):
+                        # after DROP_WAIT seconds it has ended either way. (Cancellation itself:
+                        # tests/test_server.py::test_dropped_clients_are_cancelled.)
                         with drop_lock:
                             stream = client.chat.completions.create(
                                 model="m", messages=requests[which], max_tokens=200, temperature=0, stream=True
@@ -354,9 +361,10 @@ def test_soak_twelve_clients_on_four_slots(slot_export, photo):
                                     break
                             stream.close()
                             dropped[0] += 1
-                            deadline = time.monotonic() + 60
+                            deadline = time.monotonic() + DROP_WAIT
                             while httpx.get(f"{base}/health", timeout=10).json()["cancelled"] < dropped[0]:
-                                assert time.monotonic() < deadline, "a dropped stream was never cancelled"
+                                if time.monotonic() > deadline:
+                                    break
                                 time.sleep(0.01)
                         continue
                     if n % 2 == 0:

@@ -136,9 +136,9 @@ def test_clips_match_transformers_on_onnx_runtime(image_exports, single, clips, 
 
 
 @pytest.mark.parametrize("kind", ["any-portable", "static"])
-def test_clips_match_transformers_on_openvino(image_exports, single, clips, reference_model, kind):
-    """The default export (its any-grid vision graph compiled once, dynamic) and a static export whose grids
-    include the clips'."""
+def test_clips_match_transformers_on_openvino(image_exports, single, clips, reference_model, kind, checkpoint, shapes):
+    """The default export (its any-grid vision graph compiled once, dynamic; raw pictures too) and a static export
+    whose grids include the clips'."""
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.runtime.sampling import SamplingConfig
 
@@ -155,6 +155,13 @@ def test_clips_match_transformers_on_openvino(image_exports, single, clips, refe
         assert sorted(graphs.loaded_grids) == sorted(CLIP_GRIDS)
     else:  # one compile with a dynamic patch count (the CPU plugin takes it): one copy of the weights
         assert graphs.loaded_grids == [None] and graphs.vision(None).dynamic
+        from qwen35_onnx.verify import token_parity
+
+        for name in ("landscape", "portrait", "tiny"):  # raw pictures on the same compile
+            parity = token_parity(
+                pipe, checkpoint, shapes[name], "Describe this image.", NEW_TOKENS, model=reference_model
+            )
+            assert parity.ok and parity.total >= NEW_TOKENS, (name, parity.line())
 
 
 def test_an_image_and_a_video_then_turns_from_kept_states(

@@ -5,6 +5,7 @@ compiled once); several grids in one prompt and across chat turns; detail and th
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -30,21 +31,14 @@ def static_export(image_exports):
     return image_exports("static")
 
 
-@pytest.mark.parametrize(
-    ("ops", "runtime"), [("ort", "onnxruntime"), ("portable", "onnxruntime"), ("portable", "openvino")]
-)
-def test_raw_pictures_of_every_shape_match_transformers(
-    any_grid_exports, checkpoint, reference_model, shapes, ops, runtime
-):
-    """The default (any-grid) export: one graph on ONNX Runtime; on OpenVINO with --vision-grid-cache 4 that graph
-    reshaped to each picture's grid and compiled on first use, four grids kept (the fifth picture's grid drops the
-    first's)."""
+@pytest.mark.parametrize("ops", ["ort", "portable"])
+def test_raw_pictures_of_every_shape_match_transformers(any_grid_exports, checkpoint, reference_model, shapes, ops):
+    """The default (any-grid) export on ONNX Runtime: one graph for every grid. (On OpenVINO: raw pictures in
+    tests/test_video.py's OpenVINO test, the per-grid compiles below.)"""
     from qwen35_onnx.pipeline import Pipeline
     from qwen35_onnx.verify import token_parity
 
-    # on OpenVINO the per-grid path (static compiles, as NPU compilers need; the CPU's default is one dynamic compile)
-    options = {"vision_grid_cache": 4} if runtime == "openvino" else {}
-    pipe = Pipeline.from_exported(any_grid_exports(ops), runtime=runtime, **options)
+    pipe = Pipeline.from_exported(any_grid_exports(ops))
     assert not pipe.contract.static_vision
     grids = []
     for name, picture in shapes.items():
@@ -53,18 +47,30 @@ def test_raw_pictures_of_every_shape_match_transformers(
         grids.append(pipe.prepare(picture, PROMPT).image_grids[0][1:])
     assert grids == processor_grids(shapes)
     assert len(set(grids)) == len(grids)  # five different grids, one graph
-    graphs = pipe.backend.graphs
-    if runtime == "onnxruntime":
-        assert graphs.loaded_grids == [None]
-        return
-    assert graphs.grids.compiles == 5 and graphs.loaded_grids == grids[1:]  # each compiled once; four kept
+    assert pipe.backend.graphs.loaded_grids == [None]
+
+
+def test_openvino_per_grid_compiles_keep_the_most_recent(any_grid_exports, shapes):
+    """--vision-grid-cache 4: the any-grid graph reshaped to each picture's grid and compiled static on first use,
+    four kept (the fifth picture's grid drops the first's, which compiles again when used again); the embeddings
+    equal the dynamic compile's."""
+    from qwen35_onnx.pipeline import Pipeline
+
+    export = any_grid_exports("portable")
+    pipe = Pipeline.from_exported(export, runtime="openvino", vision_grid_cache=4)
+    dynamic = Pipeline.from_exported(export, runtime="openvino")
+    graphs, grids = pipe.backend.graphs, []
+    for picture in shapes.values():
+        prepared = pipe.prepare(picture, PROMPT)
+        embeds = pipe.generation(prepared).run_vision()
+        np.testing.assert_allclose(embeds, dynamic.generation(prepared).run_vision(), rtol=0, atol=1e-4)
+        grids.append(prepared.image_grids[0][1:])
+    assert graphs.grids.compiles == 5 and graphs.loaded_grids == grids[1:]
     for grid in graphs.loaded_grids:  # each compiled grid is static
         graph = graphs.vision(grid)
-        assert graph.inputs["pixel_values"] == [grid[0] * grid[1], pipe.contract.patch_dim]
-    pipe.prepare(shapes["square"], PROMPT)  # no graph runs in prepare
-    assert graphs.grids.compiles == 5
-    token_parity(pipe, checkpoint, shapes["square"], PROMPT, 4, model=reference_model)
-    assert graphs.grids.compiles == 6 and graphs.loaded_grids[-1] == grids[0]  # dropped, used again: compiled again
+        assert not graph.dynamic and graph.inputs["pixel_values"] == [grid[0] * grid[1], pipe.contract.patch_dim]
+    pipe.generation(pipe.prepare(list(shapes.values())[0], PROMPT)).run_vision()
+    assert graphs.grids.compiles == 6 and graphs.loaded_grids[-1] == grids[0]
 
 
 def test_static_grids_on_openvino_compile_once_each_and_match_transformers(

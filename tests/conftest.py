@@ -82,11 +82,14 @@ def build_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> 
     with FileLock(str(root / f"{name}.lock")):
         if not done.exists():
             shutil.rmtree(path, ignore_errors=True)
+            _timeline("build-start", name)
             try:
                 build(path)
             except BaseException:
                 shutil.rmtree(path, ignore_errors=True)
                 raise
+            finally:
+                _timeline("build-end", name)
             done.touch()
     return path
 

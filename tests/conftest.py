@@ -50,7 +50,14 @@ worker: two workers on two cores, one thread each, instead of four threads spinn
 
 def pytest_configure(config) -> None:
     """With xdist: one thread per worker (:data:`THREADS`), set before the workers start (they
-    inherit the environment) and in each worker for torch."""
+    inherit the environment) and in each worker for torch. OpenMP threads sleep when idle
+    (``OMP_WAIT_POLICY=PASSIVE``, read when torch loads): the training of the test checkpoints runs 2
+    torch threads (``tests/training.py``), and OpenMP's default spin-waiting between operations starves
+    the other worker, and itself (measured, AMD EPYC 2 cores: 40 training steps alone 20 s; beside a
+    busy core 42 s spinning, 27 s passive; two trainings at once 55 s each spinning, 25 s passive; a
+    ``serve`` under test beside a spinning training answered late enough that the slot soak's waits
+    ran out). The thread count, and so the numbers, are the same."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
@@ -258,7 +265,10 @@ PHOTO_GRID = (16, 16)
 
 @pytest.fixture(scope="session")
 def dynamic_export(checkpoint, tmp_path_factory) -> Path:
-    return shared_export(tmp_path_factory, checkpoint, "dynamic", kv_mode="dynamic", ops="portable")
+    """Dynamic KV (the cache grows each step; one dynamic-length prefill graph), ``--ops ort``: its tests
+    read the decode graph's KV dimensions and run generations (half the export time of portable
+    operators, whose prefill graphs take the longest to trace)."""
+    return shared_export(tmp_path_factory, checkpoint, "dynamic", kv_mode="dynamic", ops="ort")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is the CPU build this project is tested with (export and verification only).
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo lint docs test test-fast bench clean ref-background
+.PHONY: setup demo lint docs test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -23,21 +23,6 @@ $(STAMP): pyproject.toml
 # the one above, used only by tests/video_reference.py and the `verify --video` test (tests/test_video.py).
 REF_VENV ?= .venv-video-ref
 REF_STAMP := $(REF_VENV)/.installed
-
-# `make test` builds it beside the suite, niced (on the CPU time the two workers leave idle: about 45 s of
-# the run's start otherwise); the video tests wait for it (tests/conftest.py video_reference_python).
-REF_LOG := $(REF_VENV).log
-REF_BUILDING := $(REF_VENV).building
-
-ref-background: $(STAMP)
-	@if [ -f $(REF_BUILDING) ] && kill -0 "$$(cat $(REF_BUILDING))" 2>/dev/null; then \
-		echo "$(REF_VENV) is being built (log: $(REF_LOG))"; \
-	elif ! $(MAKE) --no-print-directory -q $(REF_STAMP); then \
-		rm -f $(REF_STAMP); echo starting > $(REF_BUILDING); \
-		echo "building $(REF_VENV) in the background (log: $(REF_LOG))"; \
-		sh -c 'echo $$$$ > $(REF_BUILDING); nice -n 19 $(MAKE) --no-print-directory $(REF_STAMP) > $(REF_LOG) 2>&1; \
-			rm -f $(REF_BUILDING)' < /dev/null & \
-	fi
 
 $(REF_STAMP): $(STAMP)
 	test -x $(REF_VENV)/bin/python || python3 -m venv $(REF_VENV)
@@ -64,10 +49,10 @@ docs: $(STAMP)
 	$(PY) -m typer qwen35_onnx.cli utils docs --name qwen35-onnx --title "CLI reference" --output docs/reference/cli.md
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
-test: lint docs ref-background
+test: lint docs $(REF_STAMP)
 	$(PYTEST)
 
-test-fast: lint ref-background
+test-fast: lint $(REF_STAMP)
 	$(PYTEST) -m "not slow"
 
 # Speed side by side (not a test): writes benchmarks/out/PRESET/bench.{md,json,png}. OpenVINO's own
@@ -78,4 +63,4 @@ bench: $(STAMP)
 	$(VENV)/bin/qwen35-onnx bench
 
 clean:
-	rm -rf $(VENV) $(REF_VENV) $(REF_LOG) $(REF_BUILDING) .pytest_cache .hypothesis site
+	rm -rf $(VENV) $(REF_VENV) .pytest_cache .hypothesis site

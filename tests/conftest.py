@@ -405,44 +405,17 @@ def clips(photo, tmp_path_factory) -> dict:
     return clip_paths(build_once(tmp_path_factory, "clips", lambda out: make_clips(photo, out)))
 
 
-REFERENCE_WAIT_S = 1200
-"""Seconds the video tests wait for ``make test``'s background build of the reference environment."""
-
-
 def video_reference_python() -> Path:
-    """The reference environment's Python (``make test`` builds it in the background beside the suite:
-    Makefile ``ref-background``; this waits for that build, at most :data:`REFERENCE_WAIT_S`), or
+    """The reference environment's Python (``make test`` builds it: Makefile ``REF_VENV``), or
     ``$QWEN35_ONNX_VIDEO_REFERENCE_PYTHON``."""
     import os
-    import time
 
-    given = os.environ.get("QWEN35_ONNX_VIDEO_REFERENCE_PYTHON")
-    if given:
-        path = Path(given)
-        if not path.exists():
-            pytest.fail(f"$QWEN35_ONNX_VIDEO_REFERENCE_PYTHON {path} does not exist")
-        return path
-    venv = Path(__file__).parents[1] / ".venv-video-ref"
-    stamp, building, log = (
-        venv / ".installed",
-        venv.with_name(venv.name + ".building"),
-        venv.with_name(venv.name + ".log"),
+    path = Path(
+        os.environ.get("QWEN35_ONNX_VIDEO_REFERENCE_PYTHON", Path(__file__).parents[1] / ".venv-video-ref/bin/python")
     )
-    deadline = time.monotonic() + REFERENCE_WAIT_S
-    while not stamp.exists() and building.exists():
-        pid = building.read_text().strip()
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            break  # the build's shell is gone without finishing
-        if time.monotonic() > deadline:
-            pytest.fail(f"{venv} is still being built after {REFERENCE_WAIT_S} s (log: {log})")
-        time.sleep(2)
-    if not stamp.exists():
-        tail = log.read_text()[-3000:] if log.exists() else ""
-        pytest.fail(
-            f"{venv} is missing: the video tests need the reference environment (make test builds it)"
-            + (f"; its build log ends:\n{tail}" if tail else "")
-        )
-    return venv / "bin" / "python"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: the video tests need the reference environment (make test builds it)")
+    return path
 
 
 @pytest.fixture(scope="session")

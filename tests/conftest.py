@@ -54,9 +54,9 @@ def pytest_configure(config) -> None:
     (``OMP_WAIT_POLICY=PASSIVE``, read when torch loads): the training of the test checkpoints runs 2
     torch threads (``tests/training.py``), and OpenMP's default spin-waiting between operations starves
     the other worker, and itself (measured, AMD EPYC 2 cores: 40 training steps alone 20 s; beside a
-    busy core 42 s spinning, 27 s passive; two trainings at once 55 s each spinning, 25 s passive; a
-    ``serve`` under test beside a spinning training answered late enough that the slot soak's waits
-    ran out). The thread count, and so the numbers, are the same."""
+    busy core 42 s spinning, 27 s passive; two trainings at once 55 s each spinning, 25 s passive; the
+    slot soak's ``serve`` beside a spinning training answered so late that its dropped-stream waits ran
+    to their limit: 139 s instead of 17). The thread count, and so the numbers, are the same."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
@@ -149,8 +149,9 @@ HEAVY_FIRST = (
 
 
 TIMELINE = os.environ.get("QWEN35_ONNX_TEST_TIMELINE")
-"""A folder: each worker appends ``start|end TIME WORKER NODEID`` lines to ``WORKER.log`` there (where
-the run's time goes per worker: idle ends, waits on another worker's build); unset: nothing."""
+"""A folder: each worker appends ``start|end TIME WORKER NODEID`` lines to ``WORKER.log`` there, and
+``build-start|build-end TIME WORKER NAME`` around each :func:`build_once` build (where the run's time goes
+per worker: idle ends, waits on another worker's build, the shared builds); unset: nothing."""
 
 
 def _timeline(event: str, nodeid: str) -> None:

@@ -237,7 +237,10 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
             dict(capacity=128),
             r"--max-images 1 with --image-tokens 256 needs 1 x 256 = 256 image tokens, more than the capacity 128",
         ),
-        (dict(max_images=3, image_tokens=1024), r"--max-images 3 with --image-tokens 1024 needs 3 x 1024 = 3072"),
+        (
+            dict(max_images=5, image_tokens=1024),
+            r"--max-images 5 with --image-tokens 1024 needs 5 x 1024 = 5120 image tokens, more than the capacity 4096",
+        ),
         (
             dict(vision_grids=((16, 15),)),
             r"vision grid 16x15: both sides must be multiples of the spatial merge size 2",
@@ -256,7 +259,12 @@ def test_overwrite_refuses_folders_that_are_not_exports(checkpoint, tmp_path):
         (dict(dtype="int3"), r"--dtype 'int3' must be one of fp32, fp16, bf16"),
         (dict(component="audio"), r"--component 'audio' must be one of"),
         (dict(prefill_buckets=(64, 32)), r"strictly increasing, got 32 after 64"),
-        (dict(prefill_buckets=(32, 4096)), r"--prefill-buckets: prefill bucket 4096 is above the capacity 2048"),
+        (
+            dict(prefill_buckets=(32, 4096), capacity=2048),
+            r"--prefill-buckets: prefill bucket 4096 is above the capacity 2048",
+        ),
+        (dict(kv_dtype="bf16"), r"--kv-dtype bf16 needs --ops portable"),
+        (dict(kv_dtype="int4"), r"--kv-dtype .int4. must be one of fp32, fp16, bf16, int8"),
         (dict(prefill_buckets=()), r"--prefill-buckets is empty"),
         (dict(kv_mode="dynamic", prefill_buckets=(32,)), r"--prefill-buckets needs --kv-cache fixed"),
         (dict(prefill_logits="some"), r"--prefill-logits 'some' must be one of last, all"),
@@ -443,7 +451,8 @@ def test_decode_graph_with_an_extra_input_or_another_element_type_is_refused(fix
         r"but the manifest says 'tensor\(float\)'",
     ):
         check_decode(contract, half)
-    # an fp16 manifest: conv states fp16 as it says, the KV cache left fp32 (the KV follows the dtype ...)
+    # an fp16 manifest naming no KV dtype (as before 0.15.0): conv states fp16 as it says, the KV cache left fp32
+    # (the KV follows the dtype ...)
     fp16_conv = replace(
         decode, types={**decode.types, "past_conv_states": "tensor(float16)", "present_conv_states": "tensor(float16)"}
     )
@@ -451,7 +460,12 @@ def test_decode_graph_with_an_extra_input_or_another_element_type_is_refused(fix
         ContractError,
         match=r"decode input past_kv_cache element type is 'tensor\(float\)' but the manifest says 'tensor\(float16\)'",
     ):
-        check_decode(replace(contract, dtype="fp16"), fp16_conv)
+        check_decode(replace(contract, dtype="fp16", kv_dtype=None), fp16_conv)
+    with pytest.raises(
+        ContractError,
+        match=r"decode input past_kv_cache element type is 'tensor\(float\)' but the manifest says 'tensor\(int8\)'",
+    ):
+        check_decode(replace(contract, kv_dtype="int8"), decode)  # ... or the manifest's kv_dtype
     half_logits = replace(decode, types={**decode.types, "logits": "tensor(float16)"})  # ... the logits never do
     with pytest.raises(
         ContractError,

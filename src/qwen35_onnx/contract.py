@@ -67,6 +67,15 @@ class Dtype(StrEnum):
     FP32, FP16, BF16 = "fp32", "fp16", "bf16"
 
 
+class KvDtype(StrEnum):
+    """``--kv-dtype``: the precision of the KV cache, independent of the weights and the activations (which
+    :class:`Dtype` sets): ``fp32`` (transformers' numbers: the parity format), ``fp16`` and ``bf16`` (half the
+    bytes; bf16 runs on OpenVINO), ``int8`` (a quarter of fp32's bytes: symmetric per-channel scales of each
+    full-attention layer's keys and values, calibrated at export on the checkpoint itself)."""
+
+    FP32, FP16, BF16, INT8 = "fp32", "fp16", "bf16", "int8"
+
+
 class PrefillLogits(StrEnum):
     """``--prefill-logits``: the last real token's logits, or every position's."""
 
@@ -108,9 +117,16 @@ def is_quant_block_size(block_size) -> bool:
 MAX_ASPECT_RATIO = 200
 """The image processor's largest aspect ratio (transformers' ``smart_resize`` refuses anything above)."""
 
+DEFAULT_CAPACITY = 65_536
+"""The default capacity (``--max-seq-len``, tokens), or the checkpoint's ``max_position_embeddings`` where that is
+smaller: the first request of a coding agent is 10-22k tokens of system prompt and tools, and with the KV cache
+committed as it is written (``runtime/host_memory.py``) an unused capacity costs address space, not memory."""
+
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
 MIN_CAPACITY = 2
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+"""Bytes per element of each state dtype."""
 
 
 #: The decode states, in graph I/O order: conv state and recurrent state of the Gated DeltaNet
@@ -382,7 +398,8 @@ class ShapeContract:
     - recurrent state: ``[n_linear, B, linear_num_value_heads, linear_key_head_dim,
       linear_value_head_dim]`` always fp32
     - KV cache: ``[2 * n_full, B, num_key_value_heads, capacity, head_dim]`` in fixed mode
-      (k of full layer i at ``2*i``, v at ``2*i + 1``); the token axis grows in dynamic mode.
+      (k of full layer i at ``2*i``, v at ``2*i + 1``); the token axis grows in dynamic mode; in
+      :attr:`kv_dtype` (int8: the codes, whose per-channel scales the graphs hold).
     """
 
     capacity: int
@@ -430,6 +447,8 @@ class ShapeContract:
     prefill_chunks: tuple[int, ...] = ()
     slots: int = 1
     draft_tokens: int = 0
+    kv_dtype: KvDtype | None = None
+    """The KV cache's precision (None: :attr:`dtype`, as every export before 0.15.0)."""
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
@@ -610,8 +629,7 @@ class ShapeContract:
 
     def slot_state_bytes(self) -> int:
         """Bytes of one slot's conv, recurrent and KV state (capacity wide) in the export's dtypes."""
-        itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}
-        return sum(int(math.prod(self.state_shape(s))) * itemsize[self.state_dtype(s)] for s in STATE_NAMES)
+        return sum(int(math.prod(self.state_shape(s))) * DTYPE_BYTES[self.state_dtype(s)] for s in STATE_NAMES)
 
     @property
     def quant_format(self) -> str:
@@ -670,8 +688,19 @@ class ShapeContract:
         return [f"{prefix}_{state}"]
 
     @property
-    def state_dtypes(self) -> dict[str, Dtype]:
-        return {"conv": self.dtype, "recurrent": Dtype.FP32, "kv": self.dtype}
+    def kv_precision(self) -> KvDtype:
+        """The KV cache's precision: :attr:`kv_dtype`, or :attr:`dtype` where the manifest names none."""
+        return KvDtype(self.kv_dtype or self.dtype)
+
+    @property
+    def mtp_kv_dtype(self) -> str:
+        """The MTP head's own one-layer KV cache's dtype: :attr:`kv_precision` where it is a float type; with int8
+        the export's :attr:`dtype` (its scales are calibrated for the model's layers only)."""
+        return self.dtype if self.kv_precision == KvDtype.INT8 else self.kv_precision
+
+    @property
+    def state_dtypes(self) -> dict[str, str]:
+        return {"conv": self.dtype, "recurrent": Dtype.FP32, "kv": self.kv_precision}
 
     def state_dtype(self, state: str) -> str:
         """Element dtype (e.g. ``'fp32'``) of ``state`` (one of :data:`STATE_NAMES`); the
@@ -728,8 +757,9 @@ class ShapeContract:
         names = {f.name for f in dataclasses.fields(cls)}
         # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0;
         # quantize_embedding: False before 0.6.0; vision_grids: none (any grid); prefill_chunks: none
-        # before 0.8.0; slots: 1 before 0.10.0; draft_tokens: 0 before 0.11.0
+        # before 0.8.0; slots: 1 before 0.10.0; draft_tokens: 0 before 0.11.0; kv_dtype: dtype before 0.15.0
         optional = (
+            "kv_dtype",
             "draft_tokens",
             "prefill_chunks",
             "graphs",
@@ -762,7 +792,7 @@ class ShapeContract:
                 raise TypeError(f"prefill_chunks must be a list, got {chunks!r}")
             kwargs["prefill_chunks"] = tuple(chunks)
             for name, mode in _MODES.items():
-                if kwargs[name] in tuple(mode):
+                if kwargs.get(name) in tuple(mode):
                     kwargs[name] = mode(kwargs[name])
             contract = cls(**kwargs)
         except TypeError as exc:
@@ -785,8 +815,14 @@ class ShapeContract:
             ContractError: naming the field and the rule it broke.
         """
         for name, mode in _MODES.items():
-            if getattr(self, name) not in tuple(mode):
+            if getattr(self, name) not in tuple(mode) and not (name == "kv_dtype" and self.kv_dtype is None):
                 raise ContractError(f"{name} {getattr(self, name)!r} is not one of {', '.join(mode)}")
+        if self.kv_precision == KvDtype.BF16 and self.ops == Ops.ORT:
+            raise ContractError(
+                "kv_dtype bf16 needs ops portable (ONNX Runtime's GroupQueryAttention has no bf16 cache)"
+            )
+        if self.kv_precision != self.dtype and self.kv_mode != KvMode.FIXED:
+            raise ContractError(f"kv_dtype {plain(self.kv_precision)} needs a fixed KV cache (kv_mode is dynamic)")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int):
@@ -843,7 +879,14 @@ class ShapeContract:
         return [f"{k}: {plain(a[k])!r} != {plain(b[k])!r}" for k in a if k != "graphs" and a[k] != b[k]]
 
 
-_MODES = {"kv_mode": KvMode, "dtype": Dtype, "prefill_logits": PrefillLogits, "ops": Ops, "quantize": Quantization}
+_MODES = {
+    "kv_mode": KvMode,
+    "dtype": Dtype,
+    "prefill_logits": PrefillLogits,
+    "ops": Ops,
+    "quantize": Quantization,
+    "kv_dtype": KvDtype,
+}
 """The contract's fields that hold a mode, and their choices."""
 
 

@@ -13,6 +13,7 @@ __all__ = [
     "check_folder",
     "demo_checkpoint_dir",
     "has_mtp_weights",
+    "asset_path",
     "photo_path",
 ]
 
@@ -112,7 +113,16 @@ def photo_path() -> Path:
     Raises:
         FileNotFoundError: if the package was installed without its assets.
     """
-    path = Path(str(resources.files("qwen35_onnx").joinpath("assets").joinpath("photo.jpg")))
+    return asset_path("photo.jpg")
+
+
+def asset_path(name: str) -> Path:
+    """The path of the shipped file ``qwen35_onnx/assets/NAME`` (see ``assets/README.md``).
+
+    Raises:
+        FileNotFoundError: if the package was installed without its assets.
+    """
+    path = Path(str(resources.files("qwen35_onnx").joinpath("assets").joinpath(name)))
     if not path.is_file():
-        raise FileNotFoundError(f"shipped photo missing: {path} (package installed without its assets?)")
+        raise FileNotFoundError(f"shipped file missing: {path} (package installed without its assets?)")
     return path

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..contract import DTYPE_BYTES
+
 BUDGET_FACTOR, BUDGET_SLACK = 1.2, 0.5e9
 """The budget: one copy of the weights (:attr:`MemoryReport.weights_once`: the pre-packed cache's bytes, or
 ``BUDGET_FACTOR`` x the export's weight bytes without one) + state bytes + ``BUDGET_SLACK`` bytes."""
@@ -103,8 +105,7 @@ def state_bytes(contract) -> int:
     prefill states where there are several slots (a request prefills on states of its own)."""
     from ..contract import STATE_NAMES
 
-    itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}
-    sizes = {s: int(np.prod(contract.state_shape(s))) * itemsize[contract.state_dtype(s)] for s in STATE_NAMES}
+    sizes = {s: int(np.prod(contract.state_shape(s))) * DTYPE_BYTES[contract.state_dtype(s)] for s in STATE_NAMES}
     kv_sets = 1 if contract.kv_in_place else 2
     one = 2 * (sizes["conv_states"] + sizes["recurrent_states"] + 4 * contract.vocab_size) + kv_sets * sizes["kv_cache"]
     if contract.slots == 1:
@@ -228,7 +229,7 @@ def _speculation_memory(pipe, prepared, export_dir: Path) -> dict:
 
     decode, mtp = stored("decode"), stored(contract.mtp_graph_key(1))
     head = sum(n for where, n in mtp.items() if where not in decode)  # the embedding and lm_head are decode's
-    kv = int(np.prod(contract.mtp_kv_shape)) * (2 if contract.state_dtype("kv_cache") != "fp32" else 4)
+    kv = int(np.prod(contract.mtp_kv_shape)) * DTYPE_BYTES[contract.mtp_kv_dtype]
     per_position = sum(int(np.prod(contract.state_shape(s))) * 4 for s in ("conv_states", "recurrent_states"))
     buffers = kv + 2 * (contract.draft_tokens + 1) * per_position
     return {"after": after, "head_weights": head, "buffers": buffers}

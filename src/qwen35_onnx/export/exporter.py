@@ -29,6 +29,7 @@ from ..contract import (
     STATE_NAMES,
     Dtype,
     GraphKind,
+    KvDtype,
     KvMode,
     Ops,
     Quantization,
@@ -41,7 +42,15 @@ from ..contract import (
 )
 from ..image_grids import default_grids
 from ..paths import check_checkpoint_folder, has_mtp_weights
-from .options import ALL_COMPONENTS, ANY_GRID, STATIC_GRIDS, ExportError, ExportOptions, component_options
+from .options import (
+    ALL_COMPONENTS,
+    ANY_GRID,
+    STATIC_GRIDS,
+    ExportError,
+    ExportOptions,
+    component_options,
+    fit_capacity,
+)
 from .weight_source import CheckpointWeights, WeightsError, peak_rss_bytes
 from .weights import WeightsFileWriter
 
@@ -55,11 +64,12 @@ BF16_OPSET = 22
 the causal conv) and the other operators of our graphs accept bfloat16 (ONNX operator spec)."""
 
 
-def torch_dtype(name: Dtype):
-    """The torch dtype of a contract dtype."""
+def torch_dtype(name: str):
+    """The torch dtype of a contract dtype (a :class:`~qwen35_onnx.contract.Dtype` or a state dtype: int8 KV codes
+    too)."""
     import torch
 
-    return {Dtype.FP32: torch.float32, Dtype.FP16: torch.float16, Dtype.BF16: torch.bfloat16}[name]
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}[name]
 
 
 TEXT_DIR = "text"
@@ -408,7 +418,7 @@ def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int, grid: t
     if kind == GraphKind.MTP:  # seq_len positions after one
         mask = torch.zeros(b, contract.capacity, dtype=torch.long)
         mask[:, : seq_len + 1] = 1
-        kv = torch.zeros(contract.mtp_kv_shape, dtype=torch_dtype(contract.state_dtype("kv_cache")))
+        kv = torch.zeros(contract.mtp_kv_shape, dtype=torch_dtype(contract.mtp_kv_dtype))
         return (
             torch.randint(0, contract.vocab_size, (b, seq_len)),
             torch.randn(b, seq_len, contract.hidden_size),
@@ -726,6 +736,9 @@ def export(
         options = component_options(existing, options, explicit)
         options.validate()
     config, generation_config = load_config(model_dir)
+    if options.component == ALL_COMPONENTS:
+        options = fit_capacity(options, getattr(config.text_config, "max_position_embeddings", None), explicit)
+        options.validate()
     pixel_range = processor_pixel_range(model_dir, config.vision_config)
     contract = build_contract(config, generation_config, options, pixel_range, has_mtp_weights(model_dir))
     contract = replace(contract, graphs={job.key: job.path for job in graph_jobs(contract)})
@@ -768,6 +781,11 @@ def export(
                 if (out / name).is_dir():
                     shutil.copytree(out / name, tmp / name)
         text = None
+        if contract.kv_precision == KvDtype.INT8 and any(job.kind != GraphKind.VISION for job in jobs):
+            from .calibration import calibration_ids, kv_scales
+
+            log.info("calibrating the int8 KV cache's scales on the checkpoint")
+            model.kv_scales = kv_scales(model, source, calibration_ids(model_dir))
         if any(job.kind != GraphKind.VISION for job in jobs):
             (tmp / TEXT_DIR).mkdir(exist_ok=True)
             text = WeightsFileWriter(tmp / TEXT_DIR)

@@ -14,8 +14,10 @@ one contrib node:
 - ``qwen35::mrotary_embedding`` -> ``MRotaryEmbedding`` (interleaved mRoPE, partial rotary).
 - ``qwen35::group_query_attention`` -> ``GroupQueryAttention`` over the fixed-width KV
   cache: the decode graph's KV write and attention in one node, in place when the runtime
-  binds past and present to one buffer; ``qwen35::prompt_attention`` -> the same node without a
-  past, for a whole right-padded prompt (the prefill graph).
+  binds past and present to one buffer; ``qwen35::group_query_attention_int8`` -> the same node over
+  an int8 cache with per-channel scales (``k_quant_type`` / ``v_quant_type`` PER_CHANNEL,
+  ``kv_cache_bit_width`` 8); ``qwen35::prompt_attention`` -> the same node without a past, for a
+  whole right-padded prompt (the prefill graph).
 
 The schemas follow the operator documentation shipped with onnxruntime (>= 1.31,
 ``onnxruntime.capi.onnxruntime_pybind11_state.get_all_operator_schema()``). The eager
@@ -44,8 +46,10 @@ SCHEMAS = (
      "output:T present_state:S", "T=float,float16 S=float,float16",
      "q_num_heads:INT kv_num_heads:INT update_rule:STRING scale:FLOAT chunk_size:INT"),
     ("GroupQueryAttention", MS_DOMAIN,
-     "query:T key:T? value:T? past_key:T? past_value:T? seqlens_k:M total_sequence_length:M",
-     "output:T present_key:T present_value:T", "T=float,float16 M=int32", "num_heads:INT kv_num_heads:INT scale:FLOAT"),
+     "query:T key:T? value:T? past_key:C? past_value:C? seqlens_k:M total_sequence_length:M cos_cache:T? "
+     "sin_cache:T? position_ids:P? attention_bias:T? head_sink:T? k_scale:S? v_scale:S?",
+     "output:T present_key:C present_value:C", "T=float,float16 C=float,float16,int8 M=int32 P=int64 S=float",
+     "num_heads:INT kv_num_heads:INT scale:FLOAT k_quant_type:STRING v_quant_type:STRING kv_cache_bit_width:INT"),
     ("SimplifiedLayerNormalization", "", "X:T scale:T", "Y:T", "T=float,float16",
      "axis:INT epsilon:FLOAT stash_type:INT"),
     ("SkipSimplifiedLayerNormalization", MS_DOMAIN, "input:T skip:T gamma:T bias:T?",
@@ -328,6 +332,60 @@ def _(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
+def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 codes of ``x`` with ``scale`` (broadcast): ``clamp(round(x / scale), -128, 127)``, as ONNX
+    Runtime's GroupQueryAttention writes a quantized cache (its CPU kernel, checked against it in the tests)."""
+    return torch.clamp(torch.round(x.float() / scale), -128, 127).to(torch.int8)
+
+
+@torch.library.custom_op("qwen35::group_query_attention_int8", mutates_args=())
+def group_query_attention_int8(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total_sequence_length: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`group_query_attention` over an int8 KV cache (reference): the new keys and values are written as
+    :func:`quantize_int8` codes of ``k_scale`` / ``v_scale`` (``[1, kv_num_heads, 1, D]`` fp32, one scale per
+    head and channel), and attention reads the whole cache dequantized (``codes * scale``).
+
+    Args:
+        query: ``[B, T, num_heads*D]`` fp32; key, value: ``[B, T, kv_num_heads*D]`` fp32; past_key, past_value:
+            ``[B, kv_num_heads, L, D]`` int8; seqlens_k ``[B]`` int32; total_sequence_length ``[]`` int32.
+
+    Returns:
+        ``(output [B, T, num_heads*D] fp32, present_key, present_value [B, kv_num_heads, L, D] int8)``.
+    """
+    batch, steps, _ = query.shape
+    dim = past_key.shape[3]
+    k = key.view(batch, steps, kv_num_heads, dim).transpose(1, 2)
+    v = value.view(batch, steps, kv_num_heads, dim).transpose(1, 2)
+    first = seqlens_k.long().view(-1, 1) - steps + 1
+    pos = first + torch.arange(steps, device=query.device)
+    index = pos.view(batch, 1, steps, 1).expand(batch, kv_num_heads, steps, dim)
+    present_key = past_key.scatter(2, index, quantize_int8(k, k_scale))
+    present_value = past_value.scatter(2, index, quantize_int8(v, v_scale))
+    q = query.view(batch, steps, num_heads, dim).transpose(1, 2)
+    width = past_key.shape[2]
+    allowed = torch.arange(width, device=query.device).view(1, 1, 1, -1) <= pos.view(batch, 1, steps, 1)
+    keys, values = present_key.float() * k_scale, present_value.float() * v_scale
+    out = layers.masked_attention(q, keys, values, allowed, scale).reshape(batch, steps, -1)
+    return out, present_key, present_value
+
+
+@group_query_attention_int8.register_fake
+def _(query, key, value, past_key, past_value, seqlens_k, total, k_scale, v_scale, num_heads, kv_num_heads, scale):
+    return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
+
+
 @torch.library.custom_op("qwen35::prompt_attention", mutates_args=())
 def prompt_attention(
     query: torch.Tensor,
@@ -380,6 +438,15 @@ def _group_query_attention_onnx(query, key, value, past_key, past_value, seqlens
                                 num_heads: int, kv_num_heads: int, scale: float):
     return _ms.GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                                    num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, _outputs=3)
+
+
+def _group_query_attention_int8_onnx(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+                                     k_scale, v_scale, num_heads: int, kv_num_heads: int, scale: float):
+    return _ms.GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+                                   None, None, None, None, None, k_scale, v_scale,
+                                   num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale,
+                                   k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8,
+                                   _outputs=3)
 # fmt: on
 
 
@@ -389,6 +456,7 @@ TRANSLATIONS = {
     torch.ops.qwen35.mrotary_embedding.default: _mrotary_embedding_onnx,
     torch.ops.qwen35.linear_attention_gate.default: _linear_attention_gate_onnx,
     torch.ops.qwen35.group_query_attention.default: _group_query_attention_onnx,
+    torch.ops.qwen35.group_query_attention_int8.default: _group_query_attention_int8_onnx,
     torch.ops.qwen35.prompt_attention.default: _prompt_attention_onnx,
     torch.ops.qwen35.linear_attention.default: _linear_attention_onnx,
 }

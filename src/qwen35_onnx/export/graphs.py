@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..contract import KvMode, Ops, PrefillLogits, Quantization, ShapeContract
+from ..contract import KvDtype, KvMode, Ops, PrefillLogits, Quantization, ShapeContract
 from . import fused, layers
 
 VISION_INPUTS = ["pixel_values", "pos_embed_indices", "pos_embed_weights", "rotary_position_ids"]
@@ -182,6 +182,8 @@ class _TextGraph(nn.Module):
             # export keeps Transpose(W), one copy of the table, which the quantizer would skip)
             register_derived(self, "lm_head_t", lambda load: load(self.lm_head.weight).t().contiguous())
         self.merged_sizes: dict[tuple[int, str], list[int]] = {}
+        if contract.kv_precision == KvDtype.INT8:
+            self._register_kv_scales(model)
         if self.fused:
             self._merge_projections()
             # MRotaryEmbedding tables for every position below capacity: [L, F]
@@ -190,6 +192,44 @@ class _TextGraph(nn.Module):
             dtype = self.text.embed_tokens.weight.dtype
             self.register_buffer("rope_cos", (freqs.cos() * rotary.attention_scaling).to(dtype), persistent=False)
             self.register_buffer("rope_sin", (freqs.sin() * rotary.attention_scaling).to(dtype), persistent=False)
+
+    # ---- the KV cache's precision (ShapeContract.kv_dtype) ------------------------------------
+    def _register_kv_scales(self, model: nn.Module) -> None:
+        """The int8 cache's scales as constants: ``kv_scale_k_{n}`` / ``kv_scale_v_{n}`` ``[1, Hkv, 1, D]`` fp32 of
+        full-attention layer ``n``, from ``model.kv_scales`` (:func:`.calibration.kv_scales`)."""
+        scales = getattr(model, "kv_scales", None)
+        if scales is None or len(scales) != len(self.full_ids):
+            raise ValueError(
+                "an int8 KV cache needs the per-channel scales of every full-attention layer, calibrated on the "
+                "checkpoint (export.calibration.kv_scales) and set as model.kv_scales"
+            )
+        for n, pair in enumerate(scales):
+            for which, value in zip("kv", pair):
+                scale = value.detach().float().reshape(1, value.shape[0], 1, value.shape[1]).contiguous()
+                register_derived(self, f"kv_scale_{which}_{n}", lambda load, scale=scale: scale)
+
+    def kv_dtype(self, n: int | None) -> torch.dtype:
+        """The storage dtype of full-attention layer ``n``'s cache (None: the MTP head's own cache)."""
+        name = self.contract.mtp_kv_dtype if n is None else self.contract.kv_precision
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}[name]
+
+    def kv_scale(self, n: int, which: str) -> torch.Tensor:
+        """The int8 cache's scale ``[1, Hkv, 1, D]`` fp32 of layer ``n``'s keys (``which='k'``) or values ('v')."""
+        return getattr(self, f"kv_scale_{which}_{n}")
+
+    def kv_store(self, t: torch.Tensor, n: int | None, which: str) -> torch.Tensor:
+        """Keys or values ``[B, Hkv, S, D]`` as layer ``n``'s cache holds them: cast to its dtype, or int8 codes
+        (:func:`.fused.quantize_int8` of its scale)."""
+        dtype = self.kv_dtype(n)
+        if dtype == torch.int8:
+            return fused.quantize_int8(t, self.kv_scale(n, which))
+        return t.to(dtype)
+
+    def kv_load(self, t: torch.Tensor, n: int | None, which: str, dtype: torch.dtype) -> torch.Tensor:
+        """Layer ``n``'s cache entry ``t`` as ``dtype`` values (int8: codes times the scale)."""
+        if t.dtype == torch.int8:
+            return (t.float() * self.kv_scale(n, which)).to(dtype)
+        return t.to(dtype)
 
     def decoder_layers(self) -> list[tuple[int, nn.Module, str]]:
         """``(index, decoder layer, layer type)`` of every decoder layer this graph runs (the index names its
@@ -418,13 +458,27 @@ class _TextGraph(nn.Module):
         q, k, v = (t.transpose(1, 2).reshape(batch, steps, -1) for t in (q, k, v))
         return q, k, v, (q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim)
 
-    def attention_in_place(self, attn: nn.Module, q, k, v, past_k, past_v, seqlens_k, total):
+    def attention_in_place(self, attn: nn.Module, q, k, v, past_k, past_v, seqlens_k, total, n: int | None):
         """``--ops ort``: one GroupQueryAttention of q ``[B, Hq, T, D]`` and the new k, v ``[B, Hkv, T,
-        D]`` over the capacity-wide entries ``past_k`` / ``past_v`` ``[B, Hkv, L, D]``, the new tokens
-        at slots ``seqlens_k - T + 1 .. seqlens_k`` (written in place when the runtime binds present
-        to past); returns ``(out [B, T, Hq*D], k_all, v_all)``."""
+        D]`` over the capacity-wide entries ``past_k`` / ``past_v`` ``[B, Hkv, L, D]`` of full-attention layer
+        ``n`` (None: the MTP head's cache), the new tokens at slots ``seqlens_k - T + 1 .. seqlens_k`` (written in
+        place when the runtime binds present to past); returns ``(out [B, T, Hq*D], k_all, v_all)``. The node
+        computes in the cache's float type (fp32 for an int8 cache, whose scales it is given), q, k, v cast to it
+        and the output cast back."""
+        dtype, cache = q.dtype, self.kv_dtype(n)
         q, k, v, heads = self._packed_heads(attn, q, k, v)
-        return fused.group_query_attention(q, k, v, past_k, past_v, seqlens_k, total, *heads, attn.scaling)
+        if cache == torch.int8:
+            q, k, v = q.float(), k.float(), v.float()
+            scales = self.kv_scale(n, "k"), self.kv_scale(n, "v")
+            out, k_all, v_all = fused.group_query_attention_int8(
+                q, k, v, past_k, past_v, seqlens_k, total, *scales, *heads, attn.scaling
+            )
+        else:
+            q, k, v = q.to(cache), k.to(cache), v.to(cache)
+            out, k_all, v_all = fused.group_query_attention(
+                q, k, v, past_k, past_v, seqlens_k, total, *heads, attn.scaling
+            )
+        return out.to(dtype), k_all, v_all
 
     def prompt_attention(self, attn: nn.Module, q, k, v, valid):
         """``--ops ort``: one GroupQueryAttention (no past) of a whole right-padded prompt: q ``[B, Hq,
@@ -441,22 +495,25 @@ class _TextGraph(nn.Module):
         out = fused.prompt_attention(q, k, v, seqlens_k, total, *heads, attn.scaling)
         return out.masked_fill(~valid.unsqueeze(-1), 0)
 
-    def chunk_attention(self, attn: nn.Module, q, k, v, past_k, past_v, past_len: torch.Tensor):
+    def chunk_attention(self, attn: nn.Module, q, k, v, past_k, past_v, past_len: torch.Tensor, n: int | None):
         """Attention of ``T`` new tokens (q ``[B, Hq, T, D]``, k / v ``[B, Hkv, T, D]``) written to slots
-        ``past_len .. past_len + T - 1`` of the capacity-wide ``past_k`` / ``past_v`` ``[B, Hkv, L, D]``, token ``t``
-        attending to slots ``<= past_len + t`` (``past_len [B]`` int64): one GroupQueryAttention with ``--ops
-        ort`` (written in place when the runtime binds present to past), else a scatter and a masked attention.
-        Returns ``(out [B, T, Hq*D], k_all, v_all)``."""
+        ``past_len .. past_len + T - 1`` of the capacity-wide ``past_k`` / ``past_v`` ``[B, Hkv, L, D]`` (the cache
+        of full-attention layer ``n``, None: the MTP head's), token ``t`` attending to slots ``<= past_len + t``
+        (``past_len [B]`` int64): one GroupQueryAttention with ``--ops ort`` (written in place when the runtime
+        binds present to past), else a scatter and a masked attention. Returns ``(out [B, T, Hq*D], k_all,
+        v_all)``."""
         steps, width = q.shape[2], past_k.shape[2]
         if self.contract.kv_in_place:
             seqlens_k = (past_len + steps - 1).to(torch.int32)
             total = (past_len + steps).to(torch.int32).reshape(())
-            return self.attention_in_place(attn, q, k, v, past_k, past_v, seqlens_k, total)
+            return self.attention_in_place(attn, q, k, v, past_k, past_v, seqlens_k, total, n)
         slots = past_len.view(-1, 1) + torch.arange(steps, device=q.device).view(1, -1)  # [B, T]
         allowed = torch.arange(width, device=q.device).view(1, 1, -1) <= slots.unsqueeze(-1)  # [B, T, L]
         index = slots.view(slots.shape[0], 1, steps, 1).expand(k.shape)
-        k_all, v_all = past_k.scatter(2, index, k), past_v.scatter(2, index, v)
-        out = layers.masked_attention(q, k_all, v_all, allowed.unsqueeze(1), attn.scaling)
+        k_all = past_k.scatter(2, index, self.kv_store(k, n, "k"))
+        v_all = past_v.scatter(2, index, self.kv_store(v, n, "v"))
+        keys, values = self.kv_load(k_all, n, "k", q.dtype), self.kv_load(v_all, n, "v", q.dtype)
+        out = layers.masked_attention(q, keys, values, allowed.unsqueeze(1), attn.scaling)
         return out, k_all, v_all
 
     def chunk_full_mixer(self, rope, past_kv, past_len: torch.Tensor, kv: list):
@@ -468,7 +525,7 @@ class _TextGraph(nn.Module):
             attn = layer.self_attn
             n = self.full_slot[i]
             q, k, v, gate = self.attention_qkv(i, attn, h, rope)
-            out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[2 * n], past_kv[2 * n + 1], past_len)
+            out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[2 * n], past_kv[2 * n + 1], past_len, n)
             kv.extend([k_all, v_all])
             return self.attention_output(attn, out, gate)
 
@@ -549,7 +606,11 @@ class PrefillGraph(_TextGraph):
             else:
                 out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
             if contract.kv_mode == KvMode.FIXED:
-                k, v = (F.pad(t, (0, 0, 0, contract.capacity - seq_len)) for t in (k, v))
+                n = self.full_slot[i]
+                k, v = (
+                    F.pad(self.kv_store(t, n, w), (0, 0, 0, contract.capacity - seq_len))
+                    for t, w in ((k, "k"), (v, "v"))
+                )
             kv.extend([k, v])
             return self.attention_output(attn, out, gate)
 
@@ -640,16 +701,17 @@ class DecodeGraph(_TextGraph):
             q, k, v, gate = self.attention_qkv(i, attn, h, rope)
             past_k, past_v = past_kv[2 * n], past_kv[2 * n + 1]
             if contract.kv_in_place:
-                out, k_all, v_all = self.attention_in_place(attn, q, k, v, past_k, past_v, seqlens_k, total)
+                out, k_all, v_all = self.attention_in_place(attn, q, k, v, past_k, past_v, seqlens_k, total, n)
                 kv.extend([k_all, v_all])
                 return self.attention_output(attn, out, gate)
             if contract.kv_mode == KvMode.FIXED:
-                k_all = layers.write_kv_slot(past_k, k, cache_pos)
-                v_all = layers.write_kv_slot(past_v, v, cache_pos)
+                k_all = layers.write_kv_slot(past_k, self.kv_store(k, n, "k"), cache_pos)
+                v_all = layers.write_kv_slot(past_v, self.kv_store(v, n, "v"), cache_pos)
             else:
                 k_all, v_all = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
             kv.extend([k_all, v_all])
-            out = layers.masked_attention(q, k_all, v_all, allowed, attn.scaling)
+            keys, values = self.kv_load(k_all, n, "k", q.dtype), self.kv_load(v_all, n, "v", q.dtype)
+            out = layers.masked_attention(q, keys, values, allowed, attn.scaling)
             return self.attention_output(attn, out, gate)
 
         hidden = self.run_layers(hidden, linear_mixer, full_mixer)
@@ -834,7 +896,7 @@ class MtpGraph(_TextGraph):
         rope = self.rotary(x, position_ids)
         attn = layer.self_attn
         q, k, v, gate = self.attention_qkv(MTP_LAYER, attn, self.norm(layer.input_layernorm, x), rope)
-        out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[0], past_kv[1], past_len)
+        out, k_all, v_all = self.chunk_attention(attn, q, k, v, past_kv[0], past_kv[1], past_len, None)
         x = x + self.attention_output(attn, out, gate)
         x = x + self.mlp(MTP_LAYER, layer, self.norm(layer.post_attention_layernorm, x))
         x = self.norm(mtp.norm, x)

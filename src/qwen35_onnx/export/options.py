@@ -14,12 +14,14 @@ from enum import StrEnum
 from typing import Any
 
 from ..contract import (
+    DEFAULT_CAPACITY,
     DEFAULT_QUANT_ACCURACY_LEVEL,
     DEFAULT_QUANT_BLOCK_SIZE,
     MAX_DRAFT_TOKENS,
     QUANT_ACCURACY_LEVELS,
     Dtype,
     GraphKind,
+    KvDtype,
     KvMode,
     Ops,
     PrefillLogits,
@@ -105,13 +107,21 @@ class ExportOptions:
     written to the manifest under the same name."""
 
     # fmt: off
-    capacity: int = option(2048, "--max-seq-len", "Capacity in tokens: KV cache and mask width.", contract=True)
+    capacity: int = option(DEFAULT_CAPACITY, "--max-seq-len", contract=True,
+                           help="Capacity in tokens: KV cache and mask width (prompt and reply together); by default "
+                                f"{DEFAULT_CAPACITY}, or the checkpoint's max_position_embeddings where smaller. With "
+                                "--ops ort the KV cache costs memory for the tokens in use, not for the capacity.")
     kv_mode: KvMode = option(KvMode.FIXED, "--kv-cache", contract=True,
                              help="fixed (constant-width KV, static graphs) or dynamic (growing).")
     dtype: Dtype = option(Dtype.FP32, "--dtype", contract=True,
                           help="fp32, fp16 or bf16: weights, activations, conv state and KV cache (the recurrent state "
                                "and the host-facing pixel_values, image_embeds and logits stay fp32; bf16 runs on "
                                "OpenVINO).")
+    kv_dtype: KvDtype | None = option(
+        None, "--kv-dtype", contract=True,
+        help="Precision of the KV cache, independent of --dtype: fp32 (transformers' numbers), fp16, bf16 (--ops "
+             "portable: OpenVINO) or int8 (per-channel scales calibrated on the checkpoint at export); by default "
+             "--dtype's.")
     image_tokens: int = option(
         DEFAULT_IMAGE_TOKENS, "--image-tokens", contract=True,
         help="Image-token budget of one image (each token is 32x32 pixels with Qwen3.5's 16-pixel patches and 2x2 "
@@ -225,6 +235,18 @@ class ExportOptions:
                 "--dtype bf16 needs --ops portable: ONNX Runtime's fused operators (--ops ort) take fp32 and fp16 "
                 "only, and OpenVINO, which runs bf16, reads portable graphs only"
             )
+        if self.kv_dtype is not None and self.kv_dtype not in tuple(KvDtype):
+            raise ExportError(f"--kv-dtype {plain(self.kv_dtype)!r} must be one of {', '.join(KvDtype)}")
+        if self.kv_precision == KvDtype.BF16 and self.ops == Ops.ORT:
+            raise ExportError(
+                "--kv-dtype bf16 needs --ops portable: ONNX Runtime's GroupQueryAttention (--ops ort) keeps its KV "
+                "cache in fp32, fp16 or int8; OpenVINO runs a bf16 cache from portable graphs"
+            )
+        if self.kv_precision != self.dtype and self.kv_mode != KvMode.FIXED:
+            raise ExportError(
+                f"--kv-dtype {plain(self.kv_precision)} with --dtype {plain(self.dtype)} needs --kv-cache fixed (a "
+                "dynamic cache is kept in the activations' dtype)"
+            )
         grids = self.vision_grids
         if grids not in (ANY_GRID, STATIC_GRIDS) and not isinstance(grids, (tuple, list)):
             raise ExportError(f"--vision-grids {grids!r} must be 'any', 'static' or a list of (h, w) patch grids")
@@ -283,6 +305,11 @@ class ExportOptions:
         return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
 
     @property
+    def kv_precision(self) -> KvDtype:
+        """The KV cache's precision: ``kv_dtype``, by default (None) ``dtype``'s."""
+        return KvDtype(self.kv_dtype if self.kv_dtype is not None else self.dtype)
+
+    @property
     def embedding_quantized(self) -> bool:
         """Whether the token-embedding table is quantized: ``quantize_embedding``, by default
         (None) whenever the text weights are."""
@@ -308,6 +335,7 @@ class ExportOptions:
             prefill_chunks=self.chunks,
             quantize_embedding=self.embedding_quantized,
             draft_tokens=self.drafts(has_mtp),
+            kv_dtype=self.kv_precision,
         )
         return values
 
@@ -347,6 +375,17 @@ def _resolved_grids(grids, contract: ShapeContract):
     if isinstance(grids, (tuple, list)):
         return tuple(tuple(g) for g in grids) or ANY_GRID
     return grids
+
+
+def fit_capacity(options: ExportOptions, max_positions: int | None, explicit: set[str] | None) -> ExportOptions:
+    """``options`` with the default capacity lowered to the checkpoint's ``max_position_embeddings`` where that is
+    smaller (a capacity the user gave, ``explicit``, is kept: an export past the model's positions is an error,
+    raised when the contract is built). ``explicit`` None: a capacity other than :data:`DEFAULT_CAPACITY` counts
+    as given."""
+    given = "capacity" in explicit if explicit is not None else options.capacity != DEFAULT_CAPACITY
+    if given or not max_positions or options.capacity <= max_positions:
+        return options
+    return replace(options, capacity=int(max_positions))
 
 
 def component_options(existing: ShapeContract, options: ExportOptions, explicit: set[str] | None) -> ExportOptions:

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..contract import MAX_DRAFT_TOKENS, ContractError, ShapeContract, plain
+from ..contract import MAX_DRAFT_TOKENS, ContractError, KvMode, ShapeContract, plain
 from ..options import option
 from .checks import (
     GraphSpec,
@@ -591,19 +591,22 @@ class Backend(abc.ABC):
         return dict(states)
 
 
-STATE_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+STATE_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
 """numpy dtypes of the state dtypes numpy can hold (a bf16 export keeps its states on the runtime)."""
 
 
-def fill_state(target: np.ndarray, value: np.ndarray) -> None:
+def fill_state(target: np.ndarray, value: np.ndarray, zeroed: bool = False) -> None:
     """Write the host state ``value`` into ``target`` (its full shape): a KV cache narrower than the
-    target fills its first slots and the rest become zero."""
+    target fills its first slots and the rest become zero (left as they are where ``target`` is ``zeroed``
+    already, e.g. :func:`~.host_memory.reserve_zeros`: writing zeros there would commit every page of the
+    capacity)."""
     if target.shape == value.shape:
         np.copyto(target, value)
         return
     width = value.shape[3]
     target[:, :, :, :width] = value
-    target[:, :, :, width:] = 0
+    if not zeroed:
+        target[:, :, :, width:] = 0
 
 
 def host_inputs(contract: ShapeContract, rows: int) -> dict[str, np.ndarray]:
@@ -622,7 +625,9 @@ def host_inputs(contract: ShapeContract, rows: int) -> dict[str, np.ndarray]:
 
 
 def zero_state_arrays(contract: ShapeContract) -> dict[str, np.ndarray]:
-    """Host zeros of the three states (``present_*`` keys, stacked, KV capacity wide).
+    """Host zeros of the three states (``present_*`` keys, stacked), the KV cache holding no slot (``[2 * n_full,
+    1, Hkv, 0, D]``, as a snapshot of no tokens: :meth:`Backend.states_from_host` makes it capacity wide, where a
+    backend can without committing the capacity's memory).
 
     Raises:
         ContractError: a state dtype numpy cannot hold (bf16).
@@ -632,5 +637,8 @@ def zero_state_arrays(contract: ShapeContract) -> dict[str, np.ndarray]:
         dtype = contract.state_dtype(state)
         if dtype not in STATE_NUMPY_DTYPES:
             raise ContractError(f"{state} of a {dtype} export cannot be held in host memory (numpy has no {dtype})")
-        arrays[f"present_{state}"] = np.zeros(contract.state_shape(state), dtype=STATE_NUMPY_DTYPES[dtype])
+        shape = list(contract.state_shape(state))
+        if state == "kv_cache" and contract.kv_mode == KvMode.FIXED:
+            shape[3] = 0
+        arrays[f"present_{state}"] = np.zeros(shape, dtype=STATE_NUMPY_DTYPES[dtype])
     return arrays

@@ -21,7 +21,7 @@ from ..contract import STATE_NAMES, ContractError, KvMode, PrefillLogits, ShapeC
 from ..onnxfile.edit import read_model
 
 #: Element type (ONNX's type string, the same for every backend) of each contract dtype.
-ONNX_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
+ONNX_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)", "int8": "tensor(int8)"}
 #: Tensors that cross between the host and the graphs, fp32 in every export dtype: (graph kind,
 #: 'input'/'output', name).
 HOST_FP32 = (
@@ -362,8 +362,8 @@ def check_mtp(contract: ShapeContract, mtp: GraphSpec, size: int) -> None:
     _expect(f"{mtp.name} mtp_hidden shape", mtp.outputs.get("mtp_hidden"), [b, 1, h])
     kv = list(contract.mtp_kv_shape[1:]) if contract.kv_in_place else list(contract.mtp_kv_shape)
     for e in entries:
-        _check_tensor(mtp, "input", f"past_mtp_kv_cache{e}", kv, contract.state_dtype("kv_cache"))
-        _check_tensor(mtp, "output", f"present_mtp_kv_cache{e}", kv, contract.state_dtype("kv_cache"))
+        _check_tensor(mtp, "input", f"past_mtp_kv_cache{e}", kv, contract.mtp_kv_dtype)
+        _check_tensor(mtp, "output", f"present_mtp_kv_cache{e}", kv, contract.mtp_kv_dtype)
     _check_capacity(contract, {f"{mtp.name} attention_mask width": mtp.dim("input", "attention_mask", 1)})
 
 

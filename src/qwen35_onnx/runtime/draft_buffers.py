@@ -16,12 +16,13 @@ import numpy as np
 
 from ..contract import ShapeContract
 
-HOST_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float16}
+HOST_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float16, "int8": np.int8}
 """numpy dtypes holding each state dtype (bf16: its raw bits, two bytes, as float16)."""
 
 
 def _zeros(contract: ShapeContract, state: str, shape) -> np.ndarray:
-    return np.zeros(shape, dtype=HOST_DTYPES[contract.state_dtype(state)])
+    dtype = contract.mtp_kv_dtype if state == "mtp_kv_cache" else contract.state_dtype(state)
+    return np.zeros(shape, dtype=HOST_DTYPES[dtype])
 
 
 @dataclass
@@ -66,7 +67,7 @@ class MtpCache:
     @classmethod
     def new(cls, contract: ShapeContract) -> MtpCache:
         count = 1 if contract.kv_in_place else 2
-        return cls([_zeros(contract, "kv_cache", contract.mtp_kv_shape) for _ in range(count)])
+        return cls([_zeros(contract, "mtp_kv_cache", contract.mtp_kv_shape) for _ in range(count)])
 
     @property
     def kv(self) -> np.ndarray:

@@ -39,6 +39,7 @@ import numpy as np
 
 from ..contract import ContractError, KvMode
 from .backend import Backend
+from .host_memory import discard_pages
 from .masks import CapacityExhausted
 from .positions import decode_position_ids
 from .prompt import PreparedPrompt
@@ -74,6 +75,7 @@ class SlotPool:
         rows_stepped: rows summed over those steps (``rows_stepped / steps``: the mean batch).
         last_rows: the rows of the latest step.
         bytes_copied: bytes :meth:`place` copied into slots (a decode step copies none).
+        bytes_discarded: bytes of KV memory handed back to the system as slots were released.
 
     Raises (constructor):
         ContractError: a dynamic-KV export, or a backend whose states the host cannot address.
@@ -87,9 +89,10 @@ class SlotPool:
         self.size = contract.slots
         self.decoder = backend.slot_decoder()
         self.holders: list[SlotSequence | None] = [None] * self.size
-        self.steps = self.rows_stepped = self.last_rows = self.bytes_copied = 0
+        self.steps = self.rows_stepped = self.last_rows = self.bytes_copied = self.bytes_discarded = 0
         self._ids = np.zeros((self.size, 1), dtype=np.int64)
         self._masks = np.zeros((self.size, contract.capacity), dtype=np.int64)
+        self._mask_ones = [0] * self.size  # the leading ones of each row of _masks (the rest is zeros)
         self._positions = np.zeros((4, self.size, 1), dtype=np.int64)
         self._active = np.zeros(self.size, dtype=np.bool_)
         self.lengths = [0] * self.size
@@ -118,15 +121,18 @@ class SlotPool:
         raise NoFreeSlot(f"all {self.size} decode slots hold a sequence")
 
     def release(self, slot: int) -> None:
-        """Free ``slot`` (its rows keep stale values until the next sequence is placed there). With a dynamic row
-        axis the last held slot's sequence moves into it (its states copied, its ``slot`` changed), so that the
-        held slots stay first."""
+        """Free ``slot``: its KV rows' memory goes back to the system (:func:`~.host_memory.discard_pages`: the
+        slot reads zeros and costs nothing until the next sequence writes it; its conv and recurrent rows keep
+        stale values until then). With a dynamic row axis the last held slot's sequence moves into it (its states
+        copied, its ``slot`` changed), so that the held slots stay first."""
         self.holders[slot] = None
         self.lengths[slot] = 0
         if not self.backend.contract.dynamic_rows:
+            self._discard(slot)
             return
         last = self.rows - 1
         if last <= slot:
+            self._discard(slot)
             return
         mover = self.holders[last]
         if self.lengths[last]:  # placed: its states move (a prefilling sequence has none here yet)
@@ -140,6 +146,13 @@ class SlotPool:
         self.holders[slot], self.lengths[slot] = mover, self.lengths[last]
         self.holders[last], self.lengths[last] = None, 0
         mover.slot = slot
+        self._discard(last)
+
+    def _discard(self, slot: int) -> None:
+        """Hand back the memory of ``slot``'s KV rows (those of the buffers the decoder holds now)."""
+        kv = self.backend.state_views(self.decoder.states()).get("present_kv_cache")
+        if kv is not None:
+            self.bytes_discarded += discard_pages(kv[:, slot])
 
     @property
     def rows(self) -> int:
@@ -173,6 +186,17 @@ class SlotPool:
             arrays[name] = np.array(view, copy=True)
         return arrays
 
+    def _mask_prefix(self, slot: int, ones: int) -> None:
+        """Make ``slot``'s mask row ``ones`` ones (at most the capacity) then zeros, writing only the columns that
+        change (a whole row is the capacity wide: 0.5 MB of int64 at 65,536 tokens)."""
+        ones = min(ones, self._masks.shape[1])
+        now = self._mask_ones[slot]
+        if ones > now:
+            self._masks[slot, now:ones] = 1
+        elif ones < now:
+            self._masks[slot, ones:now] = 0
+        self._mask_ones[slot] = ones
+
     def step(self, rows: list[tuple[SlotSequence, int]]) -> list[np.ndarray | Exception]:
         """One decode step of every generation in ``rows`` (each with the token to feed, one row per slot
         held), the other slots idle: each row claims its next KV slot and position
@@ -189,10 +213,8 @@ class SlotPool:
         self._ids[...] = 0
         self._positions[...] = 0
         self._active[...] = False
-        capacity = self._masks.shape[1]
         for slot, length in enumerate(self.lengths):  # idle rows: the next free KV slot of their sequence
-            self._masks[slot] = 0
-            self._masks[slot, : min(length + 1, capacity)] = 1
+            self._mask_prefix(slot, length + 1)
         results: list[np.ndarray | Exception | None] = [None] * len(rows)
         live = []
         for i, (generation, token) in enumerate(rows):
@@ -208,7 +230,7 @@ class SlotPool:
                 continue
             self._ids[slot, 0] = token
             self._active[slot] = True
-            self._masks[slot] = generation.mask[0]
+            self._mask_prefix(slot, next_pos + 1)  # (the generation's own mask row: ones up to its new token)
             self.lengths[slot] = next_pos + 1
             self._positions[:, slot : slot + 1] = decode_position_ids(next_pos, generation.prompt.rope_deltas)
             live.append(i)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..contract import TEXT_WEIGHTS, ContractError, ShapeContract
+from ..contract import DTYPE_BYTES, TEXT_WEIGHTS, ContractError, ShapeContract
 
 __all__ = ["SnapshotCache", "StateSnapshot", "export_fingerprint", "image_digests"]
 
@@ -204,11 +204,10 @@ class SnapshotCache:
     def check_room(self, contract: ShapeContract) -> None:
         """Raises ValueError when the limit is below the smallest snapshot of ``contract`` (its conv
         and recurrent states and one token of KV), naming both numbers."""
-        itemsize = {"fp32": 4, "fp16": 2, "bf16": 2}
         smallest = (
-            int(np.prod(contract.conv_state_shape)) * itemsize[contract.state_dtype("conv_states")]
+            int(np.prod(contract.conv_state_shape)) * DTYPE_BYTES[contract.state_dtype("conv_states")]
             + int(np.prod(contract.recurrent_state_shape)) * 4
-            + int(np.prod(contract.kv_shape(1))) * itemsize[contract.state_dtype("kv_cache")]
+            + int(np.prod(contract.kv_shape(1))) * DTYPE_BYTES[contract.state_dtype("kv_cache")]
             + 8  # its token id
         )
         if self.max_bytes < smallest:

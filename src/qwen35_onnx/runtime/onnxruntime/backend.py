@@ -13,6 +13,7 @@ import onnxruntime as ort
 from ...contract import STATE_NAMES, ContractError, ShapeContract
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
 from ..draft_buffers import MtpCache, VerifyBuffers
+from ..host_memory import reserve_zeros
 from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, bind_state_output, run_chunk_bound, run_host
 from .sessions import OrtGraphSet, providers_for, run_options
 from .speculative import run_mtp, run_verify_bound, run_verify_host
@@ -116,13 +117,15 @@ class OrtBackend(Backend):
                 states[name] = np.empty(shape, dtype=value.dtype)
                 fill_state(states[name], value)
                 continue
+            if self.device == "cpu":  # committed as written: the capacity costs the slots in use (host_memory)
+                array = reserve_zeros(shape, value.dtype)
+                fill_state(array, value, zeroed=True)
+                states[name] = ort.OrtValue.ortvalue_from_numpy(array)
+                continue
             buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, value.dtype, self.device, 0)
-            if self.device == "cpu":
-                fill_state(buffer.numpy(), value)  # a view of the buffer: written in place
-            else:
-                full = np.empty(shape, dtype=value.dtype)
-                fill_state(full, value)
-                buffer.update_inplace(full)
+            full = np.empty(shape, dtype=value.dtype)
+            fill_state(full, value)
+            buffer.update_inplace(full)
             states[name] = buffer
         return states
 
@@ -151,9 +154,8 @@ class OrtBackend(Backend):
             if self.host_state_roundtrip:
                 states[f"present_{state}"] = np.zeros(shape, dtype=dtype)
                 continue
-            buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, self.device, 0)
-            buffer.numpy()[...] = 0  # a view of the buffer (CPU)
-            states[f"present_{state}"] = buffer
+            # committed as written (host_memory.reserve_zeros): S slots of the whole capacity cost the tokens in use
+            states[f"present_{state}"] = ort.OrtValue.ortvalue_from_numpy(reserve_zeros(shape, dtype))
         return states
 
     def state_views(self, states: dict) -> dict[str, np.ndarray]:

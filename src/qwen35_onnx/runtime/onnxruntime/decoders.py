@@ -29,7 +29,7 @@ from ..backend import host_inputs
 from ..checks import ONNX_TYPES
 from .sessions import GraphSession
 
-NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
 """numpy dtypes of the contract dtypes ONNX Runtime's Python API can allocate (numpy has no bf16)."""
 
 

@@ -17,7 +17,7 @@ import openvino as ov
 from ...contract import STATE_NAMES, ShapeContract
 from ..backend import host_inputs
 
-STATE_TYPES = {"fp32": ov.Type.f32, "fp16": ov.Type.f16, "bf16": ov.Type.bf16}
+STATE_TYPES = {"fp32": ov.Type.f32, "fp16": ov.Type.f16, "bf16": ov.Type.bf16, "int8": ov.Type.i8}
 """OpenVINO element types of the contract's state dtypes."""
 
 

@@ -191,6 +191,7 @@ def _fake_result(
     bench = root / "bench"
     bench.mkdir(exist_ok=True)
     data = {"run": run, "peers": peers, "markdown": "## Table\n| x |\n"}
+    data["exports"] = {"ort int4": {"export_s": 61.4, "disk_bytes": 812_000_000, "capacity": 2048}}
     (bench / "bench.json").write_text(json.dumps(data))
     render.publish(bench, root)
 
@@ -240,6 +241,9 @@ def test_publish_stores_the_latest_run_per_machine_and_renders_every_page(tmp_pa
         "intel-xeon-platinum-8480c-amx-2c-qwen3.5-0.8b.svg",
     ]
     assert render.render_all(tmp_path) == []  # rendering again changes nothing
+    cost = headline.export_cost(tmp_path, Path("docs/quickstart.md"))
+    assert cost.count("| Qwen3.5-0.8B | ") == 2 and cost.count("| Qwen3.5-4B | ") == 1
+    assert "| 61 | 0.81 | `benchmarks/results/amd-epyc-2c/qwen3.5-0.8b.json` |" in cost
     (tmp_path / "benchmarks" / "results" / "amd-epyc-2c" / "qwen3.5-4b.json").unlink()
     assert Path("docs/assets/bench/amd-epyc-2c-qwen3.5-4b.svg") in render.render_all(tmp_path)  # its chart goes
     assert not (tmp_path / "docs" / "assets" / "bench" / "amd-epyc-2c-qwen3.5-4b.svg").exists()

@@ -51,6 +51,24 @@ def _table(header: list[str], rows: list[list[str]], align: str = "---:") -> lis
     ]
 
 
+def _section(runs: list[StoredRun], table: list[str], *notes: str) -> list[str]:
+    """A table's lines on a page: the caption naming ``runs``, the table, then ``notes`` (what the columns measure),
+    each a paragraph."""
+    return [
+        caption(runs, [size_label(r.name) for r in runs]),
+        "",
+        *table,
+        *(line for n in notes for line in ("", n)),
+        "",
+    ]
+
+
+def _each(runs: list[StoredRun], section, what: str) -> str:
+    """The lines ``section(run)`` makes for each of ``runs`` (None: a run of another kind), joined; a line saying
+    that no ``what`` result is stored where none made any."""
+    return "\n".join(line for run in runs for line in section(run) or []).strip() or _missing(what)
+
+
 def _missing(what: str) -> str:
     return f"No {what} result is stored yet."
 
@@ -60,72 +78,64 @@ def _stream_rate(row: dict) -> float:
     return row.get("extra", {}).get("all_decoding_tokens_per_s", row["decode_tokens_per_s"])
 
 
+def _keyed_table(sizes: dict[str, StoredRun], field: str, key: str, columns: list[str], cells) -> list[str]:
+    """A table of the runs' ``field`` lists, a row per value of their entries' ``key``, the sizes side by side:
+    per size the ``columns`` (the first prefixed with the size), filled by ``cells(entry, entries by key)`` ('-'
+    where that size has no entry for the row)."""
+    keys = sorted({entry[key] for s in sizes.values() for entry in s.data[field]})
+    header = [key] + [f"{size_label(name)} {c}" if i == 0 else c for name in sizes for i, c in enumerate(columns)]
+    rows = []
+    for k in keys:
+        row = [str(k)]
+        for s in sizes.values():
+            by_key = {entry[key]: entry for entry in s.data[field]}
+            row += cells(by_key[k], by_key) if k in by_key else ["-"] * len(columns)
+        rows.append(row)
+    return _table(header, rows)
+
+
 def streams_decode(root: Path, page: Path) -> str:
     """Decode tokens/s and inter-token latency by stream count, per machine, the sizes side by side."""
+
+    def cells(row: dict, by_n: dict) -> list[str]:
+        one = by_n.get(1)
+        ratio = _stream_rate(row) / _stream_rate(one) if one else None
+        return [_f(_stream_rate(row)), _f(ratio, ".2f"), f"{row['itl_p50_ms']:.1f} / {row['itl_p95_ms']:.1f}"]
+
     out = []
     for runs, sizes in _groups(root, "streams"):
-        counts = sorted({r["streams"] for s in sizes.values() for r in s.data["slots_in_process"]})
-        header = ["streams"]
-        for name in sizes:
-            header += [f"{size_label(name)} decode tokens/s", "x 1 stream", "inter-token p50 / p95 ms"]
-        rows = []
-        for n in counts:
-            cells = [str(n)]
-            for s in sizes.values():
-                by_n = {r["streams"]: r for r in s.data["slots_in_process"]}
-                row, one = by_n.get(n), by_n.get(1)
-                if row is None:
-                    cells += ["-", "-", "-"]
-                    continue
-                ratio = _stream_rate(row) / _stream_rate(one) if one else None
-                cells += [_f(_stream_rate(row)), _f(ratio, ".2f"), f"{row['itl_p50_ms']:.1f} / {row['itl_p95_ms']:.1f}"]
-            rows.append(cells)
+        columns = ["decode tokens/s", "x 1 stream", "inter-token p50 / p95 ms"]
         settings = {(s.data["slots"], s.data["max_tokens"], s.data["threads"]) for s in sizes.values()}
         setting = "; ".join(
             f"int4, an export of {slots} decode slots, {tokens} greedy tokens a stream, {threads} threads"
             for slots, tokens, threads in sorted(settings)
         )
-        out += [
-            _caption(runs),
-            "",
-            *_table(header, rows),
-            "",
+        out += _section(
+            runs,
+            _keyed_table(sizes, "slots_in_process", "streams", columns, cells),
             f"{setting}. Decode tokens/s: every stream's tokens over the time all of them were decoding (no prefill "
             "in that window); x 1 stream: against one stream on the same export; inter-token: over every gap of every "
             "stream, the newcomers' prefill rounds included.",
-            "",
-        ]
+        )
     return "\n".join(out).strip() or _missing("concurrent-streams")
 
 
 def streams_steps(root: Path, page: Path) -> str:
     """One decode step's time by the rows it runs, and the most that many streams can gain over one."""
+
+    def cells(row: dict, by_rows: dict) -> list[str]:
+        return [_f(row["step_ms"]), _f(row["x_1_row"], ".2f"), f"{row['ideal_speedup']:.2f}x"]
+
     out = []
     for runs, sizes in _groups(root, "streams"):
-        counts = sorted({r["rows"] for s in sizes.values() for r in s.data["step_scaling"]})
-        header = ["rows"]
-        for name in sizes:
-            header += [f"{size_label(name)} step ms", "x 1 row", "most gain over 1 stream"]
-        rows = []
-        for n in counts:
-            cells = [str(n)]
-            for s in sizes.values():
-                row = {r["rows"]: r for r in s.data["step_scaling"]}.get(n)
-                if row is None:
-                    cells += ["-", "-", "-"]
-                else:
-                    cells += [_f(row["step_ms"]), _f(row["x_1_row"], ".2f"), f"{row['ideal_speedup']:.2f}x"]
-            rows.append(cells)
-        out += [
-            _caption(runs),
-            "",
-            *_table(header, rows),
-            "",
+        columns = ["step ms", "x 1 row", "most gain over 1 stream"]
+        out += _section(
+            runs,
+            _keyed_table(sizes, "step_scaling", "rows", columns, cells),
             "Step ms: one decode step of that many rows (median); x 1 row: against a step of one row; most gain over "
             "1 stream: rows / x 1 row, the tokens/s that many streams can reach over one stream when the step is all "
             "that runs.",
-            "",
-        ]
+        )
     return "\n".join(out).strip() or _missing("concurrent-streams")
 
 
@@ -153,15 +163,12 @@ def streams_servers(root: Path, page: Path) -> str:
                 ttft = server.get("arrival_ttft_ms") or {}
                 cells += [_f(server["tokens_per_s"]), f"{_f(ttft.get('p50'), '.0f')} / {_f(ttft.get('p95'), '.0f')}"]
             rows.append(cells)
-        out += [
-            _caption(runs),
-            "",
-            *_table(header, rows),
-            "",
+        out += _section(
+            runs,
+            _table(header, rows),
             "Tokens/s: every request's tokens over the whole run (first request sent to last reply); time to first "
             "token of an arrival: requests sent one after another while the others' streams run.",
-            "",
-        ]
+        )
     return "\n".join(out).strip() or _missing("server-load")
 
 
@@ -190,14 +197,11 @@ def speculative_costs(root: Path, page: Path) -> str:
             row(f"MTP run over {k + 1} kept positions (k = {k})", lambda c, k=k: c["mtp_kept_ms"].get(str(k)))
             for k in ks
         ]
-        out += [
-            _caption(runs),
-            "",
-            *_table(header, rows),
-            "",
+        out += _section(
+            runs,
+            _table(header, rows),
             "Medians of the parts timed in turns (one of each per turn); x step: against the plain decode step.",
-            "",
-        ]
+        )
     return "\n".join(out).strip() or _missing("speculative-decoding")
 
 
@@ -239,11 +243,9 @@ def speculative_rates(root: Path, page: Path) -> str:
                 )
                 rows.append([*cells, same])
         medians = ", ".join(f"{size_label(n)} {s.data['plain_tokens_per_s']:.1f}" for n, s in sizes.items())
-        out += [
-            _caption(runs),
-            "",
-            *_table(header, rows),
-            "",
+        out += _section(
+            runs,
+            _table(header, rows),
             f"Greedy decoding of {next(iter(sizes.values())).data['n_tokens']} tokens, int4, random weights with a "
             "random MTP head. Drafts kept: the head's own drafts (random: about none kept), or rounds forced to keep "
             "each draft with that probability whatever the model says (the runs are real, the acceptance is set). "
@@ -251,8 +253,7 @@ def speculative_rates(root: Path, page: Path) -> str:
             f"median of those plain runs (tokens/s: {medians}). Tokens = plain's: whether the head's own drafts gave "
             "exactly plain decoding's greedy tokens (forced rows keep drafts the model did not choose, so they are "
             "not compared).",
-            "",
-        ]
+        )
     return "\n".join(out).strip() or _missing("speculative-decoding")
 
 
@@ -274,16 +275,13 @@ def speculative_llamacpp(root: Path, page: Path) -> str:
                 r = next((r for r in v.get("rows", []) if r["k"] == k), None)
                 cells += [_f(r and r["tokens_per_s"]), _f(r and r["x_plain"], ".2f"), _f(r and r["acceptance"], ".2f")]
             rows.append(cells)
-        out += [
-            _caption(runs),
-            "",
-            *_table(header, rows),
-            "",
+        out += _section(
+            runs,
+            _table(header, rows),
             "`llama-server --spec-type draft-mtp --spec-draft-n-max k` on the same checkpoint and head (GGUF with the "
             "MTP tensors, every tensor Q4_0), decode tokens/s from its own timings (median), against its plain "
             "decoding; acceptance: its drafts kept.",
-            "",
-        ]
+        )
     return "\n".join(out).strip() or _missing("llama.cpp MTP")
 
 
@@ -355,11 +353,12 @@ def _setup(args: list[str]) -> str:
 
 def cluster(root: Path, page: Path) -> str:
     """One ``serve`` against ``serve --replicas`` under the same chat load, and what the routing did."""
-    out = []
-    for stored in load_runs(root, "cluster"):
+
+    def section(stored: StoredRun) -> list[str] | None:
         data, results = stored.data, stored.data["results"]
         single = results.get("single")
         load, export = data["load"], data["export"]
+        slots = export["slots"] or 1
         turns = load["turns"]
         replies = [r["completion_tokens"] for res in results.values() for r in res.get("records", [])]
         rows = []
@@ -407,21 +406,18 @@ def cluster(root: Path, page: Path) -> str:
                     f"{_setup(res['args'])} sent every resent turn home and prefilled {prefilled:.2f}x the tokens one "
                     "serve did."
                 )
-        out += [
-            caption([stored]),
-            "",
-            *_table(header, rows),
-            "",
+        return _section(
+            [stored],
+            _table(header, rows),
             f"{load['clients']} OpenAI clients at once, each a {turns}-turn conversation of its own, streamed, "
             f"greedy, {min(replies)} to {max(replies)} tokens a reply, on {load['cpus']} CPUs; the export: "
             f"{export['quantize']}, --ops {export['ops']}, capacity {export['capacity']}, prefill chunks "
-            f"{','.join(map(str, export['prefill_chunks']))}, {export['slots'] or 1} decode slot(s). Sent home: resent "
-            "turns the router sent to the replica holding the longest prefix of their messages.",
-            "",
+            f"{','.join(map(str, export['prefill_chunks']))}, {slots} decode slot{'' if slots == 1 else 's'}. Sent "
+            "home: resent turns the router sent to the replica holding the longest prefix of their messages.",
             *notes,
-            "",
-        ]
-    return "\n".join(out).strip() or _missing("cluster")
+        )
+
+    return _each(load_runs(root, "cluster"), section, "cluster")
 
 
 # ---- video (benchmarks/video_bench.py, benchmarks/video_decoders.py) ------------------------------------------
@@ -432,11 +428,11 @@ def _clip(clip: dict) -> str:
 
 def video_ttft(root: Path, page: Path) -> str:
     """A video question's time to first token on ONNX Runtime, OpenVINO and OpenVINO GenAI's pipeline."""
-    out = []
-    for stored in load_runs(root, "video"):
+
+    def section(stored: StoredRun) -> list[str] | None:
         data = stored.data
         if "question" not in data:
-            continue
+            return None
         header = [
             "",
             "read ms",
@@ -462,28 +458,26 @@ def video_ttft(root: Path, page: Path) -> str:
                     _f(r.get("prompt_tokens"), "d"),
                 ]
             )
-        out += [
-            caption([stored]),
-            "",
-            *_table(header, rows),
-            "",
+        return _section(
+            [stored],
+            _table(header, rows),
             f"The question {data['question']!r} about {_clip(data['clip'])}, sampled at {data['clip']['sampled_fps']} "
             "frames per second, Qwen3.5-0.8B dimensions (random weights), int4; read: decoding the sampled frames; "
             "pixels: resizing and normalizing them; vision: every frame pair through the vision graph; time to first "
             "token: from the file to the first generated token, all of these included. Prompt tokens are each "
             "pipeline's own (its processor's frame sampling and size).",
-            "",
-        ]
-    return "\n".join(out).strip() or _missing("video")
+        )
+
+    return _each(load_runs(root, "video"), section, "video")
 
 
 def video_openvino_grids(root: Path, page: Path) -> str:
     """OpenVINO's vision graph at several frame-pair grids: one dynamic compile against per-grid static compiles."""
-    out = []
-    for stored in load_runs(root, "video"):
+
+    def section(stored: StoredRun) -> list[str] | None:
         configs = stored.data.get("openvino_grids")
         if not configs:
-            continue
+            return None
 
         def name(c: dict) -> str:
             n = c["vision_grid_cache"]
@@ -509,27 +503,25 @@ def video_openvino_grids(root: Path, page: Path) -> str:
                 ]
             rows.append(cells)
         rows.append(["peak", "-", *[c for cfg in configs for c in ("-", f"{cfg['peak_rss_bytes'] / 1e9:.2f}")]])
-        out += [
-            caption([stored]),
-            "",
-            *_table(header, rows),
-            "",
+        return _section(
+            [stored],
+            _table(header, rows),
             "The 0.8B int4 any-grid export's vision graph on OpenVINO's CPU plugin, one frame pair at each grid in "
             "turn. Compile: OpenVINO's compile of that grid (- where one dynamic compile serves every grid); first "
             "run includes it. RSS: the process's resident memory (VmRSS) after the grid's runs, peak its VmHWM "
             "(GB = 1e9 bytes).",
-            "",
-        ]
-    return "\n".join(out).strip() or _missing("OpenVINO video-grid")
+        )
+
+    return _each(load_runs(root, "video"), section, "OpenVINO video-grid")
 
 
 def video_decoders(root: Path, page: Path) -> str:
     """Video decoders compared on the same clips."""
-    out = []
-    for stored in load_runs(root, "video"):
+
+    def section(stored: StoredRun) -> list[str] | None:
         data = stored.data
         if "question" in data or "rows" not in data:
-            continue
+            return None
         header = ["codec", "decoder", "version", "decode ms", "frames", "max abs difference vs PyAV", "installed MB"]
         rows = [
             [
@@ -543,17 +535,15 @@ def video_decoders(root: Path, page: Path) -> str:
             ]
             for r in data["rows"]
         ]
-        out += [
-            caption([stored]),
-            "",
-            *_table(header, rows, ":--"),
-            "",
+        return _section(
+            [stored],
+            _table(header, rows, ":--"),
             f"{_clip(data['clip'])[0].upper()}{_clip(data['clip'])[1:]} ({data['clip']['source']}), decoded to RGB "
             "frames: every frame, or those sampled at 2 frames per second (`2 fps converted`). Max abs difference: "
             "the largest pixel difference from PyAV's frames; installed: the size of the decoder's packages.",
-            "",
-        ]
-    return "\n".join(out).strip() or _missing("video-decoder")
+        )
+
+    return _each(load_runs(root, "video"), section, "video-decoder")
 
 
 # ---- the grammar (benchmarks/grammar_vocab.py) -----------------------------------------------------------------

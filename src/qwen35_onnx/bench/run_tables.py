@@ -227,7 +227,7 @@ def speculative_rates(root: Path, page: Path) -> str:
                 plain = _plains(s.data).get(k)
                 median = s.data["plain_tokens_per_s"]
                 cells += [_f(plain), _f(None if plain is None else 1.0, ".2f"), _f(plain and plain / median, ".2f")]
-            rows.append([*cells, "-"])
+            rows.append([*cells, " / ".join("-" for _ in sizes)])
             for _, rate in [(kk, r) for kk, r in keys if kk == k]:
                 found = [
                     next((r for r in s.data["rows"] if (r["k"], r["rate"]) == (k, rate)), None) for s in sizes.values()
@@ -285,12 +285,17 @@ def speculative_llamacpp(root: Path, page: Path) -> str:
     return "\n".join(out).strip() or _missing("llama.cpp MTP")
 
 
+def _row_name(row: dict) -> str:
+    """``k = 2 at 0.9`` (a forced acceptance) or ``k = 2 at the head's own drafts``."""
+    rate = "the head's own drafts" if row["rate"] is None else row["rate"]
+    return f"k = {row['k']} at {rate}"
+
+
 def _ahead(data: dict) -> list[str]:
     """The rows at or above plain decoding's speed by either measure, as ``k = K at RATE (X beside, Y median)``."""
     median = data["plain_tokens_per_s"]
     return [
-        f"k = {r['k']} at {'the head' if r['rate'] is None else r['rate']} ({r['x_plain']:.2f}x beside, "
-        f"{r['tokens_per_s'] / median:.2f}x the median)"
+        f"{_row_name(r)} ({r['x_plain']:.2f}x beside, {r['tokens_per_s'] / median:.2f}x the median)"
         for r in data["rows"]
         if r["x_plain"] >= 1 or r["tokens_per_s"] >= median
     ]
@@ -300,7 +305,7 @@ def speculative_summary(root: Path, page: Path) -> str:
     """Per size: how much the plain runs drifted over the run, and the rows ahead of plain decoding."""
     out = []
     for runs, sizes in _groups(root, "speculative"):
-        out.append(_caption(runs))
+        out += [_caption(runs), ""]
         for name, s in sizes.items():
             plains = list(_plains(s.data).values())
             ahead = _ahead(s.data)
@@ -311,8 +316,7 @@ def speculative_summary(root: Path, page: Path) -> str:
                 + (
                     f"At or above plain decoding by either measure: {'; '.join(ahead)}."
                     if ahead
-                    else f"No row reached plain decoding; the closest: k = {best['k']} at {best['rate']} "
-                    f"({best['x_plain']:.2f}x)."
+                    else f"No row reached plain decoding; the closest: {_row_name(best)} ({best['x_plain']:.2f}x)."
                 )
             )
         out.append("")

@@ -3,7 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# torch 2.13.0 is the CPU build this project is tested with (export and verification only).
+# torch 2.13.0 (export and verification only), from the package index: on Linux x86-64 PyPI's wheel is the CUDA
+# build (with its nvidia-* packages), run on the CPU here. PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# makes pip take the CPU-only build, 2.13.0+cpu (a local version label that == 2.13.0 matches and pip prefers).
 TORCH ?= torch==2.13.0
 
 .PHONY: setup setup-both demo lint docs test test-fast bench clean

@@ -225,3 +225,17 @@ def test_int4_product_model_computes_its_codes_times_its_scales():
     x = np.random.default_rng(1).standard_normal((3, k), dtype=np.float32)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {"a": x})[0], x @ dense, rtol=1e-4, atol=1e-5)
+
+
+def test_the_bench_records_what_its_exports_cost(tmp_path: Path):
+    """bench.json's ``exports``: the seconds of an export the bench made (noted beside the folder, so a cached export
+    keeps them), None where it made none, and the folder's bytes."""
+    from qwen35_onnx.bench.speed import export_cost
+
+    folder = tmp_path / "ort-int4"
+    (folder / "text").mkdir(parents=True)
+    (folder / "text" / "weights.data").write_bytes(b"x" * 1000)
+    (folder / "manifest.json").write_text("{}")
+    assert export_cost(folder, 2048) == {"export_s": None, "disk_bytes": 1002, "capacity": 2048}
+    (tmp_path / "ort-int4.export.json").write_text('{"export_s": 12.5}')
+    assert export_cost(folder, 2048)["export_s"] == 12.5

@@ -18,13 +18,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Literal
 
 import httpx
 import openai
 import pytest
 from PIL import Image
-from pydantic import Field
 
 from .bigram import CAPACITY, CYCLE, CYCLE_TOKENS, LEAD_TOKENS, PROMPT_TOKENS, REASONING
 
@@ -1097,48 +1095,6 @@ def test_json_schema_replies_validate(client, on):
 
 
 @pytest.mark.slow
-def test_agent_library_round_trip(server):
-    """langchain-openai, unmodified: bind_tools, the model's call, the tool's answer, a final reply."""
-
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel
-
-    class WeatherArgs(BaseModel):
-        city: str = Field(max_length=24)
-        unit: Literal["celsius", "fahrenheit"]
-
-    @tool(args_schema=WeatherArgs)
-    def get_weather(city: str, unit: str) -> str:
-        """The weather now in a city."""
-        return f"18 degrees {unit} in {city}"
-
-    def llm(max_tokens: int) -> ChatOpenAI:
-        return ChatOpenAI(
-            model="bigram",
-            base_url=f"{server.url}/v1",
-            api_key=KEY,
-            max_tokens=max_tokens,
-            temperature=1.0,
-            seed=3,
-            extra_body=thinking(False),
-        )
-
-    question = HumanMessage("What is the weather in Paris?")
-    ai = llm(1200).bind_tools([get_weather], tool_choice="get_weather").invoke([question])
-    assert ai.tool_calls and ai.tool_calls[0]["name"] == "get_weather"
-    assert set(ai.tool_calls[0]["args"]) == {"city", "unit"}
-    result = get_weather.invoke(ai.tool_calls[0]["args"])
-    final = (
-        llm(20)
-        .bind_tools([get_weather])
-        .invoke([question, ai, ToolMessage(result, tool_call_id=ai.tool_calls[0]["id"])])
-    )
-    assert final.tool_calls == [] and final.response_metadata["finish_reason"] == "length"
-
-
-@pytest.mark.slow
 def test_python_api_returns_typed_tool_calls_and_renders_them_back(bigram_export):
     """Pipeline.chat(tools=..., tool_choice=...) on random weights: a required or named call comes back
     as ToolCall objects with arguments typed by the schema (finish_reason 'tool_calls', the call text
@@ -1299,38 +1255,70 @@ def test_tool_choices_give_valid_calls_with_published_added_tokens(client):
         assert reply.finish_reason == "length" and reply.message.tool_calls is None and CYCLE in reply.message.content
 
 
+# ---- agent frameworks: the code of docs/agents.md, run as written -------------------------------------------
+AGENTS_PAGE = ROOT / "docs" / "agents.md"
+
+
+def page_code(page: Path) -> dict[str, str]:
+    """The Python code blocks of ``page`` by the ``## `` heading they are under (several joined in order)."""
+    sections = re.split(r"^## (.+)$", page.read_text(), flags=re.M)
+    code = {}
+    for heading, body in zip(sections[1::2], sections[2::2]):
+        blocks = re.findall(r"^```python\n(.*?)^```", body, flags=re.S | re.M)
+        if blocks:
+            code[heading.strip()] = "\n".join(blocks)
+    return code
+
+
+def run_page_section(server, section: str) -> dict:
+    """The page's setup block, its connection values replaced by the test server's, then ``section``'s code, as a
+    script would run them (one namespace); returns the namespace."""
+    code = page_code(AGENTS_PAGE)
+    namespace: dict = {"__name__": "agents_page"}
+    exec(compile(code["Setup"], f"{AGENTS_PAGE}: Setup", "exec", dont_inherit=True), namespace)
+    assert {"BASE_URL", "API_KEY", "MODEL"} <= set(namespace), "the page's setup names the server"
+    namespace.update(BASE_URL=f"{server.url}/v1", API_KEY=KEY, MODEL="bigram")
+    exec(compile(code[section], f"{AGENTS_PAGE}: {section}", "exec", dont_inherit=True), namespace)
+    return namespace
+
+
+def test_the_agent_page_has_a_block_per_framework():
+    assert set(page_code(AGENTS_PAGE)) == {"Setup", "LangChain", "OpenAI Agents SDK", "Pydantic AI"}
+
+
 @pytest.mark.slow
-def test_openai_agents_sdk_round_trip(server):
-    """The OpenAI Agents SDK, unmodified, on the chat completions API: the agent's forced tool call
-    (published added tokens in the tokenizer) runs the tool with valid arguments, the tool's result
-    goes back, and the run ends with the model's final text."""
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
+def test_agent_page_langchain_round_trip(server):
+    """langchain-openai, unmodified, as docs/agents.md has it: bind_tools, the model's forced call with valid
+    arguments, the tool's answer back, a final reply without calls."""
+    ns = run_page_section(server, "LangChain")
+    (call,) = ns["call"].tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
+    assert len(call["args"]["city"]) <= 24 and call["args"]["unit"] in ("celsius", "fahrenheit")
+    assert ns["result"] == f"18 degrees {call['args']['unit']} in {call['args']['city']}"
+    assert ns["answer"].tool_calls == [] and CYCLE in ns["answer"].content
 
-    set_tracing_disabled(True)  # no traces sent anywhere
-    seen = []
 
-    @function_tool
-    def get_weather(city: Annotated[str, Field(max_length=24)], unit: Literal["celsius", "fahrenheit"]) -> str:
-        """The weather now in a city."""
-        seen.append((city, unit))
-        return f"18 degrees {unit} in {city}"
-
-    model = OpenAIChatCompletionsModel(
-        model="bigram", openai_client=openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
-    )
-    settings = ModelSettings(
-        tool_choice="get_weather", max_tokens=300, temperature=1.0, extra_body={**thinking(False), "seed": 5}
-    )
-    agent = Agent(name="weather", instructions="Be brief.", tools=[get_weather], model=model, model_settings=settings)
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
-    assert len(seen) == 1 and len(seen[0][0]) <= 24 and seen[0][1] in ("celsius", "fahrenheit")
+@pytest.mark.slow
+def test_agent_page_openai_agents_sdk_round_trip(server):
+    """The OpenAI Agents SDK, unmodified, on the chat completions API, as docs/agents.md has it: the agent's forced
+    tool call runs the tool with valid arguments, the tool's result goes back, and the run ends with the model's
+    final text (tool_choice reset to auto)."""
+    ns = run_page_section(server, "OpenAI Agents SDK")
+    result = ns["result"]
+    calls = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    args = json.loads(calls[0].arguments)
+    assert len(args["city"]) <= 24 and args["unit"] in ("celsius", "fahrenheit")
     outputs = [item.output for item in result.new_items if item.type == "tool_call_output_item"]
-    assert outputs == [f"18 degrees {seen[0][1]} in {seen[0][0]}"]
-    assert CYCLE in result.final_output  # the model's answer after the tool (tool_choice reset to auto)
+    assert outputs == [f"18 degrees {args['unit']} in {args['city']}"]
+    assert CYCLE in result.final_output
+
+
+@pytest.mark.slow
+def test_agent_page_pydantic_ai_structured_output(server):
+    """pydantic-ai, unmodified, as docs/agents.md has it: an agent with an output type gets a valid call of its
+    output tool (required, enforced by the grammar) and returns the typed object."""
+    ns = run_page_section(server, "Pydantic AI")
+    weather = ns["report"].output
+    assert isinstance(weather, ns["Weather"])
+    assert len(weather.city) <= 24 and weather.sky in ("sunny", "cloudy", "rain", "snow")

@@ -399,14 +399,14 @@ def bench(
         False,
         "--publish",
         help="After the run, store its bench.json as the latest result of this machine and preset "
-        "(benchmarks/results/MACHINE/PRESET.json, run from the repository's root) and render the pages "
-        "made from the stored results (benchmarks/README.md, docs/benchmarks.md, README.md's table).",
+        "(benchmarks/results/MACHINE/PRESET.json, run from the repository's root), then render as --render does.",
     ),
     render: bool = typer.Option(
         False,
         "--render",
-        help="Instead: render benchmarks/README.md, docs/benchmarks.md and README.md's results table from "
-        "the stored results (benchmarks/results/), measuring nothing.",
+        help="Instead: render every table and chart of measured figures in README.md and docs/ (the blocks between "
+        "'<!-- begin rendered: NAME -->' markers, the benchmarks pages, docs/assets/bench/) from the stored results "
+        "under benchmarks/, measuring nothing.",
     ),
     streams: str = typer.Option(
         "",
@@ -438,7 +438,7 @@ def bench(
     _at_least_one("--prefill-runs", prefill_runs)
     _at_least_one("--rounds", rounds)
     if render:
-        from .bench.results import render_all
+        from .bench.render import render_all
 
         if publish or memory is not None or profile is not None or rounds != 1:
             _fail(ValueError("--render measures nothing: not with --publish, --memory, --profile or --rounds"))
@@ -531,7 +531,7 @@ def bench(
             )
         )
         if publish:
-            from .bench.results import publish as store
+            from .bench.render import publish as store
 
             typer.echo(f"[bench] stored {store(work_dir / preset)} and rendered the pages", err=True)
     except USER_ERRORS as exc:

@@ -127,6 +127,8 @@ def plot(peers: list[dict], path: Path) -> None:
             if times:
                 ax.plot(sorted(times), [times[n] for n in sorted(times)], marker="o", label=p["name"])
         ax.set(xlabel=xlabel, ylabel=ylabel, xscale="log", yscale=yscale, title=field.split("_")[0])
+        if yscale == "linear":
+            ax.set_ylim(bottom=0)  # from zero: a cut axis exaggerates the gaps between peers
         ax.set_xticks(lengths, [str(n) for n in lengths])  # the measured lengths only, no log-scale minor labels
         ax.xaxis.set_minor_locator(NullLocator())
     axes[1].legend(fontsize=7)

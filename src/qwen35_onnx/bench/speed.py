@@ -229,6 +229,24 @@ def _constrained(row: str, export_dir: Path, log) -> list[str]:
         release_freed_memory()
 
 
+def _export_record(folder: Path) -> Path:
+    """Where the bench notes how long the export in ``folder`` took (beside it: the export folder stays the
+    exporter's)."""
+    return folder.with_name(f"{folder.name}.export.json")
+
+
+def export_cost(folder: Path, capacity: int) -> dict:
+    """What the export in ``folder`` cost: ``export_s`` (seconds of its ``export`` call, where this bench made it:
+    an export cached by an earlier run of this version keeps that run's time; None where unknown), ``disk_bytes``
+    (its files) and ``capacity``."""
+    try:
+        seconds = json.loads(_export_record(folder).read_text()).get("export_s")
+    except (OSError, ValueError):
+        seconds = None
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return {"export_s": seconds, "disk_bytes": size, "capacity": capacity}
+
+
 def _is_cached(folder: Path, options) -> bool:
     """An export of this version with these options is already in ``folder``."""
     from .. import __version__
@@ -375,7 +393,7 @@ def run_bench(
     check_folder(work_dir, "--work-dir").mkdir(parents=True, exist_ok=True)
     buckets = tuple(sorted(set(lengths)))  # the capacity itself needs no bucket here
     needed = {PIPELINE_ROWS[r][0] for r in rows if r in PIPELINE_ROWS} or {"portable fp32"}  # + the contract
-    exports = {}
+    exports, export_costs = {}, {}
     for name, (opts, with_buckets) in EXPORTS.items():
         if name not in needed:
             continue
@@ -384,8 +402,11 @@ def run_bench(
         options = ExportOptions(capacity=capacity, overwrite=True, **prefill, **opts)
         if not _is_cached(folder, options):
             log(f"[bench] exporting {name} ...")
+            begin = time.perf_counter()
             export(checkpoint, folder, options)
+            _export_record(folder).write_text(json.dumps({"export_s": time.perf_counter() - begin}))
         exports[name] = folder
+        export_costs[name] = export_cost(folder, options.capacity)
     contract = read_manifest(next(iter(exports.values())))
     rng = np.random.default_rng(seed)
     prompts = {n: rng.integers(0, min(contract.vocab_size, 1000), size=(1, n)).astype(np.int64) for n in lengths}
@@ -497,5 +518,6 @@ def run_bench(
         **(run or {}),
     }
     stored["markdown"] = markdown
+    stored["exports"] = export_costs
     (work_dir / "bench.json").write_text(json.dumps(stored, indent=2))
     return markdown

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from cluster_load import Server  # (this folder's: `serve` in a subprocess)
+from cluster_load import Server, write_result  # (this folder's: `serve` in a subprocess, the result stored)
 from transformers import AutoTokenizer
 
 from qwen35_onnx.bench.results import run_info
@@ -90,13 +90,13 @@ def agent_prefix(model: Path, target: int, n_tools: int) -> tuple[dict, list[dic
     paragraphs = 8
     while True:
         system = {"role": "system", "content": system_prompt(paragraphs)}
-        ids = tokenizer.apply_chat_template(
-            [system, {"role": "user", "content": "Hi."}], tools=schemas, add_generation_prompt=True, tokenize=True
+        text = tokenizer.apply_chat_template(
+            [system, {"role": "user", "content": "Hi."}], tools=schemas, add_generation_prompt=True, tokenize=False
         )
-        n = len(ids["input_ids"] if isinstance(ids, dict) else ids)
+        n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
         if n >= target:
             return system, schemas, n
-        paragraphs = max(paragraphs + 1, int(paragraphs * target / n * 1.01))
+        paragraphs = max(paragraphs + 1, min(2 * paragraphs, int(paragraphs * target / n * 1.01)))
 
 
 def ask(url: str, messages: list[dict], schemas: list[dict]) -> dict:
@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True, help="an export with prefill chunks")
     parser.add_argument("--preset", default=None, help="the checkpoint's preset name, recorded in the result")
     parser.add_argument("--prefix-tokens", type=int, default=16384)
-    parser.add_argument("--tools", type=int, default=40, help="tool schemas in the prefix")
+    parser.add_argument("--tools", type=int, default=24, help="tool schemas in the prefix")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/state-cache-restart"))
     parser.add_argument("--out", type=Path, help="write the result (JSON) here")
@@ -206,9 +206,7 @@ def main() -> None:
         flush=True,
     )
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

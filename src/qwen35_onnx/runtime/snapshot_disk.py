@@ -315,12 +315,6 @@ class DiskSnapshotCache(SnapshotCache):
         memory only). Idempotent."""
         self._writer.shutdown(wait=True)
 
-    def __enter__(self) -> DiskSnapshotCache:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ---- lookups -------------------------------------------------------------------------
     def longest_prefix(self, export: str, token_ids: np.ndarray, images) -> StateSnapshot | None:
         """:meth:`SnapshotCache.longest_prefix <.snapshots.SnapshotCache.longest_prefix>` over both tiers: a longer

@@ -292,6 +292,12 @@ class SnapshotCache:
     def close(self) -> None:
         """Nothing to finish (a cache in memory; see :class:`~.snapshot_disk.DiskSnapshotCache`)."""
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def stats(self) -> dict[str, int]:
         """``{'snapshots', 'bytes', 'max_bytes', 'hits', 'misses', 'cached_tokens'}``."""
         with self._lock:

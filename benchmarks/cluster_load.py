@@ -76,6 +76,13 @@ class Server:
         self.log.close()
 
 
+def write_result(path: Path, result: dict) -> None:
+    """Store a benchmark's ``result`` as JSON at ``path`` (folders made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def conversation(url: str, client_id: int, turns: int, max_tokens: int, out: list) -> None:
     """One client's conversation; appends a record per turn to ``out``."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -218,9 +225,7 @@ def main() -> None:
         "results": results,
     }
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -947,15 +947,16 @@ def test_server_options_are_checked(tmp_path):
 
 
 @contextlib.contextmanager
-def in_process_server(pipe):
-    """Serve ``pipe`` in this process (uvicorn on a thread, port 0, ``--max-queue 1``) for fault
-    injection; yields the base URL and stops the server on exit."""
+def in_process_server(pipe, **options):
+    """Serve ``pipe`` in this process (uvicorn on a thread, port 0, ``--max-queue 1``, then ``options`` of
+    ServerOptions) for fault injection; yields the base URL and stops the server on exit (its lifespan's end
+    run)."""
     import uvicorn
 
     from qwen35_onnx.server.app import create_app
     from qwen35_onnx.server.options import ServerOptions
 
-    app = create_app(pipe, ServerOptions("bigram", max_queue=1))
+    app = create_app(pipe, ServerOptions(**{"model_name": "bigram", "max_queue": 1, **options}))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

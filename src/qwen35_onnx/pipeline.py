@@ -59,6 +59,7 @@ from .runtime.prompt import PreparedPrompt, prepare_ids
 from .runtime.sampling import Sampler, SamplingConfig, StopStrings, sampling_defaults
 from .runtime.select import open_backend
 from .runtime.slots import SlotPool
+from .runtime.snapshot_disk import DEFAULT_DISK_BYTES, DiskSnapshotCache
 from .runtime.snapshots import SnapshotCache, image_digests
 from .runtime.speculative import Speculation, check_draft_tokens
 from .streams import (
@@ -455,14 +456,24 @@ class Pipeline:
         """
         return GenerationGroup(self)
 
-    def state_cache(self, max_bytes: int = DEFAULT_STATE_CACHE_BYTES) -> SnapshotCache:
+    def state_cache(
+        self,
+        max_bytes: int = DEFAULT_STATE_CACHE_BYTES,
+        directory: str | os.PathLike | None = None,
+        max_disk_bytes: int = DEFAULT_DISK_BYTES,
+    ) -> SnapshotCache:
         """A :class:`~qwen35_onnx.runtime.snapshots.SnapshotCache` of ``max_bytes`` for this export: pass
         it as ``state_cache`` to every turn of a conversation (or every request of a server) and each
-        turn prefills only what no kept state holds.
+        turn prefills only what no kept state holds. With ``directory``, a
+        :class:`~qwen35_onnx.runtime.snapshot_disk.DiskSnapshotCache`: the snapshots are kept in that folder too (at
+        most ``max_disk_bytes`` of files, least recently used removed first), so that a later process on the same
+        folder (a restart, another session with the same system prompt and tools) continues from them; ``close()``
+        it at the end (or use it as a context manager) to finish its writes.
 
         Raises:
             ContractError: the export has no prefill chunks (nothing can continue from a state).
-            ValueError: ``max_bytes`` below one snapshot of this export, naming both.
+            ValueError: ``max_bytes`` or ``max_disk_bytes`` below one snapshot of this export, naming both; a
+                ``directory`` that is a file or cannot be made or written in, naming it.
         """
         if not self.contract.prefill_chunks:
             raise ContractError(
@@ -471,7 +482,9 @@ class Pipeline:
             )
         cache = SnapshotCache(max_bytes)
         cache.check_room(self.contract)
-        return cache
+        if directory is None:
+            return cache
+        return DiskSnapshotCache(max_bytes, directory, self.backend.export_id, self.contract, max_disk_bytes)
 
     # ---- generation ----------------------------------------------------------------------
     def stream(

@@ -253,6 +253,13 @@ def media_kinds(messages: list[dict]) -> list[str]:
     ]
 
 
+def _agreement(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading ids the 1-D id arrays ``a`` and ``b`` share."""
+    n = min(a.shape[0], b.shape[0])
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
 class TemplateKwargsError(ValueError):
     """``chat_template_kwargs`` tries to set a parameter of ``apply_chat_template`` itself."""
 
@@ -584,28 +591,56 @@ class Preprocessor:
         tools: list[dict] | None = None,
     ) -> tuple[int, ...]:
         """Where in ``input_ids`` ``[1, S]`` (:meth:`encode_chat` of the same arguments) a later
-        prompt is likely to repeat this one, in tokens: after the leading system messages (shared by
-        every conversation with the same system prompt) and after the whole conversation, before the
-        generation prompt. Each is the messages rendered without ``add_generation_prompt``, tokenized
-        and compared id by id with ``input_ids`` (the length they agree on; none where the template
-        renders them otherwise or refuses them alone). A later turn's rendering of this turn's reply
-        may differ (Qwen3.5's template drops earlier replies' reasoning): these points come before it.
+        prompt is likely to repeat this one, in tokens: the end of the stable prefix (:meth:`stable_prefix`: the
+        leading system messages and the tools, shared by every conversation, every agent session, with the same
+        system prompt and tools) and the end of the whole conversation, before the generation prompt (the
+        messages rendered without ``add_generation_prompt``, tokenized and compared id by id with ``input_ids``:
+        the length they agree on; none where the template renders them otherwise or refuses them alone). A later
+        turn's rendering of this turn's reply may differ (Qwen3.5's template drops earlier replies' reasoning):
+        these points come before it.
+        """
+        ids = np.asarray(input_ids).reshape(-1)
+        kwargs = dict(chat_template_kwargs or {})
+        points = {self.stable_prefix(messages, image_tokens, ids, kwargs, tools)}
+        try:
+            text = self._render(messages, tools, False, kwargs)
+            history = self._tokenize_media(text, list(image_tokens))
+            points.add(_agreement(history, ids))
+        except ValueError:
+            pass
+        return tuple(sorted(p for p in points if 0 < p < ids.size))
+
+    def stable_prefix(
+        self,
+        messages: list[dict],
+        image_tokens: list,
+        input_ids: np.ndarray,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> int:
+        """Tokens of ``input_ids`` ``[S]`` (:meth:`encode_chat`'s of the same arguments) that any conversation with
+        the same leading system messages and tools begins with, whatever its first user message: the template
+        rendered with those system messages and two different one-letter user messages, and the ids all three
+        agree on (so the template's own text before the first turn, e.g. Qwen3.5's tool list in its system turn, is
+        in it, and a template that refuses system messages alone, as Qwen3.5's does, still gives the point). 0
+        when there are no system messages and no tools, or the template refuses the messages.
         """
         n_system = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
-        points = set()
-        for count in {n_system, len(messages)} - {0}:
-            head = messages[:count]
-            n_media = len(media_kinds(head))
+        if not n_system and not tools:
+            return 0
+        head = messages[:n_system]
+        media = list(image_tokens[: len(media_kinds(head))])
+        ids = np.asarray(input_ids).reshape(-1)
+        rendered = []
+        for text in ("A", "B"):  # first user messages that differ from their first character on
             try:
-                text = self._render(head, tools, False, dict(chat_template_kwargs or {}))
-                history = self._tokenize_media(text, list(image_tokens[:n_media]))
+                prompt = self._render(
+                    [*head, {"role": "user", "content": text}], tools, False, chat_template_kwargs or {}
+                )
+                rendered.append(self._tokenize_media(prompt, media))
             except ValueError:
-                continue
-            ids = np.asarray(input_ids).reshape(-1)
-            n = min(history.shape[0], ids.shape[0])
-            differ = np.flatnonzero(history[:n] != ids[:n])
-            points.add(int(differ[0]) if differ.size else n)
-        return tuple(sorted(p for p in points if 0 < p < np.asarray(input_ids).size))
+                return 0
+        return min(_agreement(rendered[0], rendered[1]), _agreement(rendered[0], ids))
 
     def reserved_template_kwargs(self) -> set[str]:
         """``apply_chat_template``'s own parameters (``chat_template``, ``tools``, ``tokenize``, ...),

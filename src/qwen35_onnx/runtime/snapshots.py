@@ -29,7 +29,14 @@ import numpy as np
 
 from ..contract import DTYPE_BYTES, TEXT_WEIGHTS, ContractError, ShapeContract
 
-__all__ = ["SnapshotCache", "StateSnapshot", "export_fingerprint", "image_digests"]
+__all__ = [
+    "SnapshotCache",
+    "StateSnapshot",
+    "export_fingerprint",
+    "image_digests",
+    "is_prefix",
+    "smallest_snapshot_bytes",
+]
 
 
 def export_fingerprint(root: Path, contract: ShapeContract) -> str:
@@ -53,6 +60,17 @@ def image_digests(pixel_values: np.ndarray | None, image_grids: Sequence[tuple[i
         digests.append(hashlib.sha256(repr(tuple(grid)).encode() + patches.tobytes()).hexdigest())
         row += rows
     return tuple(digests)
+
+
+def is_prefix(held_ids: np.ndarray, held_images: Sequence[str], token_ids: np.ndarray, images: Sequence[str]) -> bool:
+    """Whether the prompt ``token_ids`` ``[n]`` with the image digests ``images`` starts with exactly the tokens
+    ``held_ids`` ``[m]`` and images ``held_images`` of a kept state, and goes on after them (``n > m``)."""
+    n = held_ids.shape[0]
+    return (
+        token_ids.shape[0] > n
+        and tuple(images[: len(held_images)]) == tuple(held_images)
+        and np.array_equal(token_ids[:n], held_ids)
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,12 +153,7 @@ class StateSnapshot:
     def is_prefix_of(self, token_ids: np.ndarray, images: Sequence[str]) -> bool:
         """Whether the prompt ``token_ids`` ``[n]`` (with the image digests ``images`` in prompt
         order) starts with exactly this snapshot's tokens and images, and goes on after them."""
-        n = self.length
-        return (
-            token_ids.shape[0] > n
-            and tuple(images[: len(self.images)]) == self.images
-            and np.array_equal(token_ids[:n], self.token_ids)
-        )
+        return is_prefix(self.token_ids, self.images, token_ids, images)
 
     @classmethod
     def take(
@@ -170,6 +183,17 @@ class StateSnapshot:
             kv_cache=np.ascontiguousarray(arrays["present_kv_cache"][:, :, :, :length]),
             reply=reply,
         )
+
+
+def smallest_snapshot_bytes(contract: ShapeContract) -> int:
+    """Bytes of the smallest snapshot of ``contract``'s export: its conv and recurrent states, one token of KV
+    and that token's id."""
+    return (
+        int(np.prod(contract.conv_state_shape)) * DTYPE_BYTES[contract.state_dtype("conv_states")]
+        + int(np.prod(contract.recurrent_state_shape)) * 4
+        + int(np.prod(contract.kv_shape(1))) * DTYPE_BYTES[contract.state_dtype("kv_cache")]
+        + 8  # its token id
+    )
 
 
 @dataclass
@@ -204,17 +228,16 @@ class SnapshotCache:
     def check_room(self, contract: ShapeContract) -> None:
         """Raises ValueError when the limit is below the smallest snapshot of ``contract`` (its conv
         and recurrent states and one token of KV), naming both numbers."""
-        smallest = (
-            int(np.prod(contract.conv_state_shape)) * DTYPE_BYTES[contract.state_dtype("conv_states")]
-            + int(np.prod(contract.recurrent_state_shape)) * 4
-            + int(np.prod(contract.kv_shape(1))) * DTYPE_BYTES[contract.state_dtype("kv_cache")]
-            + 8  # its token id
-        )
+        smallest = smallest_snapshot_bytes(contract)
         if self.max_bytes < smallest:
             raise ValueError(
                 f"state cache limit {self.max_bytes} bytes is below one state snapshot of this export "
                 f"({smallest} bytes: conv and recurrent states and one token of KV)"
             )
+
+    @staticmethod
+    def _key(snapshot: StateSnapshot) -> tuple:
+        return (snapshot.export, hashlib.sha256(snapshot.token_ids.tobytes()).digest(), snapshot.images)
 
     def put(self, snapshot: StateSnapshot) -> bool:
         """Keep ``snapshot`` (replacing one of the same tokens and images), then drop the least
@@ -222,7 +245,7 @@ class SnapshotCache:
         limit."""
         if snapshot.nbytes > self.max_bytes:
             return False
-        key = (snapshot.export, hashlib.sha256(snapshot.token_ids.tobytes()).digest(), snapshot.images)
+        key = self._key(snapshot)
         with self._lock:
             self._items.pop(key, None)
             self._items[key] = snapshot
@@ -238,18 +261,41 @@ class SnapshotCache:
         a hit or a miss."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         with self._lock:
-            found = None
-            for key, snapshot in self._items.items():
-                if key[0] == export and (found is None or snapshot.length > found[1].length):
-                    if snapshot.is_prefix_of(ids, images):
-                        found = (key, snapshot)
-            if found is None:
-                self.misses += 1
-                return None
+            found = self._find(export, ids, images)
+            return self._record(found)
+
+    def _find(self, export: str, ids: np.ndarray, images: Sequence[str]) -> tuple | None:
+        """``(key, snapshot)`` of :meth:`longest_prefix` (under the lock; nothing counted)."""
+        found = None
+        for key, snapshot in self._items.items():
+            if key[0] == export and (found is None or snapshot.length > found[1].length):
+                if snapshot.is_prefix_of(ids, images):
+                    found = (key, snapshot)
+        return found
+
+    def _record(self, found: tuple | None) -> StateSnapshot | None:
+        """Count the lookup that found ``found`` (:meth:`_find`), mark it most recently used; returns its snapshot
+        (under the lock)."""
+        if found is None:
+            self.misses += 1
+            return None
+        if found[0] in self._items:
             self._items.move_to_end(found[0])
-            self.hits += 1
-            self.cached_tokens += found[1].length
-            return found[1]
+        self.hits += 1
+        self.cached_tokens += found[1].length
+        return found[1]
+
+    def flush(self) -> None:
+        """Nothing to wait for (a cache in memory; see :class:`~.snapshot_disk.DiskSnapshotCache`)."""
+
+    def close(self) -> None:
+        """Nothing to finish (a cache in memory; see :class:`~.snapshot_disk.DiskSnapshotCache`)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def stats(self) -> dict[str, int]:
         """``{'snapshots', 'bytes', 'max_bytes', 'hits', 'misses', 'cached_tokens'}``."""

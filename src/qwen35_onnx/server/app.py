@@ -62,6 +62,8 @@ from ..runtime.backend import RuntimeOptions
 from ..runtime.prompt import PreparedPrompt
 from ..runtime.sampling import SamplingConfig
 from ..runtime.select import share_threads
+from ..runtime.snapshot_disk import StateCacheFolderError
+from ..runtime.snapshots import SnapshotCache
 from .metrics import ServerMetrics
 from .options import MIB, ServerOptions
 from .protocol import (
@@ -181,13 +183,40 @@ class ChatServer:
         self.image_policy = options.image_policy
         self.reserved_kwargs = pipeline.preprocessor.reserved_template_kwargs()
         self.scheduler = Scheduler(pipeline, options.max_queue, on_finished=self._record, on_step=self._step)
-        keep = bool(pipeline.contract.prefill_chunks) and options.state_cache_bytes > 0
+        self.state_cache = self._state_cache(pipeline, options)
+        self.metrics = ServerMetrics(
+            self.scheduler.state, self.state_cache.stats if self.state_cache is not None else None
+        )
+        self.created = int(time.time())
+
+    @staticmethod
+    def _state_cache(pipeline: Pipeline, options: ServerOptions) -> SnapshotCache | None:
+        """The kept states of ``options`` (None: off, or an export without prefill chunks and no folder asked for).
+
+        Raises:
+            ValueError: naming the option: a limit below one snapshot; a folder that is a file or cannot be written
+                in, or asked for on an export without prefill chunks.
+        """
+        folder = options.state_cache_dir
+        if not pipeline.contract.prefill_chunks:
+            if folder is not None:
+                raise ValueError(
+                    f"--state-cache-dir {str(folder)!r}: the export has no prefill chunks, so no request can continue "
+                    "from a kept state (re-export with --prefill-chunks)"
+                )
+            return None
+        if options.state_cache_bytes == 0:
+            return None
         try:
-            self.state_cache = pipeline.state_cache(options.state_cache_bytes) if keep else None
+            pipeline.state_cache(options.state_cache_bytes)  # (the memory limit's check)
         except ValueError as exc:
             raise ValueError(f"--state-cache-bytes: {exc}") from None
-        self.metrics = ServerMetrics(self.scheduler.state)
-        self.created = int(time.time())
+        try:
+            return pipeline.state_cache(options.state_cache_bytes, folder, options.state_cache_disk_bytes)
+        except StateCacheFolderError as exc:
+            raise ValueError(f"--state-cache-dir: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"--state-cache-disk-bytes: {exc}") from None
 
     def _step(self, rows: int) -> None:  # worker thread, once per decode step
         self.metrics.decode_step(rows)
@@ -466,6 +495,8 @@ def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingCon
             yield
         finally:
             server.scheduler.shutdown()
+            if server.state_cache is not None:
+                await asyncio.to_thread(server.state_cache.close)  # the states waiting to be written
 
     app = FastAPI(title="qwen35-onnx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

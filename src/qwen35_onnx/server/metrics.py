@@ -21,7 +21,14 @@ vLLM and llama.cpp's server export:
   the slots) and the queue depth, read when scraped;
 - ``qwen35_onnx_slots``, ``qwen35_onnx_slots_busy``: the export's decode slots and those holding a
   sequence now (as vLLM's ``num_requests_running`` against its batch size);
-- ``qwen35_onnx_decode_batch_rows``: the rows (sequences) of each decode step.
+- ``qwen35_onnx_decode_batch_rows``: the rows (sequences) of each decode step;
+- with kept states (``--state-cache-bytes``, read when scraped): ``qwen35_onnx_state_cache_hits_total``,
+  ``..._misses_total`` (lookups that did / did not continue from a kept state), ``..._cached_tokens_total``
+  (prompt tokens taken from kept states, as vLLM's ``prefix_cache_hits``), ``..._snapshots{tier}`` and
+  ``..._bytes{tier}`` and ``..._max_bytes{tier}`` (``tier`` ``memory`` or, with ``--state-cache-dir``, ``disk``);
+  on disk also ``..._disk_hits_total`` (lookups served by a file), ``..._disk_misses_total`` (lookups it did not
+  serve), ``..._disk_read_bytes_total``, ``..._disk_written_bytes_total``, ``..._disk_write_errors_total`` (e.g. a
+  full disk) and ``..._disk_rejected_total`` (damaged or foreign files ignored).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["ServerMetrics"]
 
@@ -48,9 +56,11 @@ class ServerMetrics:
     Args:
         state: returns the scheduler's ``running``, ``waiting``, ``slots`` and ``slots_busy`` counts, read at
             each scrape.
+        state_cache: returns the kept states' counters (``SnapshotCache.stats``), read at each scrape; None: none
+            kept.
     """
 
-    def __init__(self, state: Callable[[], dict]):
+    def __init__(self, state: Callable[[], dict], state_cache: Callable[[], dict] | None = None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -96,6 +106,8 @@ class ServerMetrics:
         }
         for key, (name, doc) in gauges.items():
             Gauge(f"{PREFIX}_{name}", doc, registry=r).set_function(lambda key=key: state()[key])
+        if state_cache is not None:
+            r.register(_StateCacheCollector(state_cache))
 
     def decode_step(self, rows: int) -> None:
         """Record one decode step of ``rows`` sequences (any thread)."""
@@ -134,3 +146,40 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+_CACHE_COUNTERS = {
+    "hits": "Lookups that continued from a kept state (memory or disk).",
+    "misses": "Lookups that found no kept state.",
+    "cached_tokens": "Prompt tokens taken from kept states instead of prefilled.",
+    "disk_hits": "Lookups served by a kept state read from disk.",
+    "disk_misses": "Lookups the disk did not serve (nothing longer than memory's, or nothing).",
+    "disk_read_bytes": "Bytes of kept-state files read to serve lookups.",
+    "disk_written_bytes": "Bytes of kept-state files written.",
+    "disk_write_errors": "Kept-state writes that failed (e.g. a full disk); the state stayed in memory.",
+    "disk_rejected": "Kept-state files ignored because damaged, truncated or of another export.",
+}
+_CACHE_GAUGES = {
+    "snapshots": "Kept states.",
+    "bytes": "Bytes of kept states.",
+    "max_bytes": "Byte limit of kept states.",
+}
+
+
+class _StateCacheCollector:
+    """The kept states' counters (``SnapshotCache.stats``) as metrics, read at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        for key, doc in _CACHE_COUNTERS.items():
+            if key in stats:
+                yield CounterMetricFamily(f"{PREFIX}_state_cache_{key}", doc, value=stats[key])
+        for key, doc in _CACHE_GAUGES.items():
+            family = GaugeMetricFamily(f"{PREFIX}_state_cache_{key}", doc, labels=["tier"])
+            for tier, prefix in (("memory", ""), ("disk", "disk_")):
+                if prefix + key in stats:
+                    family.add_metric([tier], stats[prefix + key])
+            yield family

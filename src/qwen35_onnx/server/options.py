@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..conversation.messages import ImagePolicy
 from ..options import option
+from ..runtime.snapshot_disk import DEFAULT_DISK_BYTES
 
 __all__ = ["API_KEY_ENV", "ServerOptions"]
 
@@ -35,6 +36,9 @@ class ServerOptions:
             only; None: no local files (data: URLs only).
         state_cache_bytes: host bytes of kept states (an export with prefill chunks): a request whose
             messages begin as an earlier one's continues from that state; 0: none kept.
+        state_cache_dir: a folder where kept states are written too, so that a restarted server (or another one on
+            the folder) continues from them; None: memory only.
+        state_cache_disk_bytes: bytes of kept states in ``state_cache_dir``, least recently used removed first.
     """
 
     model_name: str | None = option(
@@ -78,6 +82,19 @@ class ServerOptions:
         "Host bytes of kept conversation states (exports with --prefill-chunks): a request that resends an earlier "
         "conversation prefills only its new messages; least recently used dropped first; 0: off.",
     )
+    state_cache_dir: Path | None = option(
+        None,
+        "--state-cache-dir",
+        "Folder where kept conversation states are written too (exports with --prefill-chunks): a restarted server, "
+        "or a new session whose system prompt and tools were seen before, continues from them; by default none "
+        "(memory only).",
+    )
+    state_cache_disk_bytes: int = option(
+        DEFAULT_DISK_BYTES,
+        "--state-cache-disk-bytes",
+        "Bytes of kept states in --state-cache-dir (all its exports' files together); least recently used removed "
+        "first.",
+    )
 
     def validate(self) -> None:
         """Raises ValueError naming the option and its allowed range."""
@@ -105,6 +122,14 @@ class ServerOptions:
             raise ValueError(f"--state-cache-bytes must be an integer, got {self.state_cache_bytes!r}")
         if self.state_cache_bytes < 0:
             raise ValueError(f"--state-cache-bytes must be >= 0 (0: off), got {self.state_cache_bytes}")
+        disk = self.state_cache_disk_bytes
+        if isinstance(disk, bool) or not isinstance(disk, int) or disk < 1:
+            raise ValueError(f"--state-cache-disk-bytes must be a positive integer, got {disk!r}")
+        if self.state_cache_dir is not None and self.state_cache_bytes == 0:
+            raise ValueError(
+                "--state-cache-dir needs kept states in memory too (--state-cache-bytes > 0): a state is kept in "
+                "memory while it is written and when it is read back"
+            )
         if self.allowed_image_dir is not None and not Path(self.allowed_image_dir).is_dir():
             raise ValueError(f"--allowed-image-dir {str(self.allowed_image_dir)!r} is not a folder")
 

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qwen35_onnx.cli import app
-from qwen35_onnx.contract import ShapeContract
+from qwen35_onnx.contract import DEFAULT_CAPACITY, ShapeContract
 from qwen35_onnx.export.options import ANY_GRID, ExportOptions
 from qwen35_onnx.options import declared
 from qwen35_onnx.runtime import backend
@@ -52,9 +52,11 @@ def test_contract_shaping_export_options_are_the_contract_fields():
     assert {"capacity", "kv_mode", "dtype", "prefill_buckets", "ops", "quantize", "max_images"} <= set(shaping)
     assert {"image_tokens", "vision_grids"} <= set(shaping) and "image_size" not in fields
     assert "component" not in shaping and "overwrite" not in shaping
+    defaults = _fitted(ExportOptions())  # the default capacity, or the demo sizes' max_position_embeddings
+    assert defaults.capacity == min(DEFAULT_CAPACITY, 4096)
     assert (
         ExportOptions.from_contract(ShapeContract.from_dict(_manifest(ExportOptions()))).contract_values()
-        == ExportOptions().contract_values()
+        == defaults.contract_values()
     )
 
 
@@ -75,12 +77,21 @@ def test_image_options_round_trip_through_the_contract(grids):
     assert build_contract(tiny_config(), None, again) == replace(contract, graphs={})
 
 
+def _fitted(options: ExportOptions) -> ExportOptions:
+    """``options`` as the exporter takes them for the demo sizes (the default capacity lowered to their
+    max_position_embeddings)."""
+    from qwen35_onnx.export.options import fit_capacity
+    from qwen35_onnx.presets import tiny_config
+
+    return fit_capacity(options, tiny_config().text_config.max_position_embeddings, None)
+
+
 def _manifest(options: ExportOptions) -> dict:
     """A contract dict of ``options`` on the demo sizes (no checkpoint needed)."""
     from qwen35_onnx.export.exporter import build_contract
     from qwen35_onnx.presets import tiny_config
 
-    return build_contract(tiny_config(), None, options).to_dict()
+    return build_contract(tiny_config(), None, _fitted(options)).to_dict()
 
 
 @pytest.mark.parametrize(

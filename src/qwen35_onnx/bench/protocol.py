@@ -215,9 +215,18 @@ def read_bandwidth_gbps(size_bytes: int = 2**30, repeats: int = 5) -> float:
 
 def step_state_bytes(contract, length: int) -> int:
     """Bytes of the states one decode step reads at ``length`` tokens of context: the conv and
-    recurrent states and ``length`` KV slots per layer, counted as fp32 (4 bytes each)."""
-    shapes = (contract.conv_state_shape, contract.recurrent_state_shape, contract.kv_shape(length))
-    return 4 * sum(int(np.prod(shape)) for shape in shapes)
+    recurrent states and ``length`` KV slots per layer, each in its dtype (the KV cache's
+    :attr:`~qwen35_onnx.contract.ShapeContract.kv_precision`)."""
+    from ..contract import DTYPE_BYTES
+
+    return sum(
+        int(np.prod(shape)) * DTYPE_BYTES[contract.state_dtype(state)]
+        for state, shape in (
+            ("conv_states", contract.conv_state_shape),
+            ("recurrent_states", contract.recurrent_state_shape),
+            ("kv_cache", contract.kv_shape(length)),
+        )
+    )
 
 
 #: (operator, input) pairs that index a table by token: one row is read per decode step.

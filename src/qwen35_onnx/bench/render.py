@@ -42,6 +42,7 @@ BLOCKS: dict[str, Callable[[Path, Path], str]] = {
     "video-openvino-grids": run_tables.video_openvino_grids,
     "video-decoders": run_tables.video_decoders,
     "grammar": run_tables.grammar,
+    "state-cache": run_tables.state_cache,
 }
 """Block name -> its renderer: ``(repository root, page from the root) -> Markdown``."""
 
@@ -55,6 +56,7 @@ SHOWN_IN = {
     "benchmarks/cluster": "docs/cluster.md#measured",
     "benchmarks/video": "docs/video.md#measured",
     "benchmarks/grammar_vocab.json": "docs/server.md#structured-output-json-schema",
+    "benchmarks/state_cache": "docs/runtime.md#prefill-at-run-time-and-kept-states",
 }
 """Stored results outside ``benchmarks/results/`` -> the page section that renders them (for the benchmarks
 page's index)."""

@@ -21,6 +21,7 @@ __all__ = [
     "speculative_rates",
     "speculative_readme",
     "speculative_summary",
+    "state_cache",
     "streams_decode",
     "streams_servers",
     "streams_steps",
@@ -584,3 +585,36 @@ def grammar(root: Path, page: Path) -> str:
             f"tokenizer for the grammar took {data['llg_tokenizer_s (project)']:.2f} s, once per process.",
         ]
     )
+
+
+# ---- kept states on disk (benchmarks/state_cache_restart.py) ---------------------------------------------------
+def state_cache(root: Path, page: Path) -> str:
+    """An agent prefix served cold, then after a restart from the states kept on disk."""
+
+    def section(stored: StoredRun) -> list[str] | None:
+        data = stored.data
+        if "from_disk" not in data:
+            return None
+        cold, warm = data["cold"], data["from_disk"]
+        export = data.get("export", {})
+        rows = [
+            [
+                label,
+                f"{r['ttft_s']:.1f}",
+                str(r["prompt_tokens"]),
+                str(r["cached_tokens"]),
+            ]
+            for label, r in (("cold (first server)", cold), ("after a restart, a new session", warm))
+        ]
+        return _section(
+            [stored],
+            _table(["", "time to first token, s", "prompt tokens", "tokens from kept states"], rows),
+            f"A {data['prefix_tokens']:,}-token agent prefix (a system prompt and {data['tools']} tool schemas) with a "
+            f"question, on `serve --state-cache-dir` of the {size_label(stored.name)} {export.get('quantize', '')} "
+            f"export (capacity {export.get('capacity', '-'):,}, {data.get('threads', '-')} threads); then the server "
+            "restarted and a new session with the same prefix and another question. From disk: "
+            f"{100 * data['ttft_ratio']:.1f} % of the cold time to first token ({data['kept_files']} files, "
+            f"{data['kept_bytes'] / 2**20:,.0f} MiB kept).",
+        )
+
+    return _each(load_runs(root, "state_cache"), section, "kept-states-on-disk")

@@ -1,8 +1,10 @@
-"""`--kv-dtype` (issue 54, item 2): the KV cache's precision independent of the weights and activations. The
-graphs' KV inputs and outputs follow the contract; fp16 and bf16 caches leave the greedy tokens of the trained demo
-checkpoint as fp32's; an int8 cache (per-channel scales calibrated on the checkpoint) stays close; the int8
-GroupQueryAttention node and its reference agree; the calibration reads the checkpoint one layer at a time and
-finds what the whole model finds; a precision the runtime lacks is refused in one line."""
+"""`--kv-dtype` (issue 54, item 2): the KV cache's precision independent of the weights and activations. The decode
+and verify graphs' KV inputs and outputs are in it, the prompt graphs' in the activations' dtype, and the runtime
+converts the cache once between them (runtime/kv_codec.py); fp16 and bf16 caches leave the greedy tokens of the
+trained demo checkpoint as fp32's; an int8 cache (per-channel scales calibrated on the checkpoint) stays close and a
+chat continues from its kept states as it runs cold; the int8 GroupQueryAttention node and its reference agree;
+the calibration reads the checkpoint one layer at a time and finds what the whole model finds; a precision the
+runtime lacks is refused in one line."""
 
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ import numpy as np
 import onnx
 import pytest
 
-from qwen35_onnx.contract import KvDtype, read_manifest
+from qwen35_onnx.contract import GraphKind, KvDtype, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import PROMPT, Reference, logit_cosine, split_margin
+from .conftest import PROMPT, Reference, build_once, export_to, logit_cosine, split_margin
 
 NEW_TOKENS = 32
 ONNX_TYPE = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}
@@ -31,16 +33,18 @@ def _kv_types(path) -> set[int]:
     [("ort", "fp16", "onnxruntime"), ("ort", "int8", "onnxruntime"), ("portable", "bf16", "openvino")],
 )
 def test_kv_precision_against_fp32(ops, kv_dtype, runtime, trained_export, photo):
-    """Every text graph's KV inputs and outputs are of the cache's dtype (the weights, conv state and logits are
-    not); last-logit cosine against the fp32 cache >= 0.999; greedy tokens equal for fp16 and bf16, and for int8
+    """The decode graph's KV inputs and outputs are of the cache's dtype, the prefill graph's of the activations'
+    (fp32); last-logit cosine against the fp32 cache >= 0.999; greedy tokens equal for fp16 and bf16, and for int8
     equal or parting where fp32's own margin is a near tie."""
     out = trained_export(ops, kv_dtype=kv_dtype)
     contract = read_manifest(out)
-    assert (contract.dtype, contract.kv_precision) == ("fp32", kv_dtype)
+    assert (contract.dtype, contract.kv_precision, contract.prompt_kv_dtype) == ("fp32", kv_dtype, "fp32")
     assert contract.state_dtypes == {"conv": "fp32", "recurrent": "fp32", "kv": kv_dtype}
     for key, path in contract.graphs.items():
-        if not key.startswith("vision"):
-            assert _kv_types(out / path) == {ONNX_TYPE[kv_dtype]}, key
+        kind = GraphKind.of(key)
+        if kind != GraphKind.VISION:
+            held = kv_dtype if kind in (GraphKind.DECODE, GraphKind.VERIFY) else "fp32"
+            assert _kv_types(out / path) == {ONNX_TYPE[held]}, key
     reference = Reference(trained_export(ops), photo) if runtime == "onnxruntime" else None
     pipe = Pipeline.from_exported(out, runtime=runtime)
     if reference is None:  # OpenVINO: its own fp32 run of the portable fp32 export
@@ -58,6 +62,68 @@ def test_kv_precision_against_fp32(ops, kv_dtype, runtime, trained_export, photo
         assert split >= NEW_TOKENS // 2 or margin < 0.05, f"int8 parts at token {split} (fp32's margin {margin:.4f})"
     else:
         assert tokens == fp32_tokens, f"parts at token {split}, where fp32's logit margin is {margin:.4f}"
+
+
+@pytest.mark.slow
+def test_int8_chat_continues_from_kept_states_as_it_runs_cold(trained_checkpoint, tmp_path_factory):
+    """A chunked int8 export: the chunks prefill with an fp32 cache and the reply decodes with int8 codes (one
+    conversion); a kept state (int8 codes) continues the next turn through the chunks again, and its greedy
+    tokens equal those of the whole conversation prefilled cold; the kept snapshot holds int8 codes."""
+    out = build_once(
+        tmp_path_factory,
+        "trained-ort-int8-chunks",
+        lambda folder: export_to(trained_checkpoint, folder, ops="ort", kv_dtype="int8", prefill_chunks=(8, 32)),
+    )
+    pipe = Pipeline.from_exported(out)
+    assert pipe.backend.kv_codec.converts
+    cache = pipe.state_cache()
+    turn = [{"role": "user", "content": "Tell me about the water cycle."}]
+    first = pipe.chat(turn, max_new_tokens=12, state_cache=cache)
+    follow = [*turn, {"role": "assistant", "content": first.content}, {"role": "user", "content": "And rain?"}]
+    kept = pipe.chat(follow, max_new_tokens=12, state_cache=cache)
+    assert kept.generation.cached_tokens > 0
+    prepared = pipe.prepare_chat(follow)
+    snapshot = cache.longest_prefix(pipe.backend.export_id, prepared.input_ids[0], ())
+    assert snapshot is not None and snapshot.state_arrays()["present_kv_cache"].dtype == np.int8
+    cold = pipe.chat(follow, max_new_tokens=12)
+    assert cold.generation.cached_tokens == 0 and kept.generation.token_ids == cold.generation.token_ids
+
+
+def test_kv_codec_round_trips():
+    """int8 codes: round to nearest, saturate at +-127 / -128, decode to code times scale; bf16 rounds to nearest
+    even and fp16 is a cast; the identity where the prompt and decode dtypes agree."""
+    from dataclasses import dataclass
+
+    from qwen35_onnx.contract import ContractError
+    from qwen35_onnx.runtime.kv_codec import KvCodec
+
+    @dataclass
+    class Contract:
+        kv_precision: str
+        prompt_kv_dtype: str = "fp32"
+        n_full: int = 1
+        num_key_value_heads: int = 2
+        head_dim: int = 3
+
+    scales = np.array([[[[0.5, 1.0, 2.0], [1.0, 1.0, 1.0]], [[0.1, 0.1, 0.1], [4.0, 4.0, 4.0]]]], np.float32)
+    kv = np.zeros((2, 1, 2, 2, 3), np.float32)
+    kv[0, 0, 0, 0] = [0.26, 1000.0, -3.0]  # keys, head 0: 0.52 -> 1, saturates, -1.5 -> -2 (nearest even)
+    kv[1, 0, 1, 1] = [-1000.0, 2.0, 5.0]  # values, head 1: saturates at -128, 0.5 -> 0, 1.25 -> 1
+    codec = KvCodec(Contract("int8"), scales)
+    codes = codec.to_decode(kv)
+    assert codes.dtype == np.int8
+    assert codes[0, 0, 0, 0].tolist() == [1, 127, -2] and codes[1, 0, 1, 1].tolist() == [-128, 0, 1]
+    back = codec.to_prompt(codes)
+    assert back.dtype == np.float32 and back[0, 0, 0, 0].tolist() == [0.5, 127.0, -4.0]
+    assert (codec.to_decode(back) == codes).all()  # codes survive a round trip exactly
+    with pytest.raises(ContractError, match=r"int8 KV cache's scales must be \[1, 2, 2, 3\] fp32, found none"):
+        KvCodec(Contract("int8"))
+    bf16 = KvCodec(Contract("bf16")).to_decode(np.array([[1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5]], np.float32))
+    as_float = (bf16.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    assert as_float.tolist() == [[1.0, 1.0 + 2**-6, -2.5]]  # ties to even
+    assert KvCodec(Contract("fp16")).to_decode(np.ones((1, 2), np.float32)).dtype == np.float16
+    same = KvCodec(Contract("fp32"))
+    assert not same.converts and (same.to_decode(kv) == kv).all()
 
 
 def test_int8_attention_node_matches_its_reference():

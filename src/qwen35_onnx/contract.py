@@ -50,6 +50,10 @@ class GraphKind(StrEnum):
 
 
 TEXT_WEIGHTS = "weights.data"
+KV_SCALES = "kv_scales.npy"
+"""The int8 KV cache's scales beside the text graphs (``--kv-dtype int8``): ``[n_full, 2, Hkv, D]`` fp32, keys' then
+values' per-channel scale of each full-attention layer; the decode graph holds the same values (the runtime
+converts the prompt's cache with them)."""
 """The one external-data file the prefill and decode graphs share, beside them in ``text/``."""
 
 
@@ -71,7 +75,13 @@ class KvDtype(StrEnum):
     """``--kv-dtype``: the precision of the KV cache, independent of the weights and the activations (which
     :class:`Dtype` sets): ``fp32`` (transformers' numbers: the parity format), ``fp16`` and ``bf16`` (half the
     bytes; bf16 runs on OpenVINO), ``int8`` (a quarter of fp32's bytes: symmetric per-channel scales of each
-    full-attention layer's keys and values, calibrated at export on the checkpoint itself)."""
+    full-attention layer's keys and values, calibrated at export on the checkpoint itself).
+
+    It is the cache's precision from the first decode step on (the decode and verify graphs) and in kept
+    states; the prompt's graphs (prefill buckets and chunks) hold it in the activations' dtype
+    (:attr:`ShapeContract.prompt_kv_dtype`), where attention over many new tokens runs fastest, and the
+    runtime converts the cache once when a generation passes from its prompt to its reply
+    (``runtime/kv_codec.py``)."""
 
     FP32, FP16, BF16, INT8 = "fp32", "fp16", "bf16", "int8"
 
@@ -627,9 +637,10 @@ class ShapeContract:
         names = ["input_ids", "attention_mask", "position_ids"]
         return [*names, "active_rows"] if self.slots > 1 else names
 
-    def slot_state_bytes(self) -> int:
-        """Bytes of one slot's conv, recurrent and KV state (capacity wide) in the export's dtypes."""
-        return sum(int(math.prod(self.state_shape(s))) * DTYPE_BYTES[self.state_dtype(s)] for s in STATE_NAMES)
+    def slot_state_bytes(self, kv: bool = True) -> int:
+        """Bytes of one slot's conv, recurrent and (``kv``) KV state (capacity wide) in the export's dtypes."""
+        names = STATE_NAMES if kv else STATE_NAMES[:2]
+        return sum(int(math.prod(self.state_shape(s))) * DTYPE_BYTES[self.state_dtype(s)] for s in names)
 
     @property
     def quant_format(self) -> str:
@@ -691,6 +702,17 @@ class ShapeContract:
     def kv_precision(self) -> KvDtype:
         """The KV cache's precision: :attr:`kv_dtype`, or :attr:`dtype` where the manifest names none."""
         return KvDtype(self.kv_dtype or self.dtype)
+
+    @property
+    def prompt_kv_dtype(self) -> str:
+        """The KV cache's dtype in the prompt's graphs (prefill buckets and chunks): the activations' :attr:`dtype`
+        (see :class:`KvDtype`)."""
+        return self.dtype
+
+    @property
+    def converts_kv(self) -> bool:
+        """The prompt's graphs and the decode graph hold the KV cache in different dtypes (:class:`KvDtype`)."""
+        return self.kv_precision != self.prompt_kv_dtype
 
     @property
     def mtp_kv_dtype(self) -> str:

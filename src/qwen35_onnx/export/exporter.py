@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from ..contract import (
+    KV_SCALES,
     MANIFEST_NAME,
     METADATA_KEY,
     STATE_NAMES,
@@ -276,7 +277,9 @@ weights, the activations and the prefill's own state need the rest."""
 def check_slot_memory(contract: ShapeContract, physical: int | None = None) -> None:
     """The states of every decode slot, ``slots x`` :meth:`~qwen35_onnx.contract.ShapeContract.slot_state_bytes`
     (conv, recurrent and capacity-wide KV state), must fit :data:`SLOT_MEMORY_SHARE` of ``physical`` bytes
-    (default: this machine's physical memory).
+    (default: this machine's physical memory). With ``--ops ort`` the KV cache is not counted: the runtime
+    reserves it and commits what the sequences write (``runtime/host_memory.py``), so the slots' capacity costs
+    address space, and the memory a conversation takes is its own.
 
     Raises:
         ExportError: naming the bytes of one slot, of all slots, and the budget.
@@ -285,7 +288,7 @@ def check_slot_memory(contract: ShapeContract, physical: int | None = None) -> N
         return
     if physical is None:
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    per_slot = contract.slot_state_bytes()
+    per_slot = contract.slot_state_bytes(kv=not contract.kv_in_place)
     budget = int(physical * SLOT_MEMORY_SHARE)
     if contract.slots * per_slot > budget:
         raise ExportError(
@@ -404,7 +407,7 @@ def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int, grid: t
             mask,
             torch.arange(1, seq_len + 1).view(1, 1, -1).expand(4, b, seq_len).contiguous(),
             torch.randn(seq_len, contract.image_embed_dim),
-            *past_states(contract, contract.capacity),
+            *past_states(contract, contract.capacity, kv_dtype=contract.prompt_kv_dtype),
         )
     if kind == GraphKind.VERIFY:  # seq_len tokens (the graph's size) after a past of one token
         mask = torch.zeros(b, contract.capacity, dtype=torch.long)
@@ -444,10 +447,11 @@ def dummy_inputs(kind: GraphKind, contract: ShapeContract, seq_len: int, grid: t
     )
 
 
-def past_states(contract: ShapeContract, kv_len: int, rows: int = 1) -> tuple:
+def past_states(contract: ShapeContract, kv_len: int, rows: int = 1, kv_dtype: str | None = None) -> tuple:
     """Zero past states as the decode (``rows``: its slots) and chunk graphs (one row) take them: three
-    stacked tensors (the KV ``kv_len`` tokens wide), or with :attr:`ShapeContract.kv_in_place` three
-    tuples of entries."""
+    stacked tensors (the KV ``kv_len`` tokens wide, in ``kv_dtype``: by default the decode graph's, the chunk
+    graphs' is the contract's ``prompt_kv_dtype``), or with :attr:`ShapeContract.kv_in_place` three tuples of
+    entries."""
     import torch
 
     def shape(name: str) -> list[int]:
@@ -458,6 +462,8 @@ def past_states(contract: ShapeContract, kv_len: int, rows: int = 1) -> tuple:
         return stacked
 
     dtype = {name: torch_dtype(contract.state_dtype(name)) for name in STATE_NAMES}
+    if kv_dtype is not None:
+        dtype["kv_cache"] = torch_dtype(kv_dtype)
     if contract.kv_in_place:  # every state one entry at a time
         return tuple(
             tuple(torch.zeros(shape(name)[1:], dtype=dtype[name]) for _ in range(shape(name)[0]))
@@ -788,6 +794,12 @@ def export(
             model.kv_scales = kv_scales(model, source, calibration_ids(model_dir))
         if any(job.kind != GraphKind.VISION for job in jobs):
             (tmp / TEXT_DIR).mkdir(exist_ok=True)
+            if contract.kv_precision == KvDtype.INT8:  # the runtime converts the prompt's cache with them
+                import numpy as np
+                import torch
+
+                scales = torch.stack([torch.stack(pair) for pair in model.kv_scales]).float().numpy()
+                np.save(tmp / TEXT_DIR / KV_SCALES, scales)  # [n_full, 2, Hkv, D]
             text = WeightsFileWriter(tmp / TEXT_DIR)
             exporting = {job.key for job in jobs}
             for key, path in contract.graphs.items():  # text graphs kept from the existing export

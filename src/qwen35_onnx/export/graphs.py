@@ -164,6 +164,10 @@ class _TextGraph(nn.Module):
     """Shared pieces of the prefill and decode graphs (per-layer mixers around the
     checkpoint's decoder layers)."""
 
+    HOLDS_KV_PRECISION = False
+    """Whether the graph's KV cache is in the contract's :attr:`~qwen35_onnx.contract.ShapeContract.kv_precision`
+    (the decode and verify graphs) or in the activations' dtype (the prompt's graphs: prefill buckets, chunks)."""
+
     def __init__(self, model: nn.Module, contract: ShapeContract):
         super().__init__()
         self.text = model.model.language_model
@@ -182,7 +186,7 @@ class _TextGraph(nn.Module):
             # export keeps Transpose(W), one copy of the table, which the quantizer would skip)
             register_derived(self, "lm_head_t", lambda load: load(self.lm_head.weight).t().contiguous())
         self.merged_sizes: dict[tuple[int, str], list[int]] = {}
-        if contract.kv_precision == KvDtype.INT8:
+        if contract.kv_precision == KvDtype.INT8 and self.HOLDS_KV_PRECISION:
             self._register_kv_scales(model)
         if self.fused:
             self._merge_projections()
@@ -209,8 +213,12 @@ class _TextGraph(nn.Module):
                 register_derived(self, f"kv_scale_{which}_{n}", lambda load, scale=scale: scale)
 
     def kv_dtype(self, n: int | None) -> torch.dtype:
-        """The storage dtype of full-attention layer ``n``'s cache (None: the MTP head's own cache)."""
-        name = self.contract.mtp_kv_dtype if n is None else self.contract.kv_precision
+        """The storage dtype of full-attention layer ``n``'s cache (None: the MTP head's own cache): the contract's
+        KV precision in the decode and verify graphs, the activations' dtype in the prompt's graphs."""
+        if n is None:
+            name = self.contract.mtp_kv_dtype
+        else:
+            name = self.contract.kv_precision if self.HOLDS_KV_PRECISION else self.contract.prompt_kv_dtype
         return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}[name]
 
     def kv_scale(self, n: int, which: str) -> torch.Tensor:
@@ -643,6 +651,8 @@ class DecodeGraph(_TextGraph):
     each full-attention layer is one GroupQueryAttention node (slot write + attention over
     ``slot <= cache_pos``), whose present KV entries the runtime binds to the past buffers.
     """
+
+    HOLDS_KV_PRECISION = True
 
     def __init__(self, model: nn.Module, contract: ShapeContract):
         super().__init__(model, contract)

@@ -50,6 +50,7 @@ from .checks import (
     check_vision,
 )
 from .draft_buffers import MtpCache, VerifyBuffers
+from .kv_codec import KvCodec
 from .vision_positions import vision_position_inputs
 
 
@@ -539,16 +540,48 @@ class Backend(abc.ABC):
         return export_fingerprint(self.graphs.root, self.contract)
 
     @abc.abstractmethod
-    def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    def states_from_host(self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None) -> dict[str, Any]:
         """States in the backend's form (fresh buffers) holding the host ``arrays`` keyed
         ``present_conv_states``, ``present_recurrent_states``, ``present_kv_cache`` (the contract's
-        stacked shapes and dtypes; the KV cache may hold fewer slots than the capacity, as a
-        snapshot's does: the other slots are zero)."""
+        stacked shapes and dtypes, the KV cache in ``kv_dtype``, by default the decode graphs'
+        :attr:`~qwen35_onnx.contract.ShapeContract.kv_precision`; the KV cache may hold fewer slots than the
+        capacity, as a snapshot's does: the other slots are zero)."""
 
     def zero_states(self) -> dict[str, Any]:
         """The states of an empty prompt: zeros in the contract's stacked shapes and dtypes (fixed
-        KV), in the backend's form."""
-        return self.states_from_host(zero_state_arrays(self.contract))
+        KV), in the backend's form, for the prompt's graphs (the KV cache in
+        :attr:`~qwen35_onnx.contract.ShapeContract.prompt_kv_dtype`)."""
+        kv_dtype = self.contract.prompt_kv_dtype
+        return self.states_from_host(zero_state_arrays(self.contract, kv_dtype), kv_dtype=kv_dtype)
+
+    @functools.cached_property
+    def kv_codec(self) -> KvCodec:
+        """How this export's KV cache passes between its prompt graphs and its decode graphs (:mod:`.kv_codec`).
+
+        Raises:
+            ContractError: an int8 export without its scales.
+        """
+        return KvCodec.for_export(self.graphs.root, self.contract)
+
+    def decode_states(self, states: dict[str, Any], length: int) -> dict[str, Any]:
+        """``states`` of the prompt's graphs (a prefill's or the chunks', keyed as :meth:`run_prefill` returns them)
+        in the form the decode and verify graphs take: the KV cache's first ``length`` slots converted to the
+        contract's KV precision (new buffers; :mod:`.kv_codec`), or ``states`` themselves where the two dtypes
+        agree."""
+        if not self.kv_codec.converts:
+            return states
+        arrays = self.states_to_host(states, kv_length=length)
+        arrays["present_kv_cache"] = self.kv_codec.to_decode(arrays["present_kv_cache"])
+        return self.states_from_host(arrays)
+
+    def prompt_states_from_host(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        """States for the prompt's graphs from host ``arrays`` in the decode form (a kept
+        :class:`~.snapshots.StateSnapshot`'s): :meth:`states_from_host` with the KV cache converted to
+        :attr:`~qwen35_onnx.contract.ShapeContract.prompt_kv_dtype`."""
+        kv_dtype = self.contract.prompt_kv_dtype
+        if self.kv_codec.converts:
+            arrays = {**arrays, "present_kv_cache": self.kv_codec.to_prompt(arrays["present_kv_cache"])}
+        return self.states_from_host(arrays, kv_dtype=kv_dtype)
 
     @abc.abstractmethod
     def decoder(self, states: dict[str, Any]) -> Decoder:
@@ -624,17 +657,17 @@ def host_inputs(contract: ShapeContract, rows: int) -> dict[str, np.ndarray]:
     return host
 
 
-def zero_state_arrays(contract: ShapeContract) -> dict[str, np.ndarray]:
+def zero_state_arrays(contract: ShapeContract, kv_dtype: str | None = None) -> dict[str, np.ndarray]:
     """Host zeros of the three states (``present_*`` keys, stacked), the KV cache holding no slot (``[2 * n_full,
     1, Hkv, 0, D]``, as a snapshot of no tokens: :meth:`Backend.states_from_host` makes it capacity wide, where a
-    backend can without committing the capacity's memory).
+    backend can without committing the capacity's memory) in ``kv_dtype`` (by default the decode graphs').
 
     Raises:
         ContractError: a state dtype numpy cannot hold (bf16).
     """
     arrays = {}
     for state in ("conv_states", "recurrent_states", "kv_cache"):
-        dtype = contract.state_dtype(state)
+        dtype = kv_dtype if state == "kv_cache" and kv_dtype else contract.state_dtype(state)
         if dtype not in STATE_NUMPY_DTYPES:
             raise ContractError(f"{state} of a {dtype} export cannot be held in host memory (numpy has no {dtype})")
         shape = list(contract.state_shape(state))

@@ -154,14 +154,24 @@ def _check_tensor(graph: GraphSpec, kind: str, name: str, shape: list, dtype: st
     _expect(f"{graph.name} {kind} {name} element type", graph.types.get(name), ONNX_TYPES[dtype])
 
 
-def _check_states(contract: ShapeContract, graph: GraphSpec, kind: str, prefix: str, shape_of=None) -> None:
+def _state_dtype(contract: ShapeContract, state: str, what: str) -> str:
+    """The element type of ``state`` in a graph of kind ``what``: the prompt's graphs (prefill, chunk) hold the KV
+    cache in the contract's ``prompt_kv_dtype``, the decode and verify graphs in its ``kv_precision``."""
+    if state == "kv_cache" and what in ("prefill", "chunk"):
+        return contract.prompt_kv_dtype
+    return contract.state_dtype(state)
+
+
+def _check_states(
+    contract: ShapeContract, graph: GraphSpec, kind: str, prefix: str, shape_of=None, what: str = "decode"
+) -> None:
     shape_of = shape_of or contract.state_shape
     for state in STATE_NAMES[:2]:  # the KV cache's shape is checked with the capacity
         _check_tensor(graph, kind, f"{prefix}_{state}", list(shape_of(state)), contract.state_dtype(state))
     _expect(
         f"{graph.name} {kind} {prefix}_kv_cache element type",
         graph.types.get(f"{prefix}_kv_cache"),
-        ONNX_TYPES[contract.state_dtype("kv_cache")],
+        ONNX_TYPES[_state_dtype(contract, "kv_cache", what)],
     )
 
 
@@ -299,11 +309,11 @@ def check_decode(
                     found = table.get(name)
                     if dynamic and found is not None and not isinstance(found[0], int):
                         entry = [found[0], *entry[1:]]  # the rows in use
-                    _check_tensor(decode, kind, name, entry, contract.state_dtype(state))
+                    _check_tensor(decode, kind, name, entry, _state_dtype(contract, state, what))
         _check_capacity(contract, {f"{what} attention_mask width": decode.dim("input", "attention_mask", 1)})
         return
-    _check_states(contract, decode, "input", "past", shape_of)
-    _check_states(contract, decode, "output", "present", shape_of)
+    _check_states(contract, decode, "input", "past", shape_of, what)
+    _check_states(contract, decode, "output", "present", shape_of, what)
     if contract.kv_mode == KvMode.FIXED:
         _check_capacity(
             contract,
@@ -370,7 +380,7 @@ def check_mtp(contract: ShapeContract, mtp: GraphSpec, size: int) -> None:
 def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | None) -> None:
     """State shapes; in fixed mode the KV output width equals capacity and a bucket graph's
     inputs have exactly ``bucket`` tokens; logits have 1 row with ``prefill_logits='last'``."""
-    _check_states(contract, prefill, "output", "present")
+    _check_states(contract, prefill, "output", "present", what="prefill")
     _check_host_types(prefill, "prefill")
     if contract.kv_mode == KvMode.FIXED:
         _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})

@@ -183,6 +183,9 @@ class Generation:
                 )
         self.token_ids: list[int] = [int(t) for t in prompt.input_ids[0]]
         self.states: dict[str, Any] | None = None
+        self.prompt_form = True
+        """:attr:`states` are the prompt graphs' (a prefill's or the chunks': the KV cache in the contract's
+        ``prompt_kv_dtype``) rather than the decode graphs' (its ``kv_precision``): see :meth:`_decode_form`."""
         self.decoder: Decoder | None = None
         self.timings = Timings()
         if states is not None:
@@ -332,7 +335,7 @@ class Generation:
             self.start = None
             pieces = plan_chunks(ids, 0, *plan, decode_step_cost=step_cost)
         done = self.cached_tokens
-        states = backend.states_from_host(self.start.state_arrays()) if self.start else backend.zero_states()
+        states = backend.prompt_states_from_host(self.start.state_arrays()) if self.start else backend.zero_states()
         rows = self.run_vision(done) if image_embeds is None else image_embeds
         self.image_rows = rows  # (the MTP head reads the image embeddings of the prompt's image tokens too)
         vision_done = time.perf_counter()
@@ -370,7 +373,8 @@ class Generation:
                 self.chunk_observer(a, real, None if hidden is None else hidden[0, :real])
             done = piece.end
             if done in self.snapshot_at:
-                self.snapshots.append(self._snapshot(backend.states_to_host(states, kv_length=done), done))
+                arrays = backend.states_to_host(states, kv_length=done)
+                self.snapshots.append(self._snapshot(arrays, done, prompt_form=True))
             if piece is not pieces[-1]:
                 later = [p.size for p in pieces[pieces.index(piece) + 1 :]]
                 self.next_run_tokens = later[0] if later[0] > 1 else 0
@@ -396,8 +400,12 @@ class Generation:
         )
         return _finite(logits, "prefill")
 
-    def _snapshot(self, arrays: dict[str, np.ndarray], length: int) -> StateSnapshot:
-        """A snapshot of the host state ``arrays`` (``present_*``, the KV cache ``length`` slots wide)."""
+    def _snapshot(self, arrays: dict[str, np.ndarray], length: int, prompt_form: bool = False) -> StateSnapshot:
+        """A snapshot of the host state ``arrays`` (``present_*``, the KV cache ``length`` slots wide; ``prompt_form``:
+        the prompt graphs' KV dtype, kept in the decode graphs' as every snapshot)."""
+        codec = self.backend.kv_codec
+        if prompt_form and codec.converts:
+            arrays = {**arrays, "present_kv_cache": codec.to_decode(arrays["present_kv_cache"])}
         return StateSnapshot.take(
             self.backend.export_id,
             self.contract,
@@ -427,15 +435,17 @@ class Generation:
         Raises:
             RuntimeError: no prefill yet.
         """
+        prompt_form = False
         if self.states is not None:
             arrays = self.backend.states_to_host(self.states, kv_length=self.length)
+            prompt_form = self.prompt_form
         elif self.pool is not None and self.slot is not None and self.pool.holders[self.slot] is self:
             arrays = self.pool.read(self.slot, self.length)
         elif self.decoder is not None:
             arrays = self.backend.states_to_host(self.decoder.states(), kv_length=self.length)
         else:
             raise RuntimeError("prefill before taking a snapshot")
-        return self._snapshot(arrays, self.length)
+        return self._snapshot(arrays, self.length, prompt_form)
 
     def _take(self, states: dict[str, Any]) -> None:
         """Keep prefill ``states``, after checking that their KV width is the capacity (fixed mode)."""
@@ -473,6 +483,7 @@ class Generation:
         if self.decoder is None:
             if self.states is None:
                 raise RuntimeError("prefill before the first decode step")
+            self._decode_form()
             self.decoder, self.states = self.backend.decoder(self.states), None
         next_pos = self._advance()
         start = time.perf_counter()
@@ -482,6 +493,13 @@ class Generation:
         self.timings.decode_ms += 1000 * (time.perf_counter() - start)
         self.timings.decode_steps += 1
         return _finite(logits[0, -1], f"decode step {self.timings.decode_steps}")
+
+    def _decode_form(self) -> None:
+        """Give :attr:`states` the decode graphs' form (the KV cache converted once from the prompt graphs' dtype to
+        the contract's KV precision, :meth:`~.backend.Backend.decode_states`), if they are not in it yet."""
+        if self.states is not None and self.prompt_form:
+            self.states = self.backend.decode_states(self.states, self.length)
+            self.prompt_form = False
 
     def take_back_states(self) -> None:
         """After decode steps, hold the states again (the decoder's buffers, which it no longer steps): for a
@@ -494,6 +512,7 @@ class Generation:
             raise RuntimeError("a generation in a slot pool keeps its states in its slot")
         if self.decoder is not None:
             self.states, self.decoder = self.decoder.states(), None
+            self.prompt_form = False
 
     def verify(self, tokens: list[int], draft_ms: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Speculative decoding's check: feed ``tokens`` (the one sampled last, then the drafts; 2 to
@@ -527,6 +546,7 @@ class Generation:
         positions = np.concatenate(
             [decode_position_ids(start + t, self.prompt.rope_deltas) for t in range(size)], axis=2
         )
+        self._decode_form()
         if not self._verify_buffers:
             self._verify_buffers = [self.backend.verify_buffers(), self.backend.verify_buffers()]
         buffers = self._verify_buffers[self._verify_parity]
@@ -557,6 +577,7 @@ class Generation:
         self._verified = None
         start = self.length
         self.states = self.backend.states_after(result, kept - 1)
+        self.prompt_form = False
         self.mask[0, start : start + kept] = 1
         self.token_ids.extend(int(t) for t in tokens[:kept])
         self.timings.decode_steps += kept

@@ -163,14 +163,17 @@ class SlotPool:
 
     def place(self, slot: int, states: dict[str, Any], length: int) -> None:
         """Copy a prefilled sequence's ``states`` (one row, the backend's form, as a prefill or chunk run
-        returns them) of ``length`` tokens into ``slot``'s rows of the decode states; the KV slots from
-        ``length`` on are left as they are (no row reads a KV slot it has not written)."""
+        returns them: the KV cache in the prompt graphs' dtype) of ``length`` tokens into ``slot``'s rows of the
+        decode states (the KV cache converted to the decode graph's, :mod:`.kv_codec`, as it is copied); the KV
+        slots from ``length`` on are left as they are (no row reads a KV slot it has not written)."""
         rows = self.backend.state_views(self.decoder.states())
         for name, value in self.backend.states_to_host(states, kv_length=length).items():
             target = rows[name][:, slot : slot + 1]
             if name == "present_kv_cache":
                 target = target[:, :, :, :length]
-            np.copyto(target, value)
+                self.backend.kv_codec.to_decode(value, out=target)
+            else:
+                np.copyto(target, value)
             self.bytes_copied += value.nbytes
         self.lengths[slot] = length
 

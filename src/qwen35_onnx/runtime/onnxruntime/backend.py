@@ -109,7 +109,8 @@ class OrtBackend(Backend):
             arrays[name] = np.array(array, copy=True)
         return arrays
 
-    def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict:
+    def states_from_host(self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None) -> dict:
+        # the buffers take the arrays' dtypes (kv_dtype names the KV cache's, which its array has)
         states = {}
         for name, value in arrays.items():
             shape = self.contract.state_shape(name.removeprefix("present_"))

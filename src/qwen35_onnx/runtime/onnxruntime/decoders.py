@@ -272,7 +272,7 @@ def bind_entries(
     """
     shape = list(contract.state_shape(state))
     shape[1] = rows
-    dtype = NP_DTYPES[contract.state_dtype(state)]
+    dtype = ORT_TYPES[stacked.data_type()]  # (the KV cache's: the prompt graphs' dtype or the decode graph's)
     if list(stacked.shape()) != list(shape):
         raise ValueError(f"{state} buffer has shape {stacked.shape()}, expected {list(shape)}")
     nbytes = int(np.prod(shape[1:])) * np.dtype(dtype).itemsize

@@ -404,7 +404,7 @@ class OpenVinoBackend(Backend):
             arrays[name] = np.array(array, copy=True)
         return arrays
 
-    def states_from_host(self, arrays: dict[str, np.ndarray]) -> dict:
+    def states_from_host(self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None) -> dict:
         """As the base class; a bf16 state's host array holds its raw bits as float16 (what
         ``ov.Tensor.data`` shows of a bf16 tensor, and :meth:`states_to_host` returns)."""
         states = {}
@@ -415,19 +415,22 @@ class OpenVinoBackend(Backend):
                 states[name] = np.empty(shape, dtype=value.dtype)
                 fill_state(states[name], value)
                 continue
-            tensor = ov.Tensor(STATE_TYPES[self.contract.state_dtype(state)], shape)
+            dtype = kv_dtype if state == "kv_cache" and kv_dtype else self.contract.state_dtype(state)
+            tensor = ov.Tensor(STATE_TYPES[dtype], shape)
             fill_state(tensor.data, value)
             states[name] = tensor
         return states
 
     def zero_states(self) -> dict:
-        """Zero states made on the runtime (a bf16 export's too: numpy has no bf16)."""
+        """Zero states made on the runtime (a bf16 export's too: numpy has no bf16), the KV cache in the prompt
+        graphs' dtype."""
         c = self.contract
         if self.host_state_roundtrip:
             return super().zero_states()
         states = {}
         for state in STATE_NAMES:
-            tensor = ov.Tensor(STATE_TYPES[c.state_dtype(state)], list(c.state_shape(state)))
+            dtype = c.prompt_kv_dtype if state == "kv_cache" else c.state_dtype(state)
+            tensor = ov.Tensor(STATE_TYPES[dtype], list(c.state_shape(state)))
             tensor.data[...] = 0
             states[f"present_{state}"] = tensor
         return states

@@ -45,7 +45,7 @@ class GenerationResult:
     that stopped generation included), ``text`` their decoded text (special tokens skipped),
     ``finish_reason`` 'stop' or 'length' (None while unfinished), ``prompt_tokens`` the
     prompt length in tokens, ``cached_tokens`` those of them taken from a kept state instead of
-    prefilled (see ``state_cache``)."""
+    prefilled (see ``state_cache``), ``stop_string`` the stop string that ended it (None: none did)."""
 
     text: str
     token_ids: list[int]
@@ -53,6 +53,7 @@ class GenerationResult:
     prompt_tokens: int
     timings: Timings = field(default_factory=Timings)
     cached_tokens: int = 0
+    stop_string: str | None = None
 
 
 class GenerationStream:
@@ -366,7 +367,7 @@ class TokenLoop:
         slot freed)."""
         timings, cached = (Timings(), 0) if generation is None else (generation.timings, generation.cached_tokens)
         self.stream.result = GenerationResult(
-            "".join(self.emitted), self.tokens, self.finish, self.prompt_len, timings, cached
+            "".join(self.emitted), self.tokens, self.finish, self.prompt_len, timings, cached, self.stops.matched
         )
         if generation is not None:
             generation.close()

@@ -22,7 +22,7 @@ class ServerOptions:
     Attributes:
         model_name: the served model id (``/v1/models``, echoed in replies; the CLI's default is
             the export folder's name).
-        api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>``.
+        api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>`` (or ``x-api-key``).
         max_queue: requests allowed to wait while every decode slot is taken (0: none).
         max_body_bytes: largest request body.
         max_image_bytes: largest encoded image (a data URL's decoded bytes or a file).
@@ -35,6 +35,10 @@ class ServerOptions:
             only; None: no local files (data: URLs only).
         state_cache_bytes: host bytes of kept states (an export with prefill chunks): a request whose
             messages begin as an earlier one's continues from that state; 0: none kept.
+        max_tokens: most tokens of any reply, on every route (llama-server's ``--n-predict``); a request asking
+            for more is served up to it and ends with the length reason; None: the capacity's.
+        response_store_bytes: bytes of stored Responses API responses (``store: true``, for
+            ``previous_response_id`` and ``GET /v1/responses/{id}``), least recently used dropped first; 0: none.
     """
 
     model_name: str | None = option(
@@ -43,7 +47,8 @@ class ServerOptions:
     api_key: str | None = option(
         None,
         "--api-key",
-        f"Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set {API_KEY_ENV}); by default no auth.",
+        f"Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1/* and /metrics (or set {API_KEY_ENV}); by "
+        "default no auth.",
         env=API_KEY_ENV,
     )
     max_queue: int = option(8, "--max-queue", "Requests that may wait while every decode slot is taken; more get 429.")
@@ -79,6 +84,19 @@ class ServerOptions:
         "conversation prefills only its new messages; least recently used dropped first; 0: off.",
     )
 
+    max_tokens: int | None = option(
+        None,
+        "--max-tokens",
+        "Most tokens of any reply, on every route (llama-server's --n-predict): a request asking for more (agents ask "
+        "32k) is served up to it and ends with finish reason 'length'; by default what the capacity leaves.",
+    )
+    response_store_bytes: int = option(
+        64 * MIB,
+        "--response-store-bytes",
+        "Bytes of stored Responses API responses (store: true; previous_response_id, GET /v1/responses/ID), least "
+        "recently used dropped first; 0: none stored.",
+    )
+
     def validate(self) -> None:
         """Raises ValueError naming the option and its allowed range."""
         if not isinstance(self.model_name, str) or not self.model_name.strip():
@@ -105,6 +123,14 @@ class ServerOptions:
             raise ValueError(f"--state-cache-bytes must be an integer, got {self.state_cache_bytes!r}")
         if self.state_cache_bytes < 0:
             raise ValueError(f"--state-cache-bytes must be >= 0 (0: off), got {self.state_cache_bytes}")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"--max-tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.response_store_bytes, bool) or not isinstance(self.response_store_bytes, int):
+            raise ValueError(f"--response-store-bytes must be an integer, got {self.response_store_bytes!r}")
+        if self.response_store_bytes < 0:
+            raise ValueError(f"--response-store-bytes must be >= 0 (0: off), got {self.response_store_bytes}")
         if self.allowed_image_dir is not None and not Path(self.allowed_image_dir).is_dir():
             raise ValueError(f"--allowed-image-dir {str(self.allowed_image_dir)!r} is not a folder")
 

@@ -817,6 +817,8 @@ def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_
     browser.find_element(By.ID, "max-tokens").send_keys(str(n))
     send("Hi")
     wait.until(lambda d: "finish: length" in text_of(last_reply(), ".meta"))
+    left = CAPACITY - PROMPT_TOKENS - n
+    assert f"{PROMPT_TOKENS} prompt + {n} tokens · {left} of {CAPACITY} tokens left" in text_of(last_reply(), ".meta")
     assert text_of(last_reply(), ".content") == expected_content(n)
     assert text_of(last_reply(), ".reasoning-text") == REASONING
     first_prompt = server.health()["last"]["prompt_tokens"]

@@ -178,7 +178,7 @@ def create_app(pipeline: Pipeline, options: ServerOptions, defaults: SamplingCon
 
     page = resources.files(__package__).joinpath("page.html").read_text(encoding="utf-8")
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])
     async def chat_page():
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 

@@ -1,8 +1,9 @@
 """The Anthropic Messages API over the conversation core (no HTTP here): ``POST /v1/messages`` (whole or
 streamed) and ``POST /v1/messages/count_tokens``.
 
-Request: ``model``, ``max_tokens`` (required, >= 1), ``messages`` (``user`` / ``assistant``; content a string or
-blocks), ``system`` (a string or text blocks), ``tools`` (``name``, ``description``, ``input_schema``) and
+Request: ``model``, ``max_tokens`` (required, >= 1), ``messages`` (``user`` / ``assistant``, content a string or
+blocks; ``system``, a string or text blocks, as Claude Code sends its context), ``system`` (a string or text
+blocks), ``tools`` (``name``, ``description``, ``input_schema``) and
 ``tool_choice`` (``auto``, ``any``, ``tool`` with ``name``, ``none``; ``disable_parallel_tool_use``),
 ``thinking`` (``enabled`` with ``budget_tokens``: the reasoning is ended by ``</think>`` at that many tokens;
 ``adaptive``: on, no budget of its own; ``disabled``; absent means off, as in Anthropic's API), ``stop_sequences``,
@@ -255,8 +256,11 @@ def translate_messages(messages, names: ParamNames, offset: int) -> list[dict]:
             out += _user(message, where, offset + len(out), names, calls)
         elif role == "assistant":
             out.append(_assistant(message, where, offset + len(out), names, calls))
+        elif role == "system":  # Claude Code sends its context so, after the user's first message
+            names.add(f"messages[{offset + len(out)}]", where)
+            out.append({"role": "system", "content": _text_blocks(message.get("content"), f"{where}.content")})
         else:
-            raise bad_request(f"{where}.role {role!r:.80} must be 'user' or 'assistant'", f"{where}.role")
+            raise bad_request(f"{where}.role {role!r:.80} must be 'user', 'assistant' or 'system'", f"{where}.role")
     return out
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import re
 from dataclasses import dataclass, field
 
 from ..conversation.messages import ChatInputError
@@ -50,16 +49,6 @@ class ParamNames:
     def add(self, chat: str, api: str) -> None:
         """Name the chat-form field ``chat`` (and the fields below it) ``api``."""
         self._names[chat] = api
-
-    def renumber(self, field: str, index) -> None:
-        """Renumber the chat-form fields ``field[k]...`` to ``field[index(k)]...`` (messages joined or split);
-        where two land on one, the first named stays."""
-        renamed: dict[str, str] = {}
-        for chat, api in self._names.items():
-            match = re.match(rf"^{re.escape(field)}\[(\d+)\]", chat)
-            key = chat if match is None else f"{field}[{index(int(match.group(1)))}]{chat[match.end() :]}"
-            renamed.setdefault(key, api)
-        self._names = renamed
 
     def _prefix(self, param: str) -> str | None:
         best = None

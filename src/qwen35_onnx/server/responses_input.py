@@ -17,15 +17,19 @@ Input (``input``: a string, or a list of items):
 - ``reasoning`` (``content`` ``reasoning_text`` parts; ``summary`` and ``encrypted_content`` are not read): the
   reasoning of the assistant turn it precedes.
 
-``instructions`` is the first system message; system and developer messages before the first other message are
-joined into it (chat templates take one system message, first). With ``previous_response_id`` the stored
-response's conversation comes before ``input`` (its instructions do not: OpenAI's rule).
+``instructions`` is the first system message (the core joins the system and developer messages before the first
+other message into one and makes later ones user messages: chat templates take one system message, first). With
+``previous_response_id`` the stored response's conversation comes before ``input`` (its instructions do not:
+OpenAI's rule).
 
 Tools: ``function`` tools (``name``, ``description``, ``parameters``), the functions a ``namespace`` tool carries
 (called by their own names; the call comes back with its ``namespace``), and ``custom`` tools (free-text input:
 a function of one string parameter ``input``; the call comes back as a ``custom_tool_call``). Other tool types
 (``web_search``, ``file_search``, ``computer_use_preview``, ``code_interpreter``, ``image_generation``, ``mcp``,
 ``local_shell`` ...) run on OpenAI's side and are skipped with one logged warning per type, never refused.
+Sampling: ``temperature``, ``top_p``, and as extensions (chat completions' fields, as vLLM takes them) ``top_k``,
+``seed``, ``stop`` and ``chat_template_kwargs``.
+
 ``tool_choice``: ``auto``, ``none``, ``required``, ``{"type": "function", "name"}``, ``{"type": "custom",
 "name"}``, ``{"type": "allowed_tools", "mode", "tools"}`` (the tools listed, mode ``auto`` or ``required``); a
 hosted tool's choice is ``auto``.
@@ -44,11 +48,20 @@ from dataclasses import dataclass, field
 from ..conversation.tools import ReplyFormat
 from ..runtime.sampling import SamplingConfig
 from .errors import bad_request
-from .request import ChatRequest, ParamNames, is_int, optional, parse_sampling, reply_format, require_object
+from .request import (
+    ChatRequest,
+    ParamNames,
+    is_int,
+    optional,
+    parse_sampling,
+    parse_stop,
+    reply_format,
+    require_object,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ResponsesRequest", "ToolNames", "merge_leading_system", "parse_responses_request", "warn_once"]
+__all__ = ["ResponsesRequest", "ToolNames", "parse_responses_request", "translate_input", "warn_once"]
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -477,24 +490,6 @@ def translate_input(value, names: ParamNames, offset: int, known_calls: set[str]
     return turns.finish()
 
 
-def merge_leading_system(messages: list[dict], names: ParamNames | None = None) -> list[dict]:
-    """The system and developer messages before the first other message joined into one system message (text
-    only, paragraphs apart); the rest unchanged (``names`` renumbered to match)."""
-    lead = 0
-    while (
-        lead < len(messages)
-        and messages[lead]["role"] in ("system", "developer")
-        and isinstance(messages[lead]["content"], str)
-    ):
-        lead += 1
-    if lead < 2:
-        return messages
-    if names is not None:
-        names.renumber("messages", lambda k: 0 if k < lead else k - lead + 1)
-    text = "\n\n".join(m["content"] for m in messages[:lead] if m["content"])
-    return [{"role": "system", "content": text}, *messages[lead:]]
-
-
 def calls_of(messages: list[dict]) -> set[str]:
     """The call ids of the assistant messages of a chat conversation."""
     return {c.get("id") for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or ()}
@@ -557,8 +552,6 @@ def parse_responses_request(
         else:
             response_format = {"type": kind}
     reply: ReplyFormat = reply_format(offered or None, choice, body.get("parallel_tool_calls"), response_format, names)
-    if "stop" in body:
-        raise bad_request("stop is not a Responses API field (it has none)", "stop")
 
     conversation = list(stored or [])
     if "input" not in body and stored is None:
@@ -577,10 +570,11 @@ def parse_responses_request(
     if instructions is not None:
         names.add("messages[0]", "instructions")
     chat = ChatRequest(
-        messages=merge_leading_system(messages, names),
+        messages=messages,
         stream=stream,
         max_tokens=max_output,
         sampling=sampling,
+        stop=parse_stop(body.get("stop"), "stop"),
         chat_template_kwargs=kwargs or None,
         reply=reply,
         params=names,

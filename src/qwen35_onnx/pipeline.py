@@ -522,6 +522,7 @@ class Pipeline:
         draft_tokens: int | None = None,
         fps: float | None = None,
         max_video_tokens: int | None = None,
+        reasoning_budget: int | None = None,
     ) -> ChatStream:
         """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`, also for ``fps`` and
         ``max_video_tokens``), answered by
@@ -531,8 +532,8 @@ class Pipeline:
         ``ChatResult.tool_calls``); a required or named call and a response schema are enforced by
         constrained decoding. ``state_cache`` (:meth:`state_cache`): continue from the longest kept
         state of the prompt's tokens and keep this turn's states there. ``group`` (:meth:`group`):
-        decode together with the group's other generations. ``draft_tokens``: see :meth:`stream_prepared`. All input
-        checks run here, before any graph.
+        decode together with the group's other generations. ``draft_tokens``: see :meth:`stream_prepared`;
+        ``reasoning_budget``: see :meth:`stream_chat_prepared`. All input checks run here, before any graph.
 
         Raises:
             ChatInputError / ValueError: see :meth:`reply_format`, :meth:`prepare_chat` and :meth:`stream`.
@@ -542,7 +543,7 @@ class Pipeline:
             messages, chat_template_kwargs, image_policy, reply, max_image_tokens, fps, max_video_tokens
         )
         return self.stream_chat_prepared(
-            prepared, max_new_tokens, sampling, stop, reply, state_cache, group, draft_tokens
+            prepared, max_new_tokens, sampling, stop, reply, state_cache, group, draft_tokens, reasoning_budget
         )
 
     def stream_chat_prepared(

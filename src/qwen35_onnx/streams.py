@@ -278,7 +278,9 @@ class TokenLoop:
         eos: token ids that end the generation (kept among the tokens).
         streamer: incremental detokenizer (``put(token) -> str``, ``end() -> str``).
         stream: the stream whose ``result`` this loop keeps.
-        constraint: the grammar every token keeps to (one per generation), or None.
+        constraint: the grammar every token keeps to (one per generation), a
+            :class:`~qwen35_onnx.conversation.reasoning.ReasoningBudget` (``forced``, ``mask`` and ``accept`` as a
+            grammar's), or None.
     """
 
     def __init__(

@@ -84,12 +84,26 @@ class Turn:
         request: the core's request.
     """
 
-    def __init__(self, generation: ScheduledGeneration, request: ChatRequest, prompt_tokens: int, max_tokens: int):
+    def __init__(
+        self,
+        generation: ScheduledGeneration,
+        request: ChatRequest,
+        prompt_tokens: int,
+        max_tokens: int,
+        gone: asyncio.Future | None = None,
+    ):
+        """``gone``: done when the client has left (watched by :meth:`whole`; a stream watches its connection
+        itself: :meth:`streamed`)."""
         self.generation, self.request = generation, request
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
-        self._gone: asyncio.Future | None = None
+        self._gone = gone
+
+    def streamed(self) -> None:
+        """The reply goes out as a stream, whose response notices a client that leaves: stop watching here."""
+        if self._gone is not None:
+            self._gone.cancel()
 
     @property
     def result(self) -> ChatResult:
@@ -323,7 +337,7 @@ class ConversationCore:
         if turn is None:
             return Response(status_code=499)  # nobody is listening
         if parsed.chat.stream:
-            turn._gone.cancel()  # the streaming response watches the connection itself
+            turn.streamed()
             return EventStream(api.events(turn, parsed), turn.cancel)
         try:
             deltas = await turn.whole()
@@ -366,9 +380,7 @@ class ConversationCore:
         except BaseException:
             gone.cancel()
             raise
-        turn = Turn(generation, req, prepared.prompt_len, max_tokens)
-        turn._gone = gone
-        return turn
+        return Turn(generation, req, prepared.prompt_len, max_tokens, gone)
 
     # ---- the server's facts -------------------------------------------------------------------------------------
     def model_card(self) -> dict:

@@ -51,8 +51,8 @@ from .request import (
     parse_stop,
     reply_format,
     require_object,
+    warn_once,
 )
-from .responses_input import warn_once
 
 __all__ = ["Messages", "MessagesRequest", "parse_messages_request"]
 

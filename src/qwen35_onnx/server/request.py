@@ -13,8 +13,10 @@ writes what comes back in its own shape. Errors found while preparing name field
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
+import threading
 from dataclasses import dataclass, field
 
 from ..conversation.messages import ChatInputError
@@ -33,9 +35,23 @@ __all__ = [
     "parse_stop",
     "reply_format",
     "require_object",
+    "warn_once",
 ]
 
 MAX_STOP_STRINGS = 16
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str, *args) -> None:
+    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(message, *args)
 
 
 class ParamNames:

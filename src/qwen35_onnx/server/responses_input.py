@@ -40,9 +40,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import logging
 import re
-import threading
 from dataclasses import dataclass, field
 
 from ..conversation.tools import ReplyFormat
@@ -57,11 +55,10 @@ from .request import (
     parse_stop,
     reply_format,
     require_object,
+    warn_once,
 )
 
-log = logging.getLogger(__name__)
-
-__all__ = ["ResponsesRequest", "ToolNames", "parse_responses_request", "translate_input", "warn_once"]
+__all__ = ["ResponsesRequest", "ToolNames", "parse_responses_request", "translate_input"]
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -69,18 +66,6 @@ TEXT_FILE_TYPES = re.compile(r"^(text/[\w.+-]+|application/(json|xml|javascript|
 EFFORT_OFF = ("none", "minimal")
 CUSTOM_INPUT = "input"
 """The one parameter of a custom tool's function."""
-
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def warn_once(key: str, message: str, *args) -> None:
-    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
-    with _warned_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    log.warning(message, *args)
 
 
 @dataclass

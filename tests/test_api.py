@@ -712,7 +712,7 @@ def test_kept_states_and_metrics_by_route(capped):
     from .test_server import scrape
 
     values = scrape(capped)
-    for route in ("/v1/responses", "/v1/responses/input_tokens", "/v1/messages", "/v1/messages/count_tokens"):
+    for route in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens"):
         assert values.get(("qwen35_onnx_requests_total", (("route", route), ("status", "200")))), route
     generations = ("qwen35_onnx_generations_total", (("outcome", "completed"), ("route", "/v1/messages")))
     assert values[generations] >= 2

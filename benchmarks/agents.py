@@ -256,6 +256,7 @@ def main() -> None:
     agents = find_agents(args.agents_dir, args.install)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    cached = (args.work_dir / f"export-{args.max_seq_len}" / "manifest.json").is_file()
     export = agent_export(args.work_dir, args.max_seq_len)
     export_s = time.monotonic() - t0
     server = Server(
@@ -313,8 +314,8 @@ def main() -> None:
         recorder.stop()
         server.stop()
     result = {
-        "run": run_info(),
-        "export": {"path": str(export), "capacity": args.max_seq_len, "built_s": round(export_s, 1)},
+        "run": {**run_info(), "command": " ".join(["benchmarks/agents.py", *sys.argv[1:]])},
+        "export": {"capacity": args.max_seq_len, "built_s": None if cached else round(export_s, 1)},
         "task": TASK,
         "agents": results,
     }

@@ -86,11 +86,10 @@ class Blocks:
                 self._text(TEXT, text, events)
             else:
                 self._held = text
-        for call in delta.tool_calls:
+        for call in delta.tool_calls:  # a call is a block of its own, opened and closed at once
             self._held = ""
-            block = self._switch(CALL, events, call)
+            self._switch(CALL, events, call)
             self._close(events)
-            del block
         return events
 
     def finish(self) -> list[BlockEvent]:

@@ -72,6 +72,31 @@ def test_keys_depend_on_tools_and_template_switches_and_skip_bodies_without_mess
         assert conversation_keys(body) == ()
 
 
+def test_keys_of_the_responses_and_messages_apis_and_of_stored_responses():
+    """A Responses request's keys run over its input items (a string is one), a Messages request's over its
+    messages, each after its own prompt fields; a continuation of a stored response starts with the response's
+    key, which the table records for the replica that stores it."""
+    from qwen35_onnx.cluster.conversations import response_key
+
+    items = [{"role": "user", "content": "q1"}, {"type": "function_call_output", "call_id": "c", "output": "x"}]
+    responses = conversation_keys({"input": items, "instructions": "Be brief."}, "/v1/responses")
+    assert (
+        len(responses) == 2
+        and responses[0] == conversation_keys({"input": items[:1], "instructions": "Be brief."}, "/v1/responses")[0]
+    )
+    assert responses != conversation_keys({"input": items}, "/v1/responses")  # the instructions are in every key
+    assert len(conversation_keys({"input": "q1"}, "/v1/responses")) == 1
+    anthropic = conversation_keys({"messages": items[:1], "system": "S"}, "/v1/messages")
+    assert anthropic != conversation_keys({"messages": items[:1]}, "/v1/messages")
+    assert conversation_keys({"messages": items[:1]}, "/v1/messages/count_tokens") == ()
+    follow = conversation_keys({"previous_response_id": "resp_1", "input": "q2"}, "/v1/responses")
+    assert follow[0] == response_key("resp_1") and len(follow) == 2
+    table = ConversationTable()
+    table.record("a", responses, also=(response_key("resp_1"),))
+    assert table.matches(follow, ["a", "b"]) == {"a": 1, "b": 0}  # the continuation goes where the response is
+    assert table.matches((response_key("resp_1"),), ["a", "b"])["a"] == 1  # so does GET /v1/responses/resp_1
+
+
 def test_table_follows_a_conversation_and_stays_bounded():
     table = ConversationTable(max_keys=2)
     chat = [{"role": "user", "content": "q1"}]

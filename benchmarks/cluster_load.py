@@ -47,15 +47,16 @@ TOPICS = ["rivers", "castles", "comets", "orchards", "glaciers", "lighthouses", 
 
 
 class Server:
-    """``qwen35-onnx serve`` in a subprocess, on a free port, until :meth:`stop`."""
+    """``qwen35-onnx serve`` in a subprocess (``env``: its environment), on a free port, until :meth:`stop`."""
 
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.log_path = log
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "qwen35_onnx.cli", "serve", "--port", "0", *args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
         deadline = time.monotonic() + 600
         while not (found := re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log.read_text())):

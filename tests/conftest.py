@@ -134,6 +134,7 @@ HEAVY_FIRST = (
     "test_openvino.py",
     "test_quantized_embedding.py",
     "test_cluster.py",
+    "test_api.py",
     "test_video.py",
     "test_chunked_prefill.py",
     "test_wide_parity.py",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import shutil
 
 import numpy as np
@@ -345,6 +346,10 @@ def test_chat_loop_keeps_the_conversation_and_survives_bad_turns(pipe, photo, mo
     assert log.count("the export takes at most 2 image(s) per prompt and this conversation already has 2") == 2
     assert "image file not found: /no/such.png" in log and f"cannot read image {not_an_image}" in log
     assert "unknown command '/frobnicate'" in log
+    left = [
+        int(n) for n, cap in re.findall(r"\| (\d+) of (\d+) tokens left", log) if int(cap) == pipe.contract.capacity
+    ]
+    assert len(left) == 3 and left[1] < left[0]  # what the capacity leaves after each answer; the history grows
     assert "more than the largest prefill bucket" in log and "; /reset starts a new conversation" in log
     # the refused long turn is dropped; /reset keeps only the system prompt
     assert [m["role"] for m in seen[0]] == ["system", "user"]

@@ -4,7 +4,8 @@ Fast tests: conversation keys and the router's table (property-based), the optio
 errors, the ASGI bridge a replica answers through, the merged metrics and health. The slow test runs
 a local Ray cluster of 2 replicas x 1 thread over conftest's chunked export: 6 OpenAI clients each
 holding a 4-turn conversation (every later turn comes home: cached tokens, answers equal to one
-pipeline's), streamed == whole, a client that leaves mid-stream, then one replica's process killed
+pipeline's), streamed == whole, a client that leaves mid-stream, stored Responses API responses found again (their
+continuations and GETs go to the replica that stores them), Anthropic Messages, then one replica's process killed
 under load (no wrong answer; only its in-flight requests fail, with a retryable error; Ray restarts
 it; later requests succeed), ``/health`` and ``/metrics`` per replica and aggregated.
 """
@@ -69,6 +70,31 @@ def test_keys_depend_on_tools_and_template_switches_and_skip_bodies_without_mess
     assert plain == conversation_keys({"messages": messages, "temperature": 0.5, "max_tokens": 3})
     for body in (None, [], "x", {}, {"messages": "hi"}):
         assert conversation_keys(body) == ()
+
+
+def test_keys_of_the_responses_and_messages_apis_and_of_stored_responses():
+    """A Responses request's keys run over its input items (a string is one), a Messages request's over its
+    messages, each after its own prompt fields; a continuation of a stored response starts with the response's
+    key, which the table records for the replica that stores it."""
+    from qwen35_onnx.cluster.conversations import response_key
+
+    items = [{"role": "user", "content": "q1"}, {"type": "function_call_output", "call_id": "c", "output": "x"}]
+    responses = conversation_keys({"input": items, "instructions": "Be brief."}, "/v1/responses")
+    assert (
+        len(responses) == 2
+        and responses[0] == conversation_keys({"input": items[:1], "instructions": "Be brief."}, "/v1/responses")[0]
+    )
+    assert responses != conversation_keys({"input": items}, "/v1/responses")  # the instructions are in every key
+    assert len(conversation_keys({"input": "q1"}, "/v1/responses")) == 1
+    anthropic = conversation_keys({"messages": items[:1], "system": "S"}, "/v1/messages")
+    assert anthropic != conversation_keys({"messages": items[:1]}, "/v1/messages")
+    assert conversation_keys({"messages": items[:1]}, "/v1/messages/count_tokens") == ()
+    follow = conversation_keys({"previous_response_id": "resp_1", "input": "q2"}, "/v1/responses")
+    assert follow[0] == response_key("resp_1") and len(follow) == 2
+    table = ConversationTable()
+    table.record("a", responses, also=(response_key("resp_1"),))
+    assert table.matches(follow, ["a", "b"]) == {"a": 1, "b": 0}  # the continuation goes where the response is
+    assert table.matches((response_key("resp_1"),), ["a", "b"])["a"] == 1  # so does GET /v1/responses/resp_1
 
 
 def test_table_follows_a_conversation_and_stays_bounded():
@@ -239,7 +265,7 @@ def test_metrics_carry_a_replica_label_and_health_adds_up():
     reports = {}
     for name, (running, hits) in {"r1": (1, 2), "r2": (0, 3), "old": (5, 7)}.items():
         metrics = ServerMetrics(lambda: {"running": 0, "waiting": 0, "slots": 1, "slots_busy": 0})
-        metrics.requests.labels("200").inc(hits)
+        metrics.requests.labels("/v1/chat/completions", "200").inc(hits)
         health = {"status": "ok", "running": running, "state_cache": {"hits": hits, "cached_tokens": 10 * hits}}
         age = STALE_SECONDS + 1 if name == "old" else 0.5
         reports[name] = {"metrics": metrics.render()[0].decode(), "health": health, "pid": 1, "age_s": age}
@@ -363,6 +389,22 @@ def test_two_replicas_route_conversations_home_and_survive_a_killed_replica(clus
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
         huge = httpx.post(f"{url}/v1/chat/completions", content=b"x" * (MAX_BODY + 1), timeout=60)
         assert huge.status_code == 413 and "--max-body-bytes" in huge.json()["error"]["message"]
+
+        # the Responses API: a stored response lives on one replica; its continuations and GET go there
+        for n in range(3):
+            ask = dict(model="m", max_output_tokens=6, temperature=0, reasoning={"effort": "none"})
+            first = client.responses.create(input=f"Responses conversation {n} is about kites?", **ask)
+            follow = client.responses.create(input="And then?", previous_response_id=first.id, **ask)
+            assert follow.usage.input_tokens_details.cached_tokens > 0, n
+            assert [client.responses.retrieve(first.id).id for _ in range(3)] == [first.id] * 3
+        # Anthropic's Messages API through the ingress, its errors in its own shape (from a replica, and the ingress)
+        hi = [{"role": "user", "content": "Hi"}]
+        message = httpx.post(f"{url}/v1/messages", json={"model": "m", "max_tokens": 6, "messages": hi}, timeout=60)
+        assert message.status_code == 200 and message.json()["type"] == "message", message.text
+        bad = httpx.post(f"{url}/v1/messages", json={"model": "m", "max_tokens": 0, "messages": hi}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
+        huge = httpx.post(f"{url}/v1/messages", content=b"x" * (MAX_BODY + 1), timeout=60)
+        assert huge.status_code == 413 and huge.json()["error"]["type"] == "request_too_large", huge.text
 
         # kill one replica's process under load
         victim = proc.health()["replicas"][0]["pid"]

@@ -702,10 +702,10 @@ def test_metrics_count_requests_tokens_and_times(server, client):
     def grew(name, labels=()):
         return after.get((name, labels), 0) - before.get((name, labels), 0)
 
-    requests = "qwen35_onnx_requests_total"
-    assert grew(requests, (("status", "200"),)) == 2
-    assert grew(requests, (("status", "400"),)) == 1 and grew(requests, (("status", "401"),)) == 1
-    assert grew("qwen35_onnx_generations_total", (("outcome", "completed"),)) == 2
+    requests, route = "qwen35_onnx_requests_total", ("route", "/v1/chat/completions")
+    assert grew(requests, (route, ("status", "200"))) == 2
+    assert grew(requests, (route, ("status", "400"))) == 1 and grew(requests, (route, ("status", "401"))) == 1
+    assert grew("qwen35_onnx_generations_total", (("outcome", "completed"), route)) == 2
     assert grew("qwen35_onnx_prompt_tokens_total") == 2 * PROMPT_TOKENS
     assert grew("qwen35_onnx_generation_tokens_total") == 2 * n
     for histogram in ("time_to_first_token_seconds", "decode_tokens_per_second", "request_duration_seconds"):
@@ -815,6 +815,8 @@ def test_chat_page_in_a_real_browser(server, browser, bigram_export, photo, tmp_
     browser.find_element(By.ID, "max-tokens").send_keys(str(n))
     send("Hi")
     wait.until(lambda d: "finish: length" in text_of(last_reply(), ".meta"))
+    left = CAPACITY - PROMPT_TOKENS - n
+    assert f"{PROMPT_TOKENS} prompt + {n} tokens · {left} of {CAPACITY} tokens left" in text_of(last_reply(), ".meta")
     assert text_of(last_reply(), ".content") == expected_content(n)
     assert text_of(last_reply(), ".reasoning-text") == REASONING
     first_prompt = server.health()["last"]["prompt_tokens"]
@@ -912,7 +914,7 @@ def test_serve_command_errors(tmp_path):
 # ---- the pieces without a server -----------------------------------------------------------------
 def test_sampling_defaults_follow_generation_config(tmp_path):
     from qwen35_onnx.runtime.sampling import SamplingConfig, sampling_defaults
-    from qwen35_onnx.server.protocol import parse_chat_request
+    from qwen35_onnx.server.chat_completions import parse_chat_request
 
     assert sampling_defaults(tmp_path) == SamplingConfig()  # no file: greedy
     config = tmp_path / "generation_config.json"
@@ -922,9 +924,11 @@ def test_sampling_defaults_follow_generation_config(tmp_path):
     defaults = sampling_defaults(tmp_path)
     assert defaults == SamplingConfig(temperature=0.6, top_p=0.95, top_k=20)
     # request values override one by one; top_k -1 is "off" as in vLLM
-    request = parse_chat_request({"messages": [], "temperature": 0, "seed": 5}, defaults)
+    request = parse_chat_request({"messages": [], "temperature": 0, "seed": 5}, defaults).chat
     assert request.sampling == SamplingConfig(temperature=0.0, top_p=0.95, top_k=20, seed=5)
-    request = parse_chat_request({"messages": [], "top_k": -1, "max_tokens": 3, "max_completion_tokens": 7}, defaults)
+    request = parse_chat_request(
+        {"messages": [], "top_k": -1, "max_tokens": 3, "max_completion_tokens": 7}, defaults
+    ).chat
     assert (request.sampling.top_k, request.max_tokens) == (0, 7)
     config.write_text(json.dumps({"do_sample": True, "top_p": 3}))
     with pytest.raises(ValueError, match="top_p"):

@@ -420,8 +420,8 @@ def test_soak_twelve_clients_on_four_slots(slot_export, photo):
         assert values["qwen35_onnx_decode_batch_rows_count"] == health["decode_steps"]
         assert values["qwen35_onnx_decode_batch_rows_sum"] == health["decode_rows"]
         assert health["decode_rows"] / health["decode_steps"] > 1.5  # requests decoded together
-        assert not any(key.startswith('qwen35_onnx_requests_total{status="5') for key in values)
-        assert not any(key.startswith('qwen35_onnx_requests_total{status="429') for key in values)
+        statuses = [key for key in values if key.startswith("qwen35_onnx_requests_total{")]
+        assert statuses and not any('status="5' in key or 'status="429' in key for key in statuses)
         kept = (health["state_cache"] or {}).get("bytes", 0)
         growth = _rss_bytes(proc.pid) - before
         print(f"soak: RSS growth {growth / 1e6:.1f} MB, kept states {kept / 1e6:.1f} MB, {dropped[0]} dropped")

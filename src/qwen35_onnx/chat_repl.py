@@ -124,9 +124,11 @@ def run_chat(
                 out.flush()
                 result = stream.result
                 cached = f" | {result.generation.cached_tokens} prompt tokens from the kept state" if states else ""
+                capacity = pipe.contract.capacity
+                left = max(capacity - result.prompt_tokens - result.completion_tokens, 0)
                 err.write(
                     f"[{result.finish_reason}] {result.completion_tokens} tokens | "
-                    f"{result.generation.timings.summary()}{cached}\n"
+                    f"{result.generation.timings.summary()}{cached} | {left} of {capacity} tokens left\n"
                 )
                 history = turn + [{"role": "assistant", "content": result.content}]
                 answered += 1

@@ -162,7 +162,12 @@ class ContractError(ValueError):
 
 
 class PromptTooLongError(ValueError):
-    """A prompt has more tokens than the export's largest prefill bucket (or its capacity)."""
+    """A prompt has more tokens than the export's largest prefill bucket (or its capacity): ``prompt_len``, its
+    tokens (None when not known)."""
+
+    def __init__(self, message: str, prompt_len: int | None = None):
+        super().__init__(message)
+        self.prompt_len = prompt_len
 
 
 def check_capacity(capacity: int) -> None:
@@ -387,10 +392,11 @@ def select_bucket(prompt_len: int, buckets, capacity: int, chunk_size: int) -> i
                 return b
         raise PromptTooLongError(
             f"prompt is {prompt_len} tokens, more than the largest prefill bucket {buckets[-1]} "
-            f"(buckets {list(buckets)}, capacity {capacity})"
+            f"(buckets {list(buckets)}, capacity {capacity})",
+            prompt_len,
         )
     if prompt_len > capacity:
-        raise PromptTooLongError(f"prompt is {prompt_len} tokens, more than the capacity {capacity}")
+        raise PromptTooLongError(f"prompt is {prompt_len} tokens, more than the capacity {capacity}", prompt_len)
     return -(-prompt_len // chunk_size) * chunk_size
 
 

@@ -46,7 +46,7 @@ from .conversation.grammar import GrammarCompiler, TokenConstraint
 from .conversation.images import load_image, to_rgb
 from .conversation.messages import ChatInputError, ChatVideo, ImagePolicy, ImageTooLarge, normalize_messages
 from .conversation.processor import ImageSizing, Preprocessor
-from .conversation.reasoning import THINK_END, ReasoningParser, prompt_opens_reasoning
+from .conversation.reasoning import THINK_END, ReasoningBudget, ReasoningParser, prompt_opens_reasoning
 from .conversation.tool_calls import ToolCallParser
 from .conversation.tools import ReplyFormat, parse_reply_format
 from .conversation.videos import VideoLimitError, VideoLimits, check_fps, read_video
@@ -535,6 +535,7 @@ class Pipeline:
         draft_tokens: int | None = None,
         fps: float | None = None,
         max_video_tokens: int | None = None,
+        reasoning_budget: int | None = None,
     ) -> ChatStream:
         """Start a chat turn: OpenAI-style ``messages`` (see :meth:`prepare_chat`, also for ``fps`` and
         ``max_video_tokens``), answered by
@@ -544,8 +545,8 @@ class Pipeline:
         ``ChatResult.tool_calls``); a required or named call and a response schema are enforced by
         constrained decoding. ``state_cache`` (:meth:`state_cache`): continue from the longest kept
         state of the prompt's tokens and keep this turn's states there. ``group`` (:meth:`group`):
-        decode together with the group's other generations. ``draft_tokens``: see :meth:`stream_prepared`. All input
-        checks run here, before any graph.
+        decode together with the group's other generations. ``draft_tokens``: see :meth:`stream_prepared`;
+        ``reasoning_budget``: see :meth:`stream_chat_prepared`. All input checks run here, before any graph.
 
         Raises:
             ChatInputError / ValueError: see :meth:`reply_format`, :meth:`prepare_chat` and :meth:`stream`.
@@ -555,7 +556,7 @@ class Pipeline:
             messages, chat_template_kwargs, image_policy, reply, max_image_tokens, fps, max_video_tokens
         )
         return self.stream_chat_prepared(
-            prepared, max_new_tokens, sampling, stop, reply, state_cache, group, draft_tokens
+            prepared, max_new_tokens, sampling, stop, reply, state_cache, group, draft_tokens, reasoning_budget
         )
 
     def stream_chat_prepared(
@@ -568,21 +569,32 @@ class Pipeline:
         state_cache: SnapshotCache | None = None,
         group: GenerationGroup | None = None,
         draft_tokens: int | None = None,
+        reasoning_budget: int | None = None,
     ) -> ChatStream:
         """:meth:`stream_chat` for input from :meth:`prepare_chat` (``reply``: the same
         :meth:`reply_format` the prompt was prepared with).
 
         With a constrained reply and a prompt that opens a reasoning block, the reasoning may use at
         most half of the new tokens (``</think>`` is forced then), so the answer always has room.
+        ``reasoning_budget``: most reasoning tokens of a reply whose prompt opens the reasoning block
+        (``</think>`` forced then; :class:`~qwen35_onnx.conversation.reasoning.ReasoningBudget`); None: no limit
+        of its own.
+
+        Raises:
+            ValueError: a ``reasoning_budget`` that is not an integer >= 1.
         """
         reply = reply or ReplyFormat()
         constraint = None
+        reasoning = prepared.opens_reasoning and self.has_think_markers
         if reply.constrained:
             limit = self.token_room(prepared) if max_new_tokens is None else max_new_tokens
-            reasoning = prepared.opens_reasoning and self.has_think_markers
             think_end = self.think_end_id if reasoning else None
             budget = max(int(limit) // 2, 1) if isinstance(limit, numbers.Integral) else None
+            if reasoning_budget is not None:
+                budget = reasoning_budget if budget is None else min(budget, reasoning_budget)
             constraint = self.grammars.constraint(reply, think_end, budget)
+        elif reasoning_budget is not None and reasoning:
+            constraint = ReasoningBudget(self.think_end_id, reasoning_budget)
         stream = self.stream_prepared(
             prepared, max_new_tokens, sampling, stop, constraint, state_cache, group, draft_tokens
         )

@@ -45,7 +45,7 @@ class GenerationResult:
     that stopped generation included), ``text`` their decoded text (special tokens skipped),
     ``finish_reason`` 'stop' or 'length' (None while unfinished), ``prompt_tokens`` the
     prompt length in tokens, ``cached_tokens`` those of them taken from a kept state instead of
-    prefilled (see ``state_cache``)."""
+    prefilled (see ``state_cache``), ``stop_string`` the stop string that ended it (None: none did)."""
 
     text: str
     token_ids: list[int]
@@ -53,6 +53,7 @@ class GenerationResult:
     prompt_tokens: int
     timings: Timings = field(default_factory=Timings)
     cached_tokens: int = 0
+    stop_string: str | None = None
 
 
 class GenerationStream:
@@ -277,7 +278,9 @@ class TokenLoop:
         eos: token ids that end the generation (kept among the tokens).
         streamer: incremental detokenizer (``put(token) -> str``, ``end() -> str``).
         stream: the stream whose ``result`` this loop keeps.
-        constraint: the grammar every token keeps to (one per generation), or None.
+        constraint: the grammar every token keeps to (one per generation), a
+            :class:`~qwen35_onnx.conversation.reasoning.ReasoningBudget` (``forced``, ``mask`` and ``accept`` as a
+            grammar's), or None.
     """
 
     def __init__(
@@ -366,7 +369,7 @@ class TokenLoop:
         slot freed)."""
         timings, cached = (Timings(), 0) if generation is None else (generation.timings, generation.cached_tokens)
         self.stream.result = GenerationResult(
-            "".join(self.emitted), self.tokens, self.finish, self.prompt_len, timings, cached
+            "".join(self.emitted), self.tokens, self.finish, self.prompt_len, timings, cached, self.stops.matched
         )
         if generation is not None:
             generation.close()

@@ -3,7 +3,8 @@
 
 A chat request's rendered prompt begins with its tools and template switches, then its messages in
 order, so two requests whose first *i* messages (and tools and switches) are equal share the prompt
-up to the end of message *i*. A request's **keys** are a hash chain over that order: key *i* digests
+up to the end of message *i*; the same holds for a Responses request's input items and an Anthropic Messages
+request's messages (:data:`PROMPT_FIELDS`). A request's **keys** are a hash chain over that order: key *i* digests
 the tools, the switches and messages 1..i. A replica that answered a request with messages 1..n
 keeps the state after its reply (the server's kept states), and the conversation's next request
 resends messages 1..n, the reply and a new message: its key *n* equals the last key of the request
@@ -24,26 +25,54 @@ import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-__all__ = ["ConversationTable", "conversation_keys", "count_route", "route_counts"]
+__all__ = ["ConversationTable", "conversation_keys", "count_route", "response_key", "route_counts"]
 
-PROMPT_FIELDS = ("tools", "tool_choice", "chat_template_kwargs")
-"""Request fields rendered into the prompt before (or around) the messages: part of every key."""
+PROMPT_FIELDS = {
+    "/v1/chat/completions": (("tools", "tool_choice", "chat_template_kwargs"), "messages"),
+    "/v1/responses": (("instructions", "tools", "tool_choice", "reasoning", "chat_template_kwargs"), "input"),
+    "/v1/messages": (("system", "tools", "tool_choice", "thinking"), "messages"),
+}
+"""Per route: the request fields rendered into the prompt before (or around) the conversation (part of every key),
+and the field that holds the conversation's messages or items."""
+
+RESPONSES_PATH = "/v1/responses"
 
 
 def _canonical(value) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str).encode()
 
 
-def conversation_keys(body: object) -> tuple[bytes, ...]:
-    """The keys of a chat request ``body`` (the parsed JSON object): key *i* (16 bytes) digests
-    :data:`PROMPT_FIELDS` and messages 1..i+1; empty when the body is not an object with a list of
-    messages (the replica answers such a request with its own error; routing does not care)."""
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+def response_key(response_id: str) -> bytes:
+    """The key of a stored response of the Responses API: the replica that stores it holds its state."""
+    return hashlib.blake2b(b"response:" + response_id.encode(errors="replace"), digest_size=16).digest()
+
+
+def conversation_keys(body: object, path: str = "/v1/chat/completions") -> tuple[bytes, ...]:
+    """The keys of a request ``body`` (the parsed JSON object) of the API at ``path``: key *i* (16 bytes) digests
+    the route's prompt fields (:data:`PROMPT_FIELDS`) and the conversation's messages (items) 1..i+1; empty when
+    the body is not an object with a list of them (the replica answers such a request with its own error;
+    routing does not care).
+
+    A Responses request continuing a stored response (``previous_response_id``) starts with that response's key
+    (:func:`response_key`: the router records it for the replica that stores a response, so continuations and
+    ``GET /v1/responses/{id}`` find that replica); a string ``input`` is one item.
+    """
+    fields, conversation = PROMPT_FIELDS.get(path, (None, None))
+    if fields is None or not isinstance(body, dict):
         return ()
-    digest = hashlib.blake2b(_canonical({k: body.get(k) for k in PROMPT_FIELDS}), digest_size=16).digest()
+    items = body.get(conversation)
+    previous = body.get("previous_response_id") if path == RESPONSES_PATH else None
+    if path == RESPONSES_PATH and isinstance(items, str):
+        items = [items]
+    if not isinstance(items, list) and not (isinstance(previous, str) and items is None):
+        return ()
     keys = []
-    for message in body["messages"]:
-        digest = hashlib.blake2b(digest + _canonical(message), digest_size=16).digest()
+    digest = hashlib.blake2b(_canonical({k: body.get(k) for k in fields}), digest_size=16).digest()
+    if isinstance(previous, str):
+        digest = response_key(previous)
+        keys.append(digest)
+    for item in items or ():
+        digest = hashlib.blake2b(digest + _canonical(item), digest_size=16).digest()
         keys.append(digest)
     return tuple(keys)
 
@@ -64,14 +93,17 @@ class ConversationTable:
         self._keys: dict[Hashable, OrderedDict] = {}
         self._lock = threading.Lock()
 
-    def record(self, replica: Hashable, keys: Sequence[bytes]) -> None:
-        """Remember that ``replica`` answered a request with ``keys`` (its last key is kept)."""
-        if not keys:
+    def record(self, replica: Hashable, keys: Sequence[bytes], also: Sequence[bytes] = ()) -> None:
+        """Remember that ``replica`` answered a request with ``keys`` (its last key is kept) and holds what the keys
+        ``also`` name (e.g. a response it stores: :func:`response_key`)."""
+        kept = [*keys[-1:], *also]
+        if not kept:
             return
         with self._lock:
             held = self._keys.setdefault(replica, OrderedDict())
-            held[keys[-1]] = None
-            held.move_to_end(keys[-1])
+            for key in kept:
+                held[key] = None
+                held.move_to_end(key)
             while len(held) > self.max_keys:
                 held.popitem(last=False)
 

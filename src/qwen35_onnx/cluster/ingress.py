@@ -3,9 +3,12 @@ request, computes its conversation keys and forwards it to a chat replica throug
 handle, whose router (:mod:`.routing`) picks the replica; it answers ``/health`` and ``/metrics``
 for the whole application itself.
 
-Forwarded: every route of the single-process server (``/v1/chat/completions``, ``/v1/models``, the
-chat page at ``/``), answered by the replica's own application, so checks, errors and streaming are
-the same as ``serve``'s. Answered here:
+Forwarded: every route of the single-process server (``/v1/chat/completions``, ``/v1/responses``,
+``/v1/messages``, ``/v1/models``, the chat page at ``/`` ...), answered by the replica's own application, so
+checks, errors and streaming are the same as ``serve``'s. A Responses request that will be stored takes an id
+drawn here, so that its continuations (``previous_response_id``) and ``GET`` / ``DELETE /v1/responses/{id}`` go
+to the replica that stores it (:mod:`.routing`); a replica that died takes its stored responses with it (404).
+Answered here:
 
 - ``GET /health`` (no auth): :func:`~.metrics.aggregate_health`: ``ok`` / ``degraded`` / ``down``
   (503), totals, and each replica's health, process id and node.
@@ -19,14 +22,16 @@ the same as ``serve``'s. Answered here:
 is sent once more, to another replica (Ray's router drops the dead one; Ray Serve restarts it),
 and counted in ``qwen35_onnx_cluster_retries_total``; a second failure is a 503
 ``replica_unavailable`` with ``Retry-After``. A non-streamed reply begins only when it is whole, so it
-is always retried. A streamed reply that has begun ends with an error event (``type``
-``server_error``, code ``replica_failed``: retry the request) and ``[DONE]``; the tokens it sent
+is always retried. A streamed reply that has begun ends with its API's error event (chat completions:
+``type`` ``server_error``, code ``replica_failed``: retry the request, then ``[DONE]``); the tokens it sent
 were right, it is cut short.
 """
 
 import asyncio
 import json
 import logging
+import re
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -35,10 +40,11 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from ..server.app import authorize, install_error_handlers, read_body
+from ..server.chat_completions import SSE_DONE
+from ..server.errors import APIError, anthropic_body
+from ..server.http import authorize, install_error_handlers, read_body, sse
 from ..server.options import MIB, ServerOptions
-from ..server.protocol import SSE_DONE, APIError, sse
-from .conversations import conversation_keys, route_counts
+from .conversations import conversation_keys, response_key, route_counts
 from .metrics import ClusterMetrics, aggregate_health
 from .replica import ForwardedRequest
 
@@ -49,8 +55,17 @@ log = logging.getLogger(__name__)
 REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
 """What a call raises when its replica died or cannot be reached (retryable)."""
 
-CHAT_PATH = "/v1/chat/completions"
-FORWARDED_HEADERS = {b"authorization", b"content-type", b"accept", b"host"}
+RESPONSES_PATH = "/v1/responses"
+STORED_RESPONSE = re.compile(r"^/v1/responses/(?!input_tokens$)([^/]+)$")
+FORWARDED_HEADERS = {
+    b"authorization",
+    b"x-api-key",
+    b"anthropic-version",
+    b"anthropic-beta",
+    b"content-type",
+    b"accept",
+    b"host",
+}
 RETRY_AFTER_SECONDS = 1
 """The ``Retry-After`` of a 429 or 503 answered here."""
 DROPPED_REPLY_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}
@@ -59,13 +74,21 @@ app = FastAPI(title="qwen35-onnx cluster", docs_url=None, redoc_url=None, openap
 install_error_handlers(app)
 
 
-def _keys_of(path: str, body: bytes) -> tuple[bytes, ...]:
-    if path != CHAT_PATH or not body:
-        return ()
+def _keys_of(path: str, body: bytes) -> tuple[tuple[bytes, ...], str | None]:
+    """The request's conversation keys and, for a Responses request that will be stored, the id its response
+    takes (drawn here, so the router can record which replica stores it)."""
+    stored = STORED_RESPONSE.match(path)
+    if stored is not None:  # GET / DELETE of a stored response: to the replica that stores it
+        return (response_key(stored.group(1)),), None
+    if not body:
+        return (), None
     try:
-        return conversation_keys(json.loads(body))
+        parsed = json.loads(body)
     except (ValueError, RecursionError):  # the replica answers it with 400
-        return ()
+        return (), None
+    keys = conversation_keys(parsed, path)
+    store = isinstance(parsed, dict) and parsed.get("store") is not False
+    return keys, f"resp_{uuid.uuid4().hex}" if path == RESPONSES_PATH and store else None
 
 
 class _Relay(Response):
@@ -83,6 +106,17 @@ class _Relay(Response):
         async for part in self.parts:
             await send({"type": "http.response.body", "body": part, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _failure_events(path: str, error: APIError) -> list[str]:
+    """The events that end a stream of ``path``'s API cut short by ``error``: Anthropic's ``error`` event, the
+    Responses API's ``error`` event, chat completions' error chunk and ``[DONE]``."""
+    if path.startswith("/v1/messages"):
+        return [sse(anthropic_body(error), "error")]
+    if path.startswith(RESPONSES_PATH):
+        body = {"type": "error", "code": error.code, "message": error.message, "param": None, "sequence_number": 0}
+        return [sse(body, "error")]
+    return [sse(error.body()), SSE_DONE]
 
 
 def _failure(message: str) -> APIError:
@@ -131,7 +165,7 @@ class Ingress:
         if path.startswith("/v1/"):  # before the body is read: a request without the key costs nothing
             authorize(request, self.options.api_key)
         body = await read_body(request, self.options.max_body_bytes)
-        keys = await asyncio.to_thread(_keys_of, path, body) if len(body) > MIB else _keys_of(path, body)
+        keys, response_id = await asyncio.to_thread(_keys_of, path, body) if len(body) > MIB else _keys_of(path, body)
         forwarded = ForwardedRequest(
             method=request.method,
             path=path,
@@ -139,6 +173,7 @@ class Ingress:
             headers=tuple((k, v) for k, v in request.headers.raw if k.lower() in FORWARDED_HEADERS),
             body=body,
             conversation=keys,
+            response_id=response_id,
         )
         for attempt in (1, 2):
             stream = self.replicas.chat.remote(forwarded)
@@ -176,9 +211,9 @@ class Ingress:
                 raise
         headers = [(k, v) for k, v in headers if k.lower() not in DROPPED_REPLY_HEADERS]
         events = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
-        return _Relay(self._relay(stream, events), status, headers)
+        return _Relay(self._relay(stream, events, path), status, headers)
 
-    async def _relay(self, stream, events: bool) -> AsyncIterator[bytes]:
+    async def _relay(self, stream, events: bool, path: str) -> AsyncIterator[bytes]:
         """The body parts of ``stream`` (a replica's answer that has begun); a replica that fails
         now ends an event stream with an error event (a plain body is cut off)."""
         try:
@@ -194,7 +229,7 @@ class Ingress:
                 "correct but cut short: retry the request"
             )
             error.code = "replica_failed"
-            yield sse(error.body()).encode()
-            yield SSE_DONE.encode()
+            for event in _failure_events(path, error):
+                yield event.encode()
         finally:
             stream.cancel()

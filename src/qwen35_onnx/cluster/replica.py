@@ -29,6 +29,7 @@ from ..runtime.backend import RuntimeOptions
 from ..runtime.select import share_threads
 from ..server.app import create_app
 from ..server.options import ServerOptions
+from ..server.responses import RESPONSE_ID_SCOPE
 
 __all__ = ["FORGET_SECONDS", "REPORT_SECONDS", "ChatReplica", "ForwardedRequest", "StatsBoard", "asgi_messages"]
 
@@ -48,8 +49,9 @@ class ForwardedRequest:
         method, path, query: as received (``query`` the raw query string, bytes).
         headers: ``(name, value)`` pairs, lower-case names, latin-1 bytes (ASGI's form).
         body: the whole request body (already within ``--max-body-bytes``).
-        conversation: the chat request's keys (:func:`~.conversations.conversation_keys`) for the
+        conversation: the request's conversation keys (:func:`~.conversations.conversation_keys`) for the
             router; empty for other requests.
+        response_id: the id the response of a Responses request takes (it will be stored), None otherwise.
     """
 
     method: str
@@ -58,6 +60,7 @@ class ForwardedRequest:
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
     conversation: tuple[bytes, ...] = field(default=(), repr=False)
+    response_id: str | None = None
 
 
 async def asgi_messages(app, request: ForwardedRequest) -> AsyncIterator[dict]:
@@ -83,6 +86,8 @@ async def asgi_messages(app, request: ForwardedRequest) -> AsyncIterator[dict]:
         "client": ("ingress", 0),
         "server": ("replica", 0),
     }
+    if request.response_id is not None:
+        scope[RESPONSE_ID_SCOPE] = request.response_id
     sent: asyncio.Queue = asyncio.Queue()
     gone = asyncio.Event()
     body_read = False

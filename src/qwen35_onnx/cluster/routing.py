@@ -12,7 +12,9 @@ process that holds the replicas' handle: the ingress).
    ``route_imbalance``; otherwise, or when no replica holds a prefix (a new conversation), the less
    loaded of two replicas drawn at random ("power of two choices": Mitzenmacher 2001; Ray Serve's
    default router). A full home (at ``max_ongoing_requests``) is passed over for the others.
-3. Where the request went, its last key is recorded (the state the replica keeps after replying).
+3. Where the request went, its last key is recorded (the state the replica keeps after replying), and the key of
+   the response it will store (a Responses request: its id, drawn by the ingress), so that the response's
+   continuations and ``GET /v1/responses/{id}`` go to that replica.
 
 :class:`RoundRobinRouter` (``--routing round-robin``): each request to the next replica in turn (for
 comparison: it ignores where a conversation's state is).
@@ -31,7 +33,7 @@ from itertools import count
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from .conversations import ConversationTable, count_route
+from .conversations import ConversationTable, count_route, response_key
 
 __all__ = ["ConversationRouter", "RoundRobinRouter"]
 
@@ -42,6 +44,14 @@ def _keys(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
     if pending_request is None or not pending_request.args:
         return ()
     return tuple(getattr(pending_request.args[0], "conversation", ()) or ())
+
+
+def _stored(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
+    """The key of the response the request's replica will store (Responses API), if any."""
+    if pending_request is None or not pending_request.args:
+        return ()
+    response_id = getattr(pending_request.args[0], "response_id", None)
+    return () if response_id is None else (response_key(response_id),)
 
 
 def _back_off_when_full(pending_request: PendingRequest | None) -> None:
@@ -97,13 +107,12 @@ class ConversationRouter(RequestRouter):
         return [_two_choices(others or homes)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        keys = _keys(pending_request)
-        if not keys:
-            return
-        matched = self.table.matches(keys, [replica_id, *self.curr_replicas])
-        longest = max(matched.values())
-        count_route("new" if longest == 0 else "home" if matched[replica_id] == longest else "away")
-        self.table.record(replica_id, keys)
+        keys, stored = _keys(pending_request), _stored(pending_request)
+        if keys:
+            matched = self.table.matches(keys, [replica_id, *self.curr_replicas])
+            longest = max(matched.values())
+            count_route("new" if longest == 0 else "home" if matched[replica_id] == longest else "away")
+        self.table.record(replica_id, keys, stored)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

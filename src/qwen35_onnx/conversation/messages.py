@@ -18,8 +18,9 @@ limits). An image URL is a
 ``data:image/{png,jpeg,webp,gif};base64,...`` URL, or a local file (a path or a ``file://`` URL)
 when the :class:`ImagePolicy` allows it; ``http(s)`` URLs are refused (the runtime fetches
 nothing from the network). ``developer`` is OpenAI's newer name for ``system`` and is rendered
-as ``system``. An assistant message's ``reasoning_content`` is dropped (Qwen templates drop
-earlier turns' reasoning too).
+as ``system``. The template gets one system message, first: leading system messages are joined, a later
+one becomes a user message where it stands (:func:`_system_first`). An assistant message's
+``reasoning_content`` is dropped (Qwen templates drop earlier turns' reasoning too).
 
 What the chat template receives: ``{"role", "content"}`` with content a string, or a list of
 ``{"type": "text", "text"}``, ``{"type": "image"}`` and ``{"type": "video"}`` parts (one placeholder each), the
@@ -230,7 +231,32 @@ def normalize_messages(messages, policy: ImagePolicy | None = None) -> tuple[lis
                     )
                 raise ChatInputError(f"{here}.type {kind!r} must be 'text', 'image_url' or 'video_url'", f"{here}.type")
         rendered.append({"role": _template_role(role), "content": parts, **calls})
-    return rendered, images
+    return _system_first(rendered), images
+
+
+def _system_first(rendered: list[dict]) -> list[dict]:
+    """One system message, first: the system messages before the first other message joined into one (their
+    text, paragraphs apart), and a system message after it made a user message where it stands. Chat templates
+    take one system message, first (Qwen3.5's refuses any other: "System message must be at the beginning"), and
+    clients send more: Codex several developer messages first, Claude Code its context as a system message after
+    the user's; a late one made a user turn keeps the prompt's start (and its kept state) unchanged."""
+    lead = 0
+    while lead < len(rendered) and rendered[lead]["role"] == "system":
+        lead += 1
+    out = rendered[lead:]
+    if lead > 1:
+        texts = [_text(m["content"]) for m in rendered[:lead]]
+        out = [{"role": "system", "content": "\n\n".join(t for t in texts if t)}, *out]
+    else:
+        out = rendered[:lead] + out
+    return [{**m, "role": "user"} if m["role"] == "system" and i > 0 else m for i, m in enumerate(out)]
+
+
+def _text(content) -> str:
+    """A system message's text (its text parts joined)."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
 
 
 def _tool_calls(message: dict, where: str) -> dict:

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ChatDelta", "ReasoningParser", "THINK_START", "THINK_END", "partial_suffix", "prompt_opens_reasoning"]
+__all__ = [
+    "ChatDelta",
+    "ReasoningBudget",
+    "ReasoningParser",
+    "THINK_START",
+    "THINK_END",
+    "partial_suffix",
+    "prompt_opens_reasoning",
+]
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -130,3 +138,38 @@ def partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+class ReasoningBudget:
+    """A limit on a free-text reply's reasoning: after ``budget`` reasoning tokens ``</think>`` (``think_end``, a
+    token id) is forced, so the answer comes (Anthropic's ``thinking.budget_tokens``). It offers the token loop what
+    a grammar constraint offers (``forced``, ``mask``, ``accept``) and constrains nothing else; use it for a reply
+    whose prompt opens the reasoning block.
+
+    Args:
+        think_end: the token id of ``</think>``.
+        budget: most reasoning tokens (>= 1).
+    """
+
+    def __init__(self, think_end: int, budget: int):
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"reasoning budget must be an integer >= 1 token, got {budget!r}")
+        self.think_end, self.budget = int(think_end), budget
+        self.reasoning_tokens = 0
+        self.in_reasoning = True
+
+    def forced(self) -> int | None:
+        """``</think>`` once the budget is spent (during the reasoning), else None."""
+        return self.think_end if self.in_reasoning and self.reasoning_tokens >= self.budget else None
+
+    def mask(self, logits):
+        """The logits unchanged: the budget forbids no token."""
+        return logits
+
+    def accept(self, token: int) -> None:
+        """Count a reasoning token (``</think>`` ends the reasoning)."""
+        if self.in_reasoning:
+            if int(token) == self.think_end:
+                self.in_reasoning = False
+            else:
+                self.reasoning_tokens += 1

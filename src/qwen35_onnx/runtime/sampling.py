@@ -111,18 +111,21 @@ class StopStrings:
         self.stops = tuple(stops)
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped the text (the earliest in it)
 
     def feed(self, piece: str) -> str:
-        """Add ``piece``; returns the text now safe to emit. Sets :attr:`stopped` on a match."""
+        """Add ``piece``; returns the text now safe to emit. Sets :attr:`stopped` (and :attr:`matched`, the stop
+        string) on a match."""
         if self.stopped:
             return ""
         if not self.stops:
             return piece
         self.pending += piece
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for s, i in ((s, self.pending.find(s)) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits)
             self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
+            out, self.pending = self.pending[:at], ""
             return out
         keep = 0  # longest suffix of pending that is a proper prefix of some stop string
         for stop in self.stops:

@@ -4,10 +4,12 @@ in a registry of the application's own (so two applications in one process do no
 Names follow Prometheus' conventions (a ``_total`` counter, base units: seconds) and mirror what
 vLLM and llama.cpp's server export:
 
-- ``qwen35_onnx_requests_total{status}``: chat completion requests by HTTP status (``200``,
-  ``400``, ``401``, ``413``, ``422``, ``429``, ``499``: the client left before its whole reply, ``500``);
-  a streamed reply counts 200 when it starts: how it ended is in ``generations_total``;
-- ``qwen35_onnx_generations_total{outcome}``: generations that ended ``completed``,
+- ``qwen35_onnx_requests_total{route,status}``: requests of the API routes (``/v1/chat/completions``,
+  ``/v1/responses``, ``/v1/responses/input_tokens``, ``/v1/responses/{id}``, ``/v1/messages``,
+  ``/v1/messages/count_tokens``) by HTTP status (``200``, ``400``, ``401``, ``404``, ``413``, ``422``, ``429``,
+  ``499``: the client left before its whole reply, ``500``); a streamed reply counts 200 when it starts: how it
+  ended is in ``generations_total``;
+- ``qwen35_onnx_generations_total{route,outcome}``: generations by route that ended ``completed``,
   ``cancelled`` (client gone) or ``failed``;
 - ``qwen35_onnx_prompt_tokens_total``, ``qwen35_onnx_generation_tokens_total``: tokens;
 - ``qwen35_onnx_time_to_first_token_seconds``: from the request's arrival (queue wait, image,
@@ -64,9 +66,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            f"{PREFIX}_requests", "Chat completion requests by HTTP status.", ["status"], registry=r
+            f"{PREFIX}_requests", "API requests by route and HTTP status.", ["route", "status"], registry=r
         )
-        self.generations = Counter(f"{PREFIX}_generations", "Generations by how they ended.", ["outcome"], registry=r)
+        self.generations = Counter(
+            f"{PREFIX}_generations", "Generations by route and how they ended.", ["route", "outcome"], registry=r
+        )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of generations.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", registry=r)
         self.draft_tokens = Counter(
@@ -113,12 +117,13 @@ class ServerMetrics:
         """Record one decode step of ``rows`` sequences (any thread)."""
         self.batch_rows.observe(rows)
 
-    def request(self, status: int) -> None:
-        """Count one chat completion request answered with HTTP ``status``."""
-        self.requests.labels(status=str(status)).inc()
+    def request(self, route: str, status: int) -> None:
+        """Count one request of ``route`` answered with HTTP ``status``."""
+        self.requests.labels(route=route, status=str(status)).inc()
 
     def generation(
         self,
+        route: str | None,
         outcome: str,
         prompt_tokens: int,
         completion_tokens: int,
@@ -128,11 +133,11 @@ class ServerMetrics:
         drafted: int = 0,
         accepted: int = 0,
     ) -> None:
-        """Record one ended generation: ``outcome`` completed / cancelled / failed; token counts;
+        """Record one ended generation of ``route``: ``outcome`` completed / cancelled / failed; token counts;
         its decode rate (tokens/s; not recorded when it ran no decode step: 0); seconds from the
         request's arrival to its first text (None: none came) and to its end; speculative decoding's draft tokens
         and the kept ones."""
-        self.generations.labels(outcome=outcome).inc()
+        self.generations.labels(route=route or "", outcome=outcome).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.draft_tokens.inc(drafted)

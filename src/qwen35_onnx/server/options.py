@@ -23,7 +23,7 @@ class ServerOptions:
     Attributes:
         model_name: the served model id (``/v1/models``, echoed in replies; the CLI's default is
             the export folder's name).
-        api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>``.
+        api_key: when set, ``/v1/*`` and ``/metrics`` need ``Authorization: Bearer <api_key>`` (or ``x-api-key``).
         max_queue: requests allowed to wait while every decode slot is taken (0: none).
         max_body_bytes: largest request body.
         max_image_bytes: largest encoded image (a data URL's decoded bytes or a file).
@@ -39,6 +39,10 @@ class ServerOptions:
         state_cache_dir: a folder where kept states are written too, so that a restarted server (or another one on
             the folder) continues from them; None: memory only.
         state_cache_disk_bytes: bytes of kept states in ``state_cache_dir``, least recently used removed first.
+        max_tokens: most tokens of any reply, on every route (llama-server's ``--n-predict``); a request asking
+            for more is served up to it and ends with the length reason; None: the capacity's.
+        response_store_bytes: bytes of stored Responses API responses (``store: true``, for
+            ``previous_response_id`` and ``GET /v1/responses/{id}``), least recently used dropped first; 0: none.
     """
 
     model_name: str | None = option(
@@ -47,7 +51,8 @@ class ServerOptions:
     api_key: str | None = option(
         None,
         "--api-key",
-        f"Require `Authorization: Bearer KEY` on /v1/* and /metrics (or set {API_KEY_ENV}); by default no auth.",
+        f"Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1/* and /metrics (or set {API_KEY_ENV}); by "
+        "default no auth.",
         env=API_KEY_ENV,
     )
     max_queue: int = option(8, "--max-queue", "Requests that may wait while every decode slot is taken; more get 429.")
@@ -96,6 +101,19 @@ class ServerOptions:
         "first.",
     )
 
+    max_tokens: int | None = option(
+        None,
+        "--max-tokens",
+        "Most tokens of any reply, on every route (llama-server's --n-predict): a request asking for more (agents ask "
+        "32k) is served up to it and ends with finish reason 'length'; by default what the capacity leaves.",
+    )
+    response_store_bytes: int = option(
+        64 * MIB,
+        "--response-store-bytes",
+        "Bytes of stored Responses API responses (store: true; previous_response_id, GET /v1/responses/ID), least "
+        "recently used dropped first; 0: none stored.",
+    )
+
     def validate(self) -> None:
         """Raises ValueError naming the option and its allowed range."""
         if not isinstance(self.model_name, str) or not self.model_name.strip():
@@ -130,6 +148,14 @@ class ServerOptions:
                 "--state-cache-dir needs kept states in memory too (--state-cache-bytes > 0): a state is kept in "
                 "memory while it is written and when it is read back"
             )
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(f"--max-tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.response_store_bytes, bool) or not isinstance(self.response_store_bytes, int):
+            raise ValueError(f"--response-store-bytes must be an integer, got {self.response_store_bytes!r}")
+        if self.response_store_bytes < 0:
+            raise ValueError(f"--response-store-bytes must be >= 0 (0: off), got {self.response_store_bytes}")
         if self.allowed_image_dir is not None and not Path(self.allowed_image_dir).is_dir():
             raise ValueError(f"--allowed-image-dir {str(self.allowed_image_dir)!r} is not a folder")
 

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..conversation.reasoning import ChatDelta
 from ..pipeline import ChatStream, Pipeline
-from .protocol import APIError
+from .errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,15 @@ class ScheduledGeneration:
         first_text_at: ``time.monotonic()`` when its first non-empty delta came (None before).
         ended_at: ``time.monotonic()`` when it ended (None before).
         outcome: completed, cancelled or failed once it has ended (None before).
+        route: the route its request came through (the metrics' label).
     """
 
-    def __init__(self, scheduler: Scheduler, stream: ChatStream, arrived: float | None = None):
+    def __init__(
+        self, scheduler: Scheduler, stream: ChatStream, arrived: float | None = None, route: str | None = None
+    ):
         self.scheduler = scheduler
         self.stream = stream
+        self.route = route
         self.outcome: str | None = None
         self._cancel_sent = False
         self.released = False  # its admission slot was handed on (when cancelled: before it has ended)
@@ -247,19 +251,19 @@ class Scheduler:
             return False
         return True
 
-    async def start(self, start, *args, arrived: float | None = None) -> ScheduledGeneration:
+    async def start(self, start, *args, arrived: float | None = None, route: str | None = None) -> ScheduledGeneration:
         """Start a generation in the worker thread (``start(*args, group=...)`` returns its ChatStream, a member of
         the group) in the slot :meth:`admit` took; the slot is released if starting fails. ``arrived``: the
-        request's arrival (``time.monotonic()``)."""
+        request's arrival (``time.monotonic()``); ``route``: its route (see :class:`ScheduledGeneration`)."""
         try:
-            return await self.call(self._start, start, args, arrived)
+            return await self.call(self._start, start, args, arrived, route)
         except BaseException:
             self.slots.release()
             raise
 
-    def _start(self, start, args, arrived: float | None) -> ScheduledGeneration:  # worker thread
+    def _start(self, start, args, arrived: float | None, route: str | None) -> ScheduledGeneration:  # worker thread
         stream = start(*args, group=self.group)
-        generation = ScheduledGeneration(self, stream, arrived)
+        generation = ScheduledGeneration(self, stream, arrived, route)
         self._scheduled.append(generation)
         self._pump()
         return generation

@@ -1,6 +1,6 @@
-"""The OpenAI Chat Completions protocol, without HTTP: a request body checked into a
-:class:`ChatRequest`, errors as OpenAI error bodies (:class:`APIError`), and the reply bodies
-(whole completions and ``chat.completion.chunk`` server-sent events).
+"""``POST /v1/chat/completions``: the OpenAI Chat Completions API over the conversation core (no HTTP here):
+a body checked into a :class:`~.request.ChatRequest`, the core's deltas written as ``chat.completion.chunk``
+events or one ``chat.completion``.
 
 Request fields: the OpenAI Chat Completions body (``messages``, ``stream``, ``max_tokens`` /
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
@@ -14,92 +14,51 @@ per call). Features this server does not have are refused with 400, never ignore
 
 from __future__ import annotations
 
-import json
-import math
-import numbers
-from dataclasses import dataclass, field
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-from ..conversation.messages import ChatInputError
 from ..conversation.reasoning import ChatDelta
-from ..conversation.tools import ReplyFormat, parse_reply_format
 from ..conversation.videos import MAX_FPS
 from ..runtime.sampling import SamplingConfig
+from .errors import APIError, bad_request
+from .http import sse
+from .request import ChatRequest, is_int, is_number, optional, parse_sampling, parse_stop, reply_format, require_object
 
 __all__ = [
-    "APIError",
-    "ChatRequest",
-    "bad_request",
+    "SSE_DONE",
+    "ChatCompletions",
+    "CompletionRequest",
     "chunk",
     "chunk_choice",
     "completion",
     "delta_dict",
     "message_dict",
     "parse_chat_request",
-    "sse",
     "usage",
+    "usage_of",
 ]
 
-MAX_STOP_STRINGS = 16
+ROUTE = "/v1/chat/completions"
+SSE_DONE = "data: [DONE]\n\n"
+"""The event that ends a stream."""
 
 
-class APIError(Exception):
-    """An error answered as an OpenAI error body with HTTP ``status`` (and a ``Retry-After`` header of
-    ``retry_after`` seconds when given)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-        retry_after: int | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-        self.retry_after = retry_after  # seconds, sent as a Retry-After header
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    """A 400 ``invalid_request_error`` naming ``param`` (the field) when given."""
-    return APIError(400, message, param, "invalid_value" if param else None)
-
-
-# ---- the request body --------------------------------------------------------------------------
 @dataclass
-class ChatRequest:
-    """A checked ``/v1/chat/completions`` body."""
+class CompletionRequest:
+    """A checked ``/v1/chat/completions`` body: the core's request and ``stream_options.include_usage``."""
 
-    messages: list
-    stream: bool = False
+    chat: ChatRequest
     include_usage: bool = False
-    max_tokens: int | None = None
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
-    chat_template_kwargs: dict | None = None
-    reply: ReplyFormat = field(default_factory=ReplyFormat)
-    fps: float | None = None
-    max_video_tokens: int | None = None
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _fps_ok(value) -> bool:
     """Frames per second in ``(0, MAX_FPS]`` (compared before anything converts it: a huge JSON integer stays an
     int)."""
-    return _is_number(value) and 0 < value <= MAX_FPS
+    return is_number(value) and 0 < value <= MAX_FPS
 
 
-def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kwargs=frozenset()) -> ChatRequest:
+def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kwargs=frozenset()) -> CompletionRequest:
     """Check the types and values of a ``/v1/chat/completions`` body (``messages`` themselves are
     checked by ``Pipeline.prepare_chat``). ``defaults``: the export's sampling defaults;
     ``reserved_kwargs``: names ``chat_template_kwargs`` may not set
@@ -108,99 +67,54 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
     Raises:
         APIError: 400 naming the field and what it must be.
     """
-    defaults = defaults or SamplingConfig()
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    body = require_object(body)
     if "messages" not in body:
         raise bad_request("messages is required", "messages")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {type(model).__name__}", "model")
-
-    def optional(name, check, what):
-        value = body.get(name)
-        if value is not None and not check(value):
-            raise bad_request(f"{name} must be {what}, got {json.dumps(value)[:80]}", name)
-        return value
-
-    stream = bool(optional("stream", lambda v: isinstance(v, bool), "true or false"))
-    stream_options = optional("stream_options", lambda v: isinstance(v, dict), "an object")
+    optional(body, "model", lambda v: isinstance(v, str), "a string")
+    stream = bool(optional(body, "stream", lambda v: isinstance(v, bool), "true or false"))
+    stream_options = optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
     include_usage = False
     if stream_options:
-        include_usage = stream_options.get("include_usage")
-        if include_usage is not None and not isinstance(include_usage, bool):
-            raise bad_request("stream_options.include_usage must be true or false", "stream_options.include_usage")
-        include_usage = bool(include_usage)
-
-    n = optional("n", _is_int, "an integer")
+        include_usage = bool(
+            optional(
+                stream_options,
+                "include_usage",
+                lambda v: isinstance(v, bool),
+                "true or false",
+                "stream_options.include_usage",
+            )
+        )
+    n = optional(body, "n", is_int, "an integer")
     if n is not None and n != 1:
         raise bad_request(f"n must be 1 (one choice per request), got {n}", "n")
     max_tokens = None
     for name in ("max_tokens", "max_completion_tokens"):  # the newer name wins, as in vLLM
-        value = optional(name, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        value = optional(body, name, lambda v: is_int(v) and v >= 1, "an integer >= 1")
         if value is not None:
             max_tokens = int(value)
+    sampling = parse_sampling(body, defaults or SamplingConfig())
+    stop = parse_stop(body.get("stop"), "stop")
 
-    temperature = optional(
-        "temperature", lambda v: _is_number(v) and math.isfinite(v) and v >= 0, "a number >= 0 (0 = greedy)"
-    )
-    top_p = optional("top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
-    top_k = optional("top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (0 or -1 = off)")
-    seed = optional("seed", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
-    sampling = SamplingConfig(
-        temperature=defaults.temperature if temperature is None else float(temperature),
-        top_k=defaults.top_k if top_k is None else max(int(top_k), 0),
-        top_p=defaults.top_p if top_p is None else float(top_p),
-        seed=None if seed is None else int(seed),
-    )
-    try:
-        sampling.validate()
-    except ValueError as exc:
-        raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from None
-
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = tuple(stop)
-    else:
-        raise bad_request(f"stop must be a string or a list of strings, got {type(stop).__name__}", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop holds {len(stop)} strings, more than {MAX_STOP_STRINGS}", "stop")
-    if any(not s for s in stop):
-        raise bad_request("stop strings must be non-empty, got ''", "stop")
-
-    kwargs = optional("chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+    kwargs = optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
     if kwargs:
         reserved = sorted(set(reserved_kwargs) & set(kwargs))
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
 
-    fps = optional("fps", _fps_ok, f"a number in (0, {MAX_FPS:g}] (frames per second)")
-    mm_kwargs = optional("mm_processor_kwargs", lambda v: isinstance(v, dict), "an object")
+    fps = optional(body, "fps", _fps_ok, f"a number in (0, {MAX_FPS:g}] (frames per second)")
+    mm_kwargs = optional(body, "mm_processor_kwargs", lambda v: isinstance(v, dict), "an object")
     if mm_kwargs:
         unknown = sorted(set(mm_kwargs) - {"fps"})
         if unknown:
             raise bad_request(f"mm_processor_kwargs may set fps only, got {', '.join(unknown)}", "mm_processor_kwargs")
-        value = mm_kwargs.get("fps")
-        if value is not None and not _fps_ok(value):
-            raise bad_request(
-                f"mm_processor_kwargs.fps must be a number in (0, {MAX_FPS:g}], got {json.dumps(value)[:80]}",
-                "mm_processor_kwargs.fps",
-            )
+        value = optional(mm_kwargs, "fps", _fps_ok, f"a number in (0, {MAX_FPS:g}]", "mm_processor_kwargs.fps")
         fps = value if value is not None else fps
-    max_video_tokens = optional("max_video_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    max_video_tokens = optional(body, "max_video_tokens", lambda v: is_int(v) and v >= 1, "an integer >= 1")
 
     # Features this server does not have: refused rather than silently ignored.
-    try:
-        reply = parse_reply_format(
-            body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), body.get("response_format")
-        )
-    except ChatInputError as exc:
-        raise bad_request(str(exc), exc.param) from None
-
+    reply = reply_format(
+        body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"), body.get("response_format")
+    )
     for name, off in (
         ("functions", lambda v: not v),
         ("logprobs", lambda v: not v),
@@ -212,10 +126,9 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
         if value is not None and not off(value):
             raise bad_request(f"{name} is not supported by this server", name)
 
-    return ChatRequest(
+    chat = ChatRequest(
         messages=body["messages"],
         stream=stream,
-        include_usage=include_usage,
         max_tokens=max_tokens,
         sampling=sampling,
         stop=stop,
@@ -224,18 +137,10 @@ def parse_chat_request(body, defaults: SamplingConfig | None = None, reserved_kw
         fps=None if fps is None else float(fps),
         max_video_tokens=max_video_tokens,
     )
+    return CompletionRequest(chat, include_usage)
 
 
 # ---- replies -----------------------------------------------------------------------------------
-def sse(payload) -> str:
-    """One server-sent event carrying ``payload`` as compact JSON."""
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-"""The event that ends a stream."""
-
-
 def delta_dict(delta: ChatDelta, first_call_index: int = 0) -> dict:
     """A chunk's ``delta`` for a :class:`~qwen35_onnx.conversation.reasoning.ChatDelta`; its tool
     calls are numbered from ``first_call_index`` (the calls of the reply's earlier deltas)."""
@@ -281,6 +186,18 @@ def usage(
     return body
 
 
+def usage_of(result) -> dict:
+    """The ``usage`` object of a finished :class:`~qwen35_onnx.streams.ChatResult`."""
+    timings = result.generation.timings
+    return usage(
+        result.prompt_tokens,
+        result.completion_tokens,
+        result.generation.cached_tokens,
+        timings.drafted,
+        timings.accepted,
+    )
+
+
 def chunk(completion_id: str, created: int, model: str, choices: list, usage=None, include_usage: bool = False) -> dict:
     """A ``chat.completion.chunk`` (``usage`` present, possibly null, when the client asked for it)."""
     body = {
@@ -314,3 +231,52 @@ def completion(
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
         "usage": usage,
     }
+
+
+class ChatCompletions:
+    """The chat completions API of a server (see the module docstring): ``model`` is the served model's id,
+    ``defaults`` the export's sampling, ``reserved_kwargs`` the template variables requests may not set."""
+
+    route = ROUTE
+
+    def __init__(self, model: str, defaults: SamplingConfig, reserved_kwargs=frozenset()):
+        self.model, self.defaults, self.reserved_kwargs = model, defaults, reserved_kwargs
+
+    def parse(self, body, request=None) -> CompletionRequest:
+        return parse_chat_request(body, self.defaults, self.reserved_kwargs)
+
+    async def events(self, turn, req: CompletionRequest) -> AsyncIterator[str]:
+        """``chat.completion.chunk`` events: the role, one per delta, the finish reason, the usage when asked
+        for, ``[DONE]``; a failure is an error event then ``[DONE]``."""
+        completion_id, created, model = f"chatcmpl-{turn.id}", int(time.time()), self.model
+        usage_on = req.include_usage
+
+        def event(choices: list, body_usage=None) -> str:
+            return sse(chunk(completion_id, created, model, choices, body_usage, include_usage=usage_on))
+
+        yield event(chunk_choice({"role": "assistant", "content": ""}))
+        calls = 0
+        try:
+            async for delta in turn.deltas():
+                if delta is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                yield event(chunk_choice(delta_dict(delta, calls)))
+                calls += len(delta.tool_calls)
+        except APIError as error:
+            yield sse(error.body())
+            yield SSE_DONE
+            return
+        result = turn.result
+        yield event(chunk_choice({}, result.finish_reason))
+        if usage_on:
+            yield event([], usage_of(result))
+        yield SSE_DONE
+
+    def body(self, turn, deltas: list[ChatDelta], req: CompletionRequest) -> dict:
+        """A whole ``chat.completion``."""
+        result = turn.result
+        message = message_dict(result.content, result.reasoning_content, result.tool_calls)
+        return completion(
+            f"chatcmpl-{turn.id}", int(time.time()), self.model, message, result.finish_reason, usage_of(result)
+        )

@@ -22,6 +22,17 @@ ONNX_TYPE = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16, "
 ONNX_TYPE["int8"] = onnx.TensorProto.INT8
 
 
+@pytest.fixture(scope="module")
+def int8_chunked(trained_checkpoint, tmp_path_factory):
+    """The trained demo checkpoint, ``--ops ort --kv-dtype int8`` with prefill chunks 8 and 32 (the prompt's chunks
+    hold an fp32 cache, the decode graph int8 codes)."""
+    return build_once(
+        tmp_path_factory,
+        "trained-ort-int8-chunks",
+        lambda folder: export_to(trained_checkpoint, folder, ops="ort", kv_dtype="int8", prefill_chunks=(8, 32)),
+    )
+
+
 def _kv_types(path) -> set[int]:
     graph = onnx.load(str(path), load_external_data=False).graph
     return {v.type.tensor_type.elem_type for v in [*graph.input, *graph.output] if "kv_cache" in v.name}
@@ -32,11 +43,11 @@ def _kv_types(path) -> set[int]:
     ("ops", "kv_dtype", "runtime"),
     [("ort", "fp16", "onnxruntime"), ("ort", "int8", "onnxruntime"), ("portable", "bf16", "openvino")],
 )
-def test_kv_precision_against_fp32(ops, kv_dtype, runtime, trained_export, photo):
+def test_kv_precision_against_fp32(ops, kv_dtype, runtime, trained_export, int8_chunked, photo):
     """The decode graph's KV inputs and outputs are of the cache's dtype, the prefill graph's of the activations'
     (fp32); last-logit cosine against the fp32 cache >= 0.999; greedy tokens equal for fp16 and bf16, and for int8
     equal or parting where fp32's own margin is a near tie."""
-    out = trained_export(ops, kv_dtype=kv_dtype)
+    out = int8_chunked if kv_dtype == KvDtype.INT8 else trained_export(ops, kv_dtype=kv_dtype)
     contract = read_manifest(out)
     assert (contract.dtype, contract.kv_precision, contract.prompt_kv_dtype) == ("fp32", kv_dtype, "fp32")
     assert contract.state_dtypes == {"conv": "fp32", "recurrent": "fp32", "kv": kv_dtype}
@@ -65,16 +76,11 @@ def test_kv_precision_against_fp32(ops, kv_dtype, runtime, trained_export, photo
 
 
 @pytest.mark.slow
-def test_int8_chat_continues_from_kept_states_as_it_runs_cold(trained_checkpoint, tmp_path_factory):
+def test_int8_chat_continues_from_kept_states_as_it_runs_cold(int8_chunked):
     """A chunked int8 export: the chunks prefill with an fp32 cache and the reply decodes with int8 codes (one
     conversion); a kept state (int8 codes) continues the next turn through the chunks again, and its greedy
     tokens equal those of the whole conversation prefilled cold; the kept snapshot holds int8 codes."""
-    out = build_once(
-        tmp_path_factory,
-        "trained-ort-int8-chunks",
-        lambda folder: export_to(trained_checkpoint, folder, ops="ort", kv_dtype="int8", prefill_chunks=(8, 32)),
-    )
-    pipe = Pipeline.from_exported(out)
+    pipe = Pipeline.from_exported(int8_chunked)
     assert pipe.backend.kv_codec.converts
     cache = pipe.state_cache()
     turn = [{"role": "user", "content": "Tell me about the water cycle."}]

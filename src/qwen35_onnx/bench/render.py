@@ -43,8 +43,11 @@ BLOCKS: dict[str, Callable[[Path, Path], str]] = {
     "video-decoders": run_tables.video_decoders,
     "grammar": run_tables.grammar,
     "state-cache": run_tables.state_cache,
+    "kv-token-bytes": run_tables.kv_token_bytes,
 }
 """Block name -> its renderer: ``(repository root, page from the root) -> Markdown``."""
+COMPUTED_BLOCKS = ("kv-token-bytes",)
+"""Blocks computed from the code's own data (the published configurations), not from a stored run."""
 
 PAGES = ("README.md", "CONTRIBUTING.md", "docs")
 """Where rendered blocks may be: these files and every Markdown file under these folders."""

@@ -21,6 +21,7 @@ __all__ = [
     "speculative_rates",
     "speculative_readme",
     "speculative_summary",
+    "kv_token_bytes",
     "state_cache",
     "streams_decode",
     "streams_servers",
@@ -618,3 +619,36 @@ def state_cache(root: Path, page: Path) -> str:
         )
 
     return _each(load_runs(root, "state_cache"), section, "kept-states-on-disk")
+
+
+# ---- what a token of KV cache takes (computed from the published configurations, not measured) ----------------
+def kv_token_bytes(root: Path, page: Path) -> str:
+    """The KV cache's bytes per token of one sequence for each published size and KV precision, and per 1,000
+    tokens, from :mod:`qwen35_onnx.presets` (``2 x full-attention layers x KV heads x head_dim x bytes``)."""
+    from ..contract import DTYPE_BYTES
+    from ..presets import PRESETS, preset_config
+
+    rows = []
+    for name in (n for n in PRESETS if n != "tiny"):
+        text = preset_config(name).text_config
+        full = sum(kind == "full_attention" for kind in text.layer_types)
+        values = 2 * full * text.num_key_value_heads * text.head_dim
+        cells = [
+            f"{values * DTYPE_BYTES[d] / 1024:g} KiB / {values * DTYPE_BYTES[d] * 1000 / 2**20:.1f} MiB"
+            for d in (
+                "fp32",
+                "fp16",
+                "int8",
+            )
+        ]
+        rows.append(
+            [f"Qwen{name.removeprefix('qwen')[:-1]}B", f"{full} x {text.num_key_value_heads} x {text.head_dim}", *cells]
+        )
+    table = _table(
+        ["model", "full-attention layers x KV heads x head_dim", "fp32", "fp16 / bf16", "int8"], rows, "---:"
+    )
+    note = (
+        "Per token / per 1,000 tokens of one sequence, computed from the published configurations "
+        "(`src/qwen35_onnx/presets.py`), not measured."
+    )
+    return "\n".join([*table, "", note])

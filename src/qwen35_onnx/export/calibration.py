@@ -26,7 +26,7 @@ from torch import nn
 from ..paths import asset_path
 from .weight_source import CheckpointWeights, parameter_names
 
-CALIBRATION_TOKENS = 2048
+CALIBRATION_TOKENS = 1024
 """Most calibration tokens (the chat-templated text is cut there)."""
 KV_SCALE_MARGIN = 1.0
 """Headroom of the scales over the calibrated maximum (1.0: the calibrated maximum maps to code 127)."""

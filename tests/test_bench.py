@@ -207,6 +207,41 @@ def test_targets_show_the_ratio_of_every_round(tmp_path: Path):
     assert "= 1.15x (missed)" in exact[-1]  # 1.15 < 1.5, shown as 1.15 (not 1.14 from 114.999...)
 
 
+def test_peak_memory_by_length_and_the_ik_llama_cpp_targets_at_their_lengths():
+    """Agent lengths: the peak memory by length (the largest over the rounds) in its own table, and
+    the targets against ik_llama.cpp each read at its own lengths (issue 56 up to 512 tokens, issue 54
+    from 8k)."""
+    from qwen35_onnx.bench.protocol import merge_rounds
+    from qwen35_onnx.bench.report import ik_target_lines, memory_by_length_lines
+
+    lengths = (32, 1024, 8192)
+    ours = merge_rounds(
+        [
+            PeerResult("ort int4", dict.fromkeys(lengths, p), dict.fromkeys(lengths, d), peak_rss_by_length=peaks)
+            for p, d, peaks in [(100.0, 10.0, {32: 10**9, 8192: 2 * 10**9}), (100.0, 10.0, {32: 3 * 10**9})]
+        ]
+    )
+    assert ours.peak_rss_by_length == {32: 3 * 10**9, 8192: 2 * 10**9}
+    ik = PeerResult("ik_llama.cpp Q4_0 pure", dict.fromkeys(lengths, 110.0), dict.fromkeys(lengths, 11.0))
+    ik.peak_rss_by_length = {32: 5 * 10**8, 1024: 6 * 10**8, 8192: 7 * 10**8}
+    table = memory_by_length_lines([ours, ik, PeerResult("transformers eager", {32: 1.0}, {32: 1.0})], 33024)
+    assert "KV capacity of 33024 tokens" in table[1]
+    assert table[3:] == [
+        "| peer | 32 | 1024 | 8192 |",
+        "|---|---|---|---|",
+        "| ort int4 | 3.00 | - | 2.00 |",
+        "| ik_llama.cpp Q4_0 pure | 0.50 | 0.60 | 0.70 |",
+    ]
+    assert memory_by_length_lines([PeerResult("x", {32: 1.0}, {32: 1.0})]) == []
+    lines = [line for line in ik_target_lines([ours, ik]) if line.startswith("- ")]
+    assert lines == [
+        "- decode, ik_llama.cpp Q4_0 pure / ort int4, target >= 1.15x: 32: 11.0 / 10.0 ms = 1.10x (missed)",
+        "- prefill, ik_llama.cpp Q4_0 pure / ort int4, target >= 1.2x: 32: 110.0 / 100.0 ms = 1.10x (missed)",
+        "- prefill, ik_llama.cpp Q4_0 pure / ort int4, target >= 1.0x: 8192: 110.0 / 100.0 ms = 1.10x (met)",
+        "- decode, ik_llama.cpp Q4_0 pure / ort int4, target >= 1.0x: 8192: 11.0 / 10.0 ms = 1.10x (met)",
+    ]
+
+
 def test_int4_product_model_computes_its_codes_times_its_scales():
     # the bandwidth probe's (and benchmarks/int4_kernel_rate.py's) graph: MatMulNBits' layout, unsigned
     # codes around the default zero point 8, low nibble first

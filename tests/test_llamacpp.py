@@ -307,7 +307,10 @@ def test_an_ik_llama_cpp_row_runs_its_engine_on_the_file_its_quantizer_writes(tm
     assert len((bins["main"] / "llama-quantize.calls").read_text().splitlines()) == 1  # one file for both rows
     assert "-rtr" not in (bins["main"] / "llama-bench.calls").read_text()
 
-    bench_llamacpp_row("ik_llama.cpp IQ4_KS pure", peer, (32,), protocol, log=lambda m: None)
+    for row in ("ik_llama.cpp IQ4_KS pure", "ik_llama.cpp IQ4_KS pure rtr"):  # one file, as stored and repacked
+        bench_llamacpp_row(row, peer, (32,), protocol, log=lambda m: None)
+    calls = (bins["ik"] / "llama-bench.calls").read_text().splitlines()[3:]
+    assert ["-rtr 1" in c for c in calls] == [False] * 3 + [True] * 3
     target = tmp_path / "model-IQ4_KS-pure-ik_llama.cpp.gguf"
     assert (bins["ik"] / "llama-quantize.calls").read_text().split() == [
         "--pure",

@@ -233,9 +233,20 @@ LLAMACPP_ROWS = {
     "llama.cpp BF16": GgufRow(LLAMA_CPP, "BF16"),
     # the llama.cpp Q4_0 pure row's own file, repacked at load into ik_llama.cpp's Q4_0_R8
     "ik_llama.cpp Q4_0 pure": GgufRow(IK_LLAMA_CPP, "Q4_0", ("--pure",), repack=True, quantizer=LLAMA_CPP),
-    # ik_llama.cpp's own 4-bit type (4.25 bits a weight), every tensor, repacked at load into IQ4_KS_R4
-    "ik_llama.cpp IQ4_KS pure": GgufRow(IK_LLAMA_CPP, "IQ4_KS", ("--pure",), repack=True),
+    # ik_llama.cpp's own 4-bit type (4.25 bits a weight), every tensor, as stored: see IK_RECOMMENDED
+    "ik_llama.cpp IQ4_KS pure": GgufRow(IK_LLAMA_CPP, "IQ4_KS", ("--pure",)),
+    # the same file repacked at load into IQ4_KS_R4 (tensors with a row size not a multiple of 256
+    # fall back to IQ4_NL: repacked, ik_llama.cpp's kernel then asserts on those with 4 mod 8 rows,
+    # as in the tiny preset)
+    "ik_llama.cpp IQ4_KS pure rtr": GgufRow(IK_LLAMA_CPP, "IQ4_KS", ("--pure",), repack=True),
 }
+IK_RECOMMENDED = "ik_llama.cpp IQ4_KS pure"
+"""ik_llama.cpp's 4-bit row: IQ4_KS, its own non-linear 4-bit type (4.25 bits a weight: fewer bytes
+per decode step than Q4_0's 4.5; ik_llama.cpp PR 83), with Zen4 / AVX-512 prefill kernels (PR 428),
+every tensor (``--pure``, as this project's int4). Not repacked: its author's advice for CPUs with
+AVX-512 VNNI is the plain layouts (ik_llama.cpp issue 2445, 2026-09); ``... rtr`` measures the
+repacked IQ4_KS_R4 beside it. Chosen over IQ4_XS (the same bits, mainline's type) as the fork's own;
+this 2-core machine was too loaded on 2026-12-07 for llama-bench to rank the two."""
 E2E_PROMPT = 32
 TOKENIZER_SAMPLE = (
     "Qwen3.5 reads text, code and pictures: def f(x):\n    return x ** 2  # 3.14159\n"

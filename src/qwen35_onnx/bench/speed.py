@@ -25,7 +25,8 @@ on the same checkpoint:
   prompt through ``llama-mtmd-cli``;
 - ik_llama.cpp, the CPU-tuned fork (the same module): built once from the ``ik-llama-cpp-python``
   source distribution, run with run-time repacking (``-rtr``) on the llama.cpp Q4_0 pure row's own
-  file and on its own 4-bit type (IQ4_KS, every tensor), measured the same way;
+  file, and on its own 4-bit type (IQ4_KS, every tensor) as stored and repacked, measured the same
+  way;
 - the floor: bytes read per decode token (weights + states) / the machine's read
   bandwidth, measured in the same run (ONNX Runtime ReduceSum over 1 GiB);
 - constrained decoding (:mod:`.constrained`): the grammar's time per token against the decode

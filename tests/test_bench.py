@@ -242,6 +242,46 @@ def test_peak_memory_by_length_and_the_ik_llama_cpp_targets_at_their_lengths():
     ]
 
 
+def test_bench_pipeline_counts_each_lengths_peak_afresh():
+    """Each length's peak memory is its own (the previous length's freed memory handed back, the
+    kernel's peak reset), the row's peak the largest, its load before the lengths included."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from qwen35_onnx.bench.memory import reset_peak
+    from qwen35_onnx.bench.protocol import Protocol
+    from qwen35_onnx.bench.speed import bench_pipeline
+
+    if not reset_peak():
+        pytest.skip("the kernel does not let this process reset its peak (/proc/self/clear_refs)")
+
+    class Generation:
+        def __init__(self, tokens: int):
+            self.tokens = tokens
+
+        def prefill(self):
+            held = bytearray(self.tokens * 2**17)  # 128 KiB a token while it runs
+            held[::4096] = b"x" * len(held[::4096])
+            return np.zeros(8)
+
+        def step(self, token):
+            return np.zeros(8)
+
+    backend = SimpleNamespace(shared_weight_bytes=dict, unload_prefill=lambda: None, load_prefill=lambda b: None)
+    pipe = SimpleNamespace(
+        backend=backend,
+        prepare_ids=lambda ids: SimpleNamespace(tokens=ids.shape[1], bucket=None),
+        generation=lambda prepared: Generation(prepared.tokens),
+        generate_prepared=lambda prepared, max_new_tokens, sampling: SimpleNamespace(token_ids=[1] * max_new_tokens),
+    )
+    prompts = {n: np.zeros((1, n), np.int64) for n in (512, 32)}  # the longer first: its peak must not stay
+    result = bench_pipeline("fake", pipe, prompts, Protocol.with_prefill_runs(1))
+    assert set(result.peak_rss_by_length) == {32, 512} and not result.peak_sampled
+    assert result.peak_rss_by_length[512] - result.peak_rss_by_length[32] > 40 * 2**20
+    assert result.peak_rss_bytes >= result.peak_rss_by_length[512]
+
+
 def test_int4_product_model_computes_its_codes_times_its_scales():
     # the bandwidth probe's (and benchmarks/int4_kernel_rate.py's) graph: MatMulNBits' layout, unsigned
     # codes around the default zero point 8, low nibble first

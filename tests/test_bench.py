@@ -207,6 +207,81 @@ def test_targets_show_the_ratio_of_every_round(tmp_path: Path):
     assert "= 1.15x (missed)" in exact[-1]  # 1.15 < 1.5, shown as 1.15 (not 1.14 from 114.999...)
 
 
+def test_peak_memory_by_length_and_the_ik_llama_cpp_targets_at_their_lengths():
+    """Agent lengths: the peak memory by length (the largest over the rounds) in its own table, and
+    the targets against ik_llama.cpp each read at its own lengths (issue 56 up to 512 tokens, issue 54
+    from 8k)."""
+    from qwen35_onnx.bench.protocol import merge_rounds
+    from qwen35_onnx.bench.report import ik_target_lines, memory_by_length_lines
+
+    lengths = (32, 1024, 8192)
+    ours = merge_rounds(
+        [
+            PeerResult("ort int4", dict.fromkeys(lengths, p), dict.fromkeys(lengths, d), peak_rss_by_length=peaks)
+            for p, d, peaks in [(100.0, 10.0, {32: 10**9, 8192: 2 * 10**9}), (100.0, 10.0, {32: 3 * 10**9})]
+        ]
+    )
+    assert ours.peak_rss_by_length == {32: 3 * 10**9, 8192: 2 * 10**9}
+    ik = PeerResult("ik_llama.cpp Q4_0 pure", dict.fromkeys(lengths, 110.0), dict.fromkeys(lengths, 11.0))
+    ik.peak_rss_by_length = {32: 5 * 10**8, 1024: 6 * 10**8, 8192: 7 * 10**8}
+    table = memory_by_length_lines([ours, ik, PeerResult("transformers eager", {32: 1.0}, {32: 1.0})], 33024)
+    assert "KV capacity of 33024 tokens" in table[1]
+    assert table[3:] == [
+        "| peer | 32 | 1024 | 8192 |",
+        "|---|---|---|---|",
+        "| ort int4 | 3.00 | - | 2.00 |",
+        "| ik_llama.cpp Q4_0 pure | 0.50 | 0.60 | 0.70 |",
+    ]
+    assert memory_by_length_lines([PeerResult("x", {32: 1.0}, {32: 1.0})]) == []
+    lines = [line for line in ik_target_lines([ours, ik]) if line.startswith("- ")]
+    assert lines == [
+        "- decode, ik_llama.cpp Q4_0 pure / ort int4, target >= 1.15x: 32: 11.0 / 10.0 ms = 1.10x (missed)",
+        "- prefill, ik_llama.cpp Q4_0 pure / ort int4, target >= 1.2x: 32: 110.0 / 100.0 ms = 1.10x (missed)",
+        "- prefill, ik_llama.cpp Q4_0 pure / ort int4, target >= 1.0x: 8192: 110.0 / 100.0 ms = 1.10x (met)",
+        "- decode, ik_llama.cpp Q4_0 pure / ort int4, target >= 1.0x: 8192: 11.0 / 10.0 ms = 1.10x (met)",
+    ]
+
+
+def test_bench_pipeline_counts_each_lengths_peak_afresh():
+    """Each length's peak memory is its own (the previous length's freed memory handed back, the
+    kernel's peak reset), the row's peak the largest, its load before the lengths included."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from qwen35_onnx.bench.memory import reset_peak
+    from qwen35_onnx.bench.protocol import Protocol
+    from qwen35_onnx.bench.speed import bench_pipeline
+
+    if not reset_peak():
+        pytest.skip("the kernel does not let this process reset its peak (/proc/self/clear_refs)")
+
+    class Generation:
+        def __init__(self, tokens: int):
+            self.tokens = tokens
+
+        def prefill(self):
+            held = bytearray(self.tokens * 2**17)  # 128 KiB a token while it runs
+            held[::4096] = b"x" * len(held[::4096])
+            return np.zeros(8)
+
+        def step(self, token):
+            return np.zeros(8)
+
+    backend = SimpleNamespace(shared_weight_bytes=dict, unload_prefill=lambda: None, load_prefill=lambda b: None)
+    pipe = SimpleNamespace(
+        backend=backend,
+        prepare_ids=lambda ids: SimpleNamespace(tokens=ids.shape[1], bucket=None),
+        generation=lambda prepared: Generation(prepared.tokens),
+        generate_prepared=lambda prepared, max_new_tokens, sampling: SimpleNamespace(token_ids=[1] * max_new_tokens),
+    )
+    prompts = {n: np.zeros((1, n), np.int64) for n in (512, 32)}  # the longer first: its peak must not stay
+    result = bench_pipeline("fake", pipe, prompts, Protocol.with_prefill_runs(1))
+    assert set(result.peak_rss_by_length) == {32, 512} and not result.peak_sampled
+    assert result.peak_rss_by_length[512] - result.peak_rss_by_length[32] > 40 * 2**20
+    assert result.peak_rss_bytes >= result.peak_rss_by_length[512]
+
+
 def test_int4_product_model_computes_its_codes_times_its_scales():
     # the bandwidth probe's (and benchmarks/int4_kernel_rate.py's) graph: MatMulNBits' layout, unsigned
     # codes around the default zero point 8, low nibble first

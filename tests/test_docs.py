@@ -340,6 +340,10 @@ def test_publish_refuses_a_bad_run_before_writing_anything(tmp_path: Path):
             "peers": [{**good["peers"][0], "decode_ms": {"32": 0}}],
         },
         "run.cores '2' is not a positive integer": {**good, "run": {**good["run"], "cores": "2"}},
+        "ort int4: peak_rss_by_length is not lengths -> positive bytes": {
+            **good,
+            "peers": [{**good["peers"][0], "peak_rss_by_length": {"32": -1}}],
+        },
     }
     for message, data in bad_runs.items():
         (tmp_path / "bench" / "bench.json").write_text(json.dumps(data))

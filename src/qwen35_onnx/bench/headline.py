@@ -27,7 +27,15 @@ __all__ = [
 
 HEADLINE_PRESETS = ("qwen3.5-0.8b", "qwen3.5-4b")
 """The checkpoint sizes whose stored results the README shows (each machine's)."""
-HEADLINE_ROWS = ("ort int4", "llama.cpp Q4_0 pure", "llama.cpp Q4_0", "genai int4", "ov-genai int4 f32")
+HEADLINE_ROWS = (
+    "ort int4",
+    "llama.cpp Q4_0 pure",
+    "llama.cpp Q4_0",
+    "ik_llama.cpp Q4_0 pure",
+    "ik_llama.cpp IQ4_KS pure",
+    "genai int4",
+    "ov-genai int4 f32",
+)
 """The README's rows, in order, where a result has them: the default int4 export and its peers."""
 OURS = "ort int4"
 PEER = "llama.cpp Q4_0 pure"

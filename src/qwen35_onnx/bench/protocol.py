@@ -68,6 +68,10 @@ class PeerResult:
     decode_bytes: int | None = None
     peak_rss_bytes: int | None = None
     """Peak resident memory (bytes) of the process that ran the peer, while it ran."""
+    peak_rss_by_length: dict[int, int] = field(default_factory=dict)
+    """Peak resident memory (bytes) by length (tokens): while the peer prefilled and decoded at that
+    length (this project's rows: its process, the peak counted afresh at each length; llama.cpp's:
+    its processes of that length, see :func:`~.llamacpp.bench_llamacpp`)."""
     peak_sampled: bool = False
     """``peak_rss_bytes`` is the largest ``Pss`` sampled after each measurement instead of the
     kernel's ``VmHWM``: for sessions that map the shared pre-packed weights, whose pages VmRSS
@@ -92,7 +96,8 @@ def merge_rounds(rounds: list[PeerResult]) -> PeerResult:
     """One row measured in several rounds (each row in turn, A B C A B C) as one result: prefill ms,
     decode ms/token and end-to-end tokens/s are the medians over the rounds at each length, the peak
     memory the largest; the image, prefill-by-length and conversation figures are the first round's
-    (later rounds time the core figures only). Each round's own figures are kept in ``rounds``.
+    (later rounds time the core figures only); the peak memory by length the largest at each length.
+    Each round's own figures are kept in ``rounds``.
 
     Raises:
         ValueError: ``rounds`` is empty or mixes rows.
@@ -109,12 +114,17 @@ def merge_rounds(rounds: list[PeerResult]) -> PeerResult:
 
     e2e = [r.e2e_tokens_per_s for r in rounds if r.e2e_tokens_per_s is not None]
     peaks = [r.peak_rss_bytes for r in rounds if r.peak_rss_bytes is not None]
+    by_length = {}
+    for r in rounds:
+        for n, peak in r.peak_rss_by_length.items():
+            by_length[n] = max(by_length.get(n, 0), peak)
     return replace(
         first,
         prefill_ms=median_by_length("prefill_ms"),
         decode_ms=median_by_length("decode_ms"),
         e2e_tokens_per_s=statistics.median(e2e) if e2e else None,
         peak_rss_bytes=max(peaks) if peaks else None,
+        peak_rss_by_length=by_length,
         rounds=[
             {"prefill_ms": r.prefill_ms, "decode_ms": r.decode_ms, "e2e_tokens_per_s": r.e2e_tokens_per_s}
             for r in rounds

@@ -200,17 +200,37 @@ def _target_cell(text: str, ratio: float, rounds: list[float], meets, up: bool =
     return cell
 
 
-def llamacpp_target_lines(results: list[PeerResult]) -> list[str]:
-    """Markdown lines reading each :data:`LLAMACPP_TARGETS` off ``results`` at every length both have."""
+IK_TARGETS = (
+    ("ort int4", "ik_llama.cpp Q4_0 pure", "decode", 1.15, (1, 512)),
+    ("ort int4", "ik_llama.cpp Q4_0 pure", "prefill", 1.2, (1, 512)),
+    ("ort int4", "ik_llama.cpp Q4_0 pure", "prefill", 1.0, (8192, None)),
+    ("ort int4", "ik_llama.cpp Q4_0 pure", "decode", 1.0, (8192, None)),
+)
+"""(ours, peer, figure, target, (shortest, longest) length) against ik_llama.cpp on the llama.cpp Q4_0
+pure row's file: issue 56's at short contexts (decode 1.15x and prefill 1.2x its speed up to 512
+tokens) and issue 54's at agent lengths (time to first token and decode at depth no slower from 8k)."""
+
+
+def llamacpp_target_lines(
+    results: list[PeerResult],
+    targets=LLAMACPP_TARGETS,
+    heading: str = "Targets against llama.cpp (issue 19), side by side in this run:",
+) -> list[str]:
+    """Markdown lines reading each of ``targets`` (:data:`LLAMACPP_TARGETS`, :data:`IK_TARGETS`: a
+    target may end with the (shortest, longest) lengths it holds at, None: no bound) off ``results``
+    at every length both rows have, under ``heading``."""
     by_name = {r.name: r for r in results}
     lines = []
-    for ours, peer, figure, target in LLAMACPP_TARGETS:
+    for ours, peer, figure, target, *span in targets:
+        low, high = span[0] if span else (None, None)
         if ours not in by_name or peer not in by_name:
             continue
         a, b = (getattr(by_name[name], f"{figure}_ms") for name in (ours, peer))
         per_round = list(zip(by_name[ours].rounds, by_name[peer].rounds))
         cells = []
         for n in sorted(set(a) & set(b)):
+            if (low is not None and n < low) or (high is not None and n > high):
+                continue
             ratios = [
                 theirs[f"{figure}_ms"][n] / mine[f"{figure}_ms"][n]
                 for mine, theirs in per_round
@@ -218,9 +238,45 @@ def llamacpp_target_lines(results: list[PeerResult]) -> list[str]:
             ]
             text = f"{n}: {b[n]:.1f} / {a[n]:.1f} ms"
             cells.append(_target_cell(text, b[n] / a[n], ratios, lambda r, t=target: r >= t))
-        lines.append(f"- {figure}, {peer} / {ours}, target >= {target}x: " + "; ".join(cells))
+        if cells:
+            lines.append(f"- {figure}, {peer} / {ours}, target >= {target}x: " + "; ".join(cells))
     if lines:
-        lines = ["", "Targets against llama.cpp (issue 19), side by side in this run:", ""] + lines
+        lines = ["", heading, ""] + lines
+    return lines
+
+
+def ik_target_lines(results: list[PeerResult]) -> list[str]:
+    """:func:`llamacpp_target_lines` for :data:`IK_TARGETS`."""
+    return llamacpp_target_lines(
+        results,
+        IK_TARGETS,
+        "Targets against ik_llama.cpp (issue 56 up to 512 tokens, issue 54 from 8k), side by side in this run:",
+    )
+
+
+def memory_by_length_lines(results: list[PeerResult], capacity: int | None = None) -> list[str]:
+    """A Markdown table of each row's peak memory by length (``peak_rss_by_length``, GB = 1e9 bytes),
+    for the rows that measured it; ``capacity``: this project's exports' (tokens), named in the text."""
+    rows = [r for r in results if r.peak_rss_by_length]
+    if not rows:
+        return []
+    lengths = sorted({n for r in rows for n in r.peak_rss_by_length})
+    held = f" of {capacity} tokens" if capacity else ""
+    lines = [
+        "",
+        "Peak memory by length, GB: the most resident memory while the row prefilled and decoded at that "
+        f"length. This project's rows: its process (the weights and the export's whole KV capacity{held} "
+        "stay loaded; the peak restarts at each length after what the previous one freed is handed back; "
+        "marked *: the largest Pss sampled); llama.cpp's and ik_llama.cpp's: their llama-bench processes of "
+        "that length, each with a context of that length.",
+        "",
+        "| peer | " + " | ".join(str(n) for n in lengths) + " |",
+        "|" + "---|" * (len(lengths) + 1),
+    ]
+    for r in rows:
+        mark = "*" if r.peak_sampled else ""
+        cells = [f"{r.peak_rss_by_length[n] / 1e9:.2f}{mark}" if n in r.peak_rss_by_length else "-" for n in lengths]
+        lines.append(f"| {r.name} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -172,7 +172,8 @@ def check_result(data, where) -> None:
     """Check that ``data`` is a bench result as ``bench.json`` stores it: a dict with ``run`` (a dict:
     ``cpu``, ``date``, ``version``, ``command`` strings, ``cores`` a positive integer, ``cpu_flags`` a
     list), ``peers`` (a list of dicts with a ``name`` string and ``prefill_ms`` / ``decode_ms`` dicts of
-    length (integer text) -> milliseconds), ``markdown`` (a string).
+    length (integer text) -> milliseconds, and where present ``peak_rss_by_length``: length -> bytes),
+    ``markdown`` (a string).
 
     Raises:
         ValueError: the first thing that is not so, naming ``where`` and the field.
@@ -214,6 +215,11 @@ def check_result(data, where) -> None:
                 for n, ms in times.items()
             ):
                 fail(f"{p['name']}: {field} is not lengths -> positive milliseconds")
+        by_length = p.get("peak_rss_by_length", {})
+        if not isinstance(by_length, dict) or not all(
+            str(n).isdigit() and isinstance(b, int) and not isinstance(b, bool) and b > 0 for n, b in by_length.items()
+        ):
+            fail(f"{p['name']}: peak_rss_by_length is not lengths -> positive bytes")
         for field in ("e2e_tokens_per_s", "peak_rss_bytes"):
             if not isinstance(p.get(field), (int, float, type(None))) or isinstance(p.get(field), bool):
                 fail(f"{p['name']}: {field} is not a number")

@@ -23,6 +23,10 @@ on the same checkpoint:
   checkpoint converted to GGUF (BF16) and quantized to Q4_0 (llama-quantize's default mix and
   ``--pure``) and Q8_0, measured by ``llama-bench`` at the same lengths and threads, and an image
   prompt through ``llama-mtmd-cli``;
+- ik_llama.cpp, the CPU-tuned fork (the same module): built once from the ``ik-llama-cpp-python``
+  source distribution, run with run-time repacking (``-rtr``) on the llama.cpp Q4_0 pure row's own
+  file, and on its own 4-bit type (IQ4_KS, every tensor) as stored and repacked, measured the same
+  way;
 - the floor: bytes read per decode token (weights + states) / the machine's read
   bandwidth, measured in the same run (ONNX Runtime ReduceSum over 1 GiB);
 - constrained decoding (:mod:`.constrained`): the grammar's time per token against the decode
@@ -32,6 +36,11 @@ on the same checkpoint:
 - prefill (:mod:`.prefill`): time to first token by prompt length for the int4 rows with prefill
   chunks (``ort int4``, the default) and with prefill buckets (``ort int4 buckets``) and
   onnxruntime-genai int4, and turn 4 of a long conversation continued from kept states.
+
+Agent-sized contexts: ``--lengths 1024,8192,32768`` measures every figure at those lengths (time to
+first token = the prefill of the whole prompt, decode at that depth, peak memory by length); the
+exports are sized to the longest length plus :data:`DECODE_ROOM`, llama-bench sizes its contexts
+itself.
 
 Outputs ``bench.md`` (table, ratios against each peer), ``bench.json`` and ``bench.png`` (:mod:`.report`).
 Times are milliseconds.
@@ -66,7 +75,14 @@ from .protocol import (
     read_bandwidths,
     step_state_bytes,
 )
-from .report import floor_target_lines, llamacpp_target_lines, report, target_lines
+from .report import (
+    floor_target_lines,
+    ik_target_lines,
+    llamacpp_target_lines,
+    memory_by_length_lines,
+    report,
+    target_lines,
+)
 from .results import run_info
 from .vision import QUESTION, ImageCost, image_costs, image_lines, photo
 
@@ -122,18 +138,28 @@ def bench_pipeline(
     backend interface and :class:`~qwen35_onnx.runtime.generation.Generation` are used) with
     ``protocol``. After each length a backend whose graphs hold their own weights (OpenVINO's
     compiled buckets; :meth:`~qwen35_onnx.runtime.backend.Backend.shared_weight_bytes` empty) drops
-    its prefill graphs: one bucket at a time."""
+    its prefill graphs: one bucket at a time.
+
+    Peak memory by length (``peak_rss_by_length``, bytes): before each length what the previous one
+    freed leaves the process (:func:`fresh_peak`), then the peak of that length's prefills and decode
+    steps (``VmHWM``; with shared pre-packed weights the largest ``Pss`` sampled, as for
+    ``peak_rss_bytes``: ``peak_sampled``). ``peak_rss_bytes``: the peak of the whole call, the pipeline's load
+    before it included (``VmHWM`` rows; :func:`bench_export` adds what runs after)."""
     result = PeerResult(name, decode_bytes=decode_bytes)
     result.peak_sampled = "prepacked" in pipe.backend.shared_weight_bytes()
+    carried = resident().get("VmHWM") or 0  # the peak so far: the load
 
-    def sample():
+    def sample(length: int | None = None):
         if result.peak_sampled:
-            result.peak_rss_bytes = max(result.peak_rss_bytes or 0, resident().get("Pss", 0))
+            pss = resident().get("Pss", 0)
+            result.peak_rss_bytes = max(result.peak_rss_bytes or 0, pss)
+            if length is not None:
+                result.peak_rss_by_length[length] = max(result.peak_rss_by_length.get(length, 0), pss)
 
-    def one_length(prepared) -> tuple[float, float]:
+    def one_length(prepared, length: int) -> tuple[float, float]:
         """Prefill ms and decode ms/token of ``prepared`` (the generation is released on return)."""
         prefill = median_ms(lambda: pipe.generation(prepared).prefill(), protocol.prefill_warmup, protocol.prefill_runs)
-        sample()
+        sample(length)
         generation = pipe.generation(prepared)
         token = int(np.argmax(generation.prefill()))
 
@@ -142,11 +168,15 @@ def bench_pipeline(
             token = int(np.argmax(generation.step(token)))
 
         decode = median_ms(step, protocol.decode_warmup, protocol.decode_runs)
-        sample()
+        sample(length)
         return prefill, decode
 
     for length, ids in prompts.items():
-        result.prefill_ms[length], result.decode_ms[length] = one_length(pipe.prepare_ids(ids))
+        carried = max(carried, resident().get("VmHWM") or 0)
+        fresh_peak()
+        result.prefill_ms[length], result.decode_ms[length] = one_length(pipe.prepare_ids(ids), length)
+        if not result.peak_sampled and resident().get("VmHWM"):
+            result.peak_rss_by_length[length] = resident()["VmHWM"]
         if not pipe.backend.shared_weight_bytes():
             pipe.backend.unload_prefill()
     prepared = pipe.prepare_ids(prompts[min(prompts)])
@@ -155,7 +185,17 @@ def bench_pipeline(
     out = pipe.generate_prepared(prepared, max_new_tokens=protocol.e2e_tokens, sampling=SamplingConfig())  # greedy
     result.e2e_tokens_per_s = len(out.token_ids) / (time.perf_counter() - start)
     sample()
+    if not result.peak_sampled:
+        result.peak_rss_bytes = max(carried, resident().get("VmHWM") or 0) or None
     return result
+
+
+def fresh_peak() -> None:
+    """What the process freed leaves it (the heap, ONNX Runtime's shared activation arena), then the
+    kernel's peak (``VmHWM``) restarts from what remains: the next measurement's own peak."""
+    release_freed_memory()
+    shrink_shared_arena()  # ONNX Runtime's activation arena (0.8B: 0.43 GB after 512-token prefills)
+    reset_peak()
 
 
 def bench_export(
@@ -175,18 +215,19 @@ def bench_export(
     pipe = Pipeline.from_exported(export_dir, runtime=runtime, precision=precision)
     try:
         result = bench_pipeline(name, pipe, prompts, protocol, decode_weight_bytes(step_graph(pipe, export_dir)))
-        if not extras:
-            return result
-        result.image = image_costs(name, pipe, protocol.prefill_runs)
-        if result.image.skipped:
-            result.skipped.append(f"{name}: {result.image.skipped}")
-        if name in PREFILL_ROWS:
-            result.ttft_ms = ttft_by_length(pipe, prefill_prompts(pipe.contract), protocol.prefill_runs)
-            if pipe.contract.prefill_chunks:
-                try:
-                    result.conversation = conversation_cost(name, pipe, protocol.prefill_runs)
-                except ValueError as exc:  # e.g. the conversation does not fit the bench's capacity
-                    result.skipped.append(f"{name}: turn 4 of a conversation: {exc}")
+        if extras:
+            result.image = image_costs(name, pipe, protocol.prefill_runs)
+            if result.image.skipped:
+                result.skipped.append(f"{name}: {result.image.skipped}")
+            if name in PREFILL_ROWS:
+                result.ttft_ms = ttft_by_length(pipe, prefill_prompts(pipe.contract), protocol.prefill_runs)
+                if pipe.contract.prefill_chunks:
+                    try:
+                        result.conversation = conversation_cost(name, pipe, protocol.prefill_runs)
+                    except ValueError as exc:  # e.g. the conversation does not fit the bench's capacity
+                        result.skipped.append(f"{name}: turn 4 of a conversation: {exc}")
+        if not result.peak_sampled and result.peak_rss_bytes is not None:  # and the peak of what ran since
+            result.peak_rss_bytes = max(result.peak_rss_bytes, resident().get("VmHWM") or 0)
         return result
     finally:
         del pipe
@@ -454,7 +495,8 @@ def run_bench(
         if row in LLAMACPP_ROWS:
             try:
                 if llama is None:
-                    llama = prepare_llamacpp(checkpoint, work_dir, log)
+                    engines = {LLAMACPP_ROWS[r].engine for r in rows if r in LLAMACPP_ROWS}
+                    llama = prepare_llamacpp(checkpoint, work_dir, log, engines)
                     photo().save(work_dir / "photo-640x480.png")
                 image = {
                     "path": work_dir / "photo-640x480.png",
@@ -481,20 +523,17 @@ def run_bench(
             log(f"[bench] skipped {skipped[-1]}")
             return None
 
-    def before_each_row() -> None:
-        release_freed_memory()  # what the previous row freed leaves the process (and the next row's peak)
-        shrink_shared_arena()  # and ONNX Runtime's activation arena (0.8B: 0.43 GB after 512-token prefills)
-        reset_peak()
-
-    results = measure_in_rounds(rows, rounds, measure, before_each_row, log)
+    results = measure_in_rounds(rows, rounds, measure, fresh_peak, log)
     for result in results:
         for reason in result.skipped:
             skipped.append(reason)
             log(f"[bench] not measured: {reason}")
     markdown = report(results, bandwidths, work_dir, states, protocol)
     extra = (
-        target_lines(results)
+        memory_by_length_lines(results, capacity)
+        + target_lines(results)
         + llamacpp_target_lines(results)
+        + ik_target_lines(results)
         + floor_target_lines(results, max(bandwidths.values()), states)
         + constrained
         + image_lines([_image_cost(r) for r in results if r.image])

@@ -1,4 +1,4 @@
-"""State buffers committed as they are written (runtime/host_memory.py): a capacity-wide KV cache costs resident
+"""State buffers committed as they are written (host_memory.py): a capacity-wide KV cache costs resident
 memory for the slots written, pages handed back read as zeros, and the ONNX Runtime backend's states use them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qwen35_onnx.runtime.host_memory import discard_pages, reserve_zeros
+from qwen35_onnx.host_memory import discard_pages, reserve_zeros
 
 MIB = 1 << 20
 

@@ -19,7 +19,7 @@ LAYERS = (
     {"pipeline", "group", "streams"},
     {"conversation", "runtime"},
     {"onnxfile", "export", "checkpoints"},
-    {"contract", "image_grids", "options", "presets", "paths", "interrupts"},
+    {"contract", "image_grids", "options", "presets", "paths", "interrupts", "host_memory"},
 )
 
 

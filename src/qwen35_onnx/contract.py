@@ -130,7 +130,7 @@ MAX_ASPECT_RATIO = 200
 DEFAULT_CAPACITY = 65_536
 """The default capacity (``--max-seq-len``, tokens), or the checkpoint's ``max_position_embeddings`` where that is
 smaller: the first request of a coding agent is 10-22k tokens of system prompt and tools, and with the KV cache
-committed as it is written (``runtime/host_memory.py``) an unused capacity costs address space, not memory."""
+committed as it is written (``host_memory.py``) an unused capacity costs address space, not memory."""
 
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""

@@ -57,8 +57,8 @@ import numpy as np
 
 from ..contract import ContractError, read_manifest
 from ..export.options import ANY_GRID, ExportOptions
+from ..host_memory import release_freed_memory
 from ..paths import check_folder
-from ..runtime.host_memory import release_freed_memory
 from ..runtime.onnxruntime.sessions import shrink_shared_arena
 from ..runtime.sampling import SamplingConfig
 from .constrained import constrained_costs, constrained_lines
@@ -92,8 +92,10 @@ PREFILL_ROWS = ("ort int4", "ort int4 buckets", "genai int4")
 DECODE_ROOM = 256
 """Tokens of capacity past the longest prompt length (decode is timed at each length)."""
 DEFAULT_CAPACITY = ExportOptions().capacity
-"""The export's default capacity (``--max-seq-len``): the bench's exports have at least it, so that
-the default-export row is the export a user gets, and the conversation of the "Prefill" section fits."""
+"""The export's default capacity (``--max-seq-len``): the bench's chunked exports (the default export's rows) have at
+least it, so that they are the export a user gets, and the conversation of the "Prefill" section fits; bucket
+exports and portable ones (whose prefill writes, or whose decode steps read, the whole width) have the longest
+length plus :data:`DECODE_ROOM`."""
 #: The exports this project's rows run: folder name (spaces as dashes) -> ExportOptions fields, and
 #: whether it prefills with buckets at the bench's lengths (else the default: prefill chunks).
 EXPORTS = {
@@ -101,6 +103,7 @@ EXPORTS = {
     "ort fp32": (dict(ops="ort"), True),
     "ort int8": (dict(ops="ort", quantize="int8"), True),
     "ort int4": (dict(ops="ort", quantize="int4"), False),  # what `export --quantize int4` gives
+    "ort int4 kv8": (dict(ops="ort", quantize="int4", kv_dtype="int8"), False),  # the same with an int8 KV cache
     "ort int4 b32": (dict(ops="ort", quantize="int4", quant_block_size=32), True),  # the block of llama.cpp's Q4_0
     "ort int4 buckets": (dict(ops="ort", quantize="int4"), True),
     "portable int4": (dict(ops="portable", quantize="int4", vision_grids="static"), True),
@@ -111,6 +114,7 @@ PIPELINE_ROWS = {
     "ort fp32": ("ort fp32", "onnxruntime", "f32"),
     "ort int8": ("ort int8", "onnxruntime", "f32"),
     "ort int4": ("ort int4", "onnxruntime", "f32"),
+    "ort int4 kv8": ("ort int4 kv8", "onnxruntime", "f32"),
     "ort int4 b32": ("ort int4 b32", "onnxruntime", "f32"),
     "ort int4 buckets": ("ort int4 buckets", "onnxruntime", "f32"),
     "portable int4": ("portable int4", "onnxruntime", "f32"),
@@ -307,6 +311,7 @@ def _is_cached(folder: Path, options) -> bool:
         c.image_tokens,
         c.static_vision,
         c.slots,
+        c.kv_precision,
     ) == (
         __version__,
         options.capacity,
@@ -318,6 +323,7 @@ def _is_cached(folder: Path, options) -> bool:
         options.image_tokens,
         options.vision_grids not in (ANY_GRID, ()),
         options.slots,
+        options.kv_precision,
     )
 
 
@@ -430,7 +436,8 @@ def run_bench(
             f"--lengths: the longest, {max(lengths)} tokens, plus {DECODE_ROOM} decode tokens is more than the "
             f"model's max_position_embeddings {limit}"
         )
-    capacity = min(max(capacity, DEFAULT_CAPACITY), limit)
+    needs = capacity  # a bucket export's: the longest length and the decode room (its KV output is that wide)
+    capacity = min(max(capacity, DEFAULT_CAPACITY), limit)  # a chunked export's: the default, as a user gets it
     check_folder(work_dir, "--work-dir").mkdir(parents=True, exist_ok=True)
     buckets = tuple(sorted(set(lengths)))  # the capacity itself needs no bucket here
     needed = {PIPELINE_ROWS[r][0] for r in rows if r in PIPELINE_ROWS} or {"portable fp32"}  # + the contract
@@ -440,7 +447,8 @@ def run_bench(
             continue
         folder = work_dir / name.replace(" ", "-")
         prefill = {"prefill_buckets": buckets} if with_buckets else {}  # buckets or chunks, not both
-        options = ExportOptions(capacity=capacity, overwrite=True, **prefill, **opts)
+        width = needs if with_buckets or opts.get("ops") == "portable" else capacity
+        options = ExportOptions(capacity=width, overwrite=True, **prefill, **opts)
         if not _is_cached(folder, options):
             log(f"[bench] exporting {name} ...")
             begin = time.perf_counter()

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..host_memory import release_freed_memory
 from ..paths import asset_path
 from .weight_source import CheckpointWeights, parameter_names
 
@@ -130,6 +131,7 @@ def kv_scales(
                     hidden = layer(hidden, position_embeddings=rope, attention_mask=masks[config.layer_types[i]])
         finally:
             config._attn_implementation = before
+    release_freed_memory()  # the layers' weights and activations: not kept resident for the rest of the export
     missing = [i for i in full if i not in peaks]
     if missing:
         raise RuntimeError(f"calibration saw no keys of full-attention layers {missing}")

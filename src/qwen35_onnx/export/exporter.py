@@ -278,7 +278,7 @@ def check_slot_memory(contract: ShapeContract, physical: int | None = None) -> N
     """The states of every decode slot, ``slots x`` :meth:`~qwen35_onnx.contract.ShapeContract.slot_state_bytes`
     (conv, recurrent and capacity-wide KV state), must fit :data:`SLOT_MEMORY_SHARE` of ``physical`` bytes
     (default: this machine's physical memory). With ``--ops ort`` the KV cache is not counted: the runtime
-    reserves it and commits what the sequences write (``runtime/host_memory.py``), so the slots' capacity costs
+    reserves it and commits what the sequences write (``host_memory.py``), so the slots' capacity costs
     address space, and the memory a conversation takes is its own.
 
     Raises:

@@ -409,7 +409,7 @@ class Backend(abc.ABC):
         """Drop the loaded prefill and chunk graphs (they load again on next use) and hand their memory
         back (their weights; ONNX Runtime's shared activation arena stays for the next run, see
         :class:`~qwen35_onnx.runtime.onnxruntime.sessions.Activations`)."""
-        from .host_memory import release_freed_memory
+        from ..host_memory import release_freed_memory
 
         self.graphs.unload_prefill()
         release_freed_memory()
@@ -631,7 +631,7 @@ STATE_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
 def fill_state(target: np.ndarray, value: np.ndarray, zeroed: bool = False) -> None:
     """Write the host state ``value`` into ``target`` (its full shape): a KV cache narrower than the
     target fills its first slots and the rest become zero (left as they are where ``target`` is ``zeroed``
-    already, e.g. :func:`~.host_memory.reserve_zeros`: writing zeros there would commit every page of the
+    already, e.g. :func:`~qwen35_onnx.host_memory.reserve_zeros`: writing zeros there would commit every page of the
     capacity)."""
     if target.shape == value.shape:
         np.copyto(target, value)

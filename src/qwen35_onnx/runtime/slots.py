@@ -38,8 +38,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..contract import ContractError, KvMode
+from ..host_memory import discard_pages
 from .backend import Backend
-from .host_memory import discard_pages
 from .masks import CapacityExhausted
 from .positions import decode_position_ids
 from .prompt import PreparedPrompt
@@ -121,10 +121,11 @@ class SlotPool:
         raise NoFreeSlot(f"all {self.size} decode slots hold a sequence")
 
     def release(self, slot: int) -> None:
-        """Free ``slot``: its KV rows' memory goes back to the system (:func:`~.host_memory.discard_pages`: the
-        slot reads zeros and costs nothing until the next sequence writes it; its conv and recurrent rows keep
-        stale values until then). With a dynamic row axis the last held slot's sequence moves into it (its states
-        copied, its ``slot`` changed), so that the held slots stay first."""
+        """Free ``slot``: its KV rows' memory goes back to the system
+        (:func:`~qwen35_onnx.host_memory.discard_pages`: the slot reads zeros and costs nothing until the next
+        sequence writes it; its conv and recurrent rows keep stale values until then). With a dynamic row axis the
+        last held slot's sequence moves into it (its states copied, its ``slot`` changed), so that the held slots
+        stay first."""
         self.holders[slot] = None
         self.lengths[slot] = 0
         if not self.backend.contract.dynamic_rows:

@@ -11,9 +11,9 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract import STATE_NAMES, ContractError, ShapeContract
+from ...host_memory import reserve_zeros
 from ..backend import Backend, Decoder, Precision, Runtime, RuntimeOptions, fill_state
 from ..draft_buffers import MtpCache, VerifyBuffers
-from ..host_memory import reserve_zeros
 from .decoders import NP_DTYPES, BoundDecoder, HostDecoder, bind_state_output, run_chunk_bound, run_host
 from .sessions import OrtGraphSet, providers_for, run_options
 from .speculative import run_mtp, run_verify_bound, run_verify_host

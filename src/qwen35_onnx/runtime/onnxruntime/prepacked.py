@@ -54,9 +54,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...contract import ContractError
+from ...host_memory import c_library
 from ...onnxfile.edit import read_model, write_model
 from ...paths import cache_root
-from ..host_memory import c_library
 
 PACKED = "packed.data"
 """The cache's one data file, shared by every saved graph."""

@@ -17,10 +17,10 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract import METADATA_KEY, TEXT_WEIGHTS, ContractError, Dtype, GraphKind, Ops, Quantization, ShapeContract
+from ...host_memory import available_memory, release_freed_memory, trim_heap
 from ...onnxfile.edit import identity_model
 from ..backend import GraphSet, RuntimeOptions
 from ..checks import GraphSpec
-from ..host_memory import available_memory, release_freed_memory, trim_heap
 from .prepacked import (
     PACKED,
     PrepackedCache,

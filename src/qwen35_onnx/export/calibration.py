@@ -62,22 +62,23 @@ def calibration_ids(model_dir: str | Path, max_tokens: int = CALIBRATION_TOKENS)
 
 @contextlib.contextmanager
 def _weights_of(module: nn.Module, model: nn.Module, source: CheckpointWeights | None) -> Iterator[None]:
-    """``module``'s parameters hold the checkpoint's values while the block runs (read from ``source``; nothing
-    is read where ``source`` is None: a model with real weights), and are empty again after it (``torch.empty``
-    storage: not resident)."""
+    """``module``'s parameters hold the checkpoint's values in fp32 while the block runs (read from ``source``;
+    nothing is read where ``source`` is None: a model with real weights), and are empty again after it, in their
+    own dtype (``torch.empty`` storage: not resident). The calibration computes in fp32 whatever the export's
+    dtype (a CPU computes fp32 fastest, and the scales are of the values the graphs compute)."""
     if source is None:
         yield
         return
     names = parameter_names(model)
-    params = list(module.parameters())
+    params = [(p, p.dtype) for p in module.parameters()]
     try:
         with torch.no_grad():
-            for p in params:
-                p.data = source.tensor(names[id(p)]).to(p.dtype)
+            for p, _ in params:
+                p.data = source.tensor(names[id(p)]).float()
         yield
     finally:
-        for p in params:
-            p.data = torch.empty(p.shape, dtype=p.dtype)
+        for p, dtype in params:
+            p.data = torch.empty(p.shape, dtype=dtype)
 
 
 def kv_scales(

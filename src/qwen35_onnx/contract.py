@@ -143,6 +143,21 @@ committed as it is written (``host_memory.py``) an unused capacity costs address
 STANDARD_BUCKETS = (32, 512, 1024, 2048)
 """Prefill length tiers of the reference system (tokens)."""
 MIN_CAPACITY = 2
+KV_WIDTH = "kv_width"
+"""Name of the symbolic KV width (the token axis of ``attention_mask`` and of every KV input and output) of the
+decode, chunk, verify and MTP graphs of an export with several KV tiers (:attr:`ShapeContract.kv_tiers`)."""
+FIRST_KV_TIER = 2048
+KV_TIER_GROWTH = 4
+"""Default KV tiers of a portable fixed-KV export (:func:`default_kv_tiers`): :data:`FIRST_KV_TIER` tokens, then
+each :data:`KV_TIER_GROWTH` times the one before, below the capacity, plus the capacity (65,536: 2,048, 8,192,
+32,768, 65,536). A step at a tier costs its width (the portable decode graph scatters the new token into the whole
+cache and masks attention over it), so a sequence pays at most 4x its length, and a move up (the states copied
+once into wider buffers) happens a handful of times in a conversation."""
+KV_TIER_MULTIPLE = 32
+"""Every KV tier below the capacity is a multiple of this many tokens, and the smallest tier at least this wide:
+a narrower tier saves less than one tier move (a copy of the states) costs, and widths in whole blocks of 32
+keep a static compiler's tiling of the token axis (the prefill buckets of the reference system are multiples of
+32 too)."""
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 """Bytes per element of each state dtype."""
 
@@ -331,6 +346,75 @@ def check_draft_tokens(draft_tokens, kv_mode: KvMode, prefill_chunks) -> None:
         )
 
 
+def default_kv_tiers(capacity: int, ops: Ops, kv_mode: KvMode) -> tuple[int, ...]:
+    """The default KV tiers (tokens) of an export: with ``--ops portable`` and a fixed KV cache, widths growing
+    by :data:`KV_TIER_GROWTH` from :data:`FIRST_KV_TIER` below ``capacity``, plus ``capacity``; otherwise (and
+    where the capacity is at most the first tier) one width, the capacity. ``--ops ort`` keeps one width: its
+    GroupQueryAttention reads only the used length (``seqlens_k``) and its cache is committed as it is
+    written, so one width already costs what is used."""
+    if ops != Ops.PORTABLE or kv_mode != KvMode.FIXED:
+        return (capacity,)
+    tiers, width = [], FIRST_KV_TIER
+    while width < capacity:
+        tiers.append(width)
+        width *= KV_TIER_GROWTH
+    return (*tiers, capacity)
+
+
+def check_kv_tiers(tiers, capacity: int, ops: Ops, kv_mode: KvMode) -> None:
+    """Check KV tiers (tokens): strictly increasing integers, the last one the capacity, the others multiples of
+    :data:`KV_TIER_MULTIPLE` from :data:`KV_TIER_MULTIPLE` up; more than one only with ``--ops portable`` and a
+    fixed KV cache.
+
+    Raises:
+        ValueError: naming the offending tier and the limit it broke.
+    """
+    if not isinstance(tiers, (tuple, list)) or not tiers:
+        raise ValueError(f"KV tiers {tiers!r} must be a list of widths in tokens, the last one the capacity")
+    previous = 0
+    for width in tiers:
+        if isinstance(width, bool) or not isinstance(width, int):
+            raise ValueError(f"KV tier {width!r} must be an integer (tokens)")
+        if width > capacity:
+            raise ValueError(f"KV tier {width} is above the capacity {capacity}")
+        if width <= previous:
+            raise ValueError(f"KV tiers must be strictly increasing, got {width} after {previous}")
+        if width < capacity and (width < KV_TIER_MULTIPLE or width % KV_TIER_MULTIPLE):
+            raise ValueError(
+                f"KV tier {width} must be a multiple of {KV_TIER_MULTIPLE} tokens (at least {KV_TIER_MULTIPLE}): "
+                "a narrower tier saves less than a move up costs"
+            )
+        previous = width
+    if tiers[-1] != capacity:
+        raise ValueError(f"the last KV tier {tiers[-1]} must be the capacity {capacity}")
+    if len(tiers) == 1:
+        return
+    shown = ",".join(map(str, tiers))
+    if kv_mode != KvMode.FIXED:
+        raise ValueError(
+            f"KV tiers {shown} need a fixed KV cache (kv_mode is {plain(kv_mode)!r}): a dynamic cache grows by one "
+            "token a step already"
+        )
+    if ops != Ops.PORTABLE:
+        raise ValueError(
+            f"KV tiers {shown} need ops portable: with ops {plain(ops)!r} GroupQueryAttention reads only the used "
+            "length of one capacity-wide cache, whose memory is committed as it is written, so one width already "
+            "costs what is used"
+        )
+
+
+def tier_for(tiers, tokens: int) -> int:
+    """The smallest of ``tiers`` (KV widths, increasing) that holds ``tokens`` KV slots.
+
+    Raises:
+        ValueError: ``tokens`` is above the largest tier (the capacity).
+    """
+    for width in tiers:
+        if tokens <= width:
+            return width
+    raise ValueError(f"{tokens} KV slots are more than the capacity {tiers[-1]}")
+
+
 def default_buckets(capacity: int) -> tuple[int, ...]:
     """The standard tiers below capacity, plus capacity itself (tokens)."""
     return tuple(b for b in STANDARD_BUCKETS if b < capacity) + (capacity,)
@@ -423,7 +507,8 @@ class ShapeContract:
       linear_value_head_dim]`` always fp32
     - KV cache: ``[2 * n_full, B, num_key_value_heads, capacity, head_dim]`` in fixed mode
       (k of full layer i at ``2*i``, v at ``2*i + 1``); the token axis grows in dynamic mode; in
-      :attr:`kv_dtype` (int8: the codes, whose per-channel scales the graphs hold).
+      :attr:`kv_dtype` (int8: the codes, whose per-channel scales the graphs hold). With several
+      :attr:`kv_tiers` the token axis is one of the tiers (the one that holds the sequence).
     """
 
     capacity: int
@@ -473,10 +558,44 @@ class ShapeContract:
     draft_tokens: int = 0
     kv_dtype: KvDtype | None = None
     """The KV cache's precision (None: :attr:`dtype`, as every export before 0.15.0)."""
+    kv_tiers: tuple[int, ...] = ()
+    """The KV widths (tokens, increasing, the last the capacity) a sequence's cache is held at: the smallest that
+    holds it, moved up when it fills (:mod:`qwen35_onnx.runtime.generation`). With one (every export before
+    0.15.0; empty here means the capacity) the graphs are fully static; with several the decode, chunk, verify and
+    MTP graphs take the width symbolic (:data:`KV_WIDTH`) and each prefill bucket writes its KV at the smallest
+    tier that holds it."""
     format_version: int = FORMAT_VERSION
     graphs: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not self.kv_tiers:  # one width, the capacity (contracts written before 0.15.0)
+            object.__setattr__(self, "kv_tiers", (self.capacity,))
+
     # ---- derived quantities -------------------------------------------------------
+    @property
+    def tiered(self) -> bool:
+        """More than one KV tier: the decode, chunk, verify and MTP graphs take the KV width symbolic."""
+        return len(self.kv_tiers) > 1
+
+    def tier_for(self, tokens: int) -> int:
+        """The smallest KV tier (tokens) that holds ``tokens`` KV slots (see :func:`tier_for`).
+
+        Raises:
+            ValueError: ``tokens`` above the capacity.
+        """
+        return tier_for(self.kv_tiers, tokens)
+
+    @property
+    def kv_width_dim(self) -> int | str:
+        """The KV width of the decode, chunk, verify and MTP graphs as their shapes hold it: the capacity, or
+        with several :attr:`kv_tiers` the symbolic :data:`KV_WIDTH`."""
+        return KV_WIDTH if self.tiered else self.capacity
+
+    def prefill_kv_width(self, bucket: int) -> int:
+        """The token axis of a prefill bucket graph's ``present_kv_cache``: the smallest KV tier that holds the
+        bucket (the capacity with one tier)."""
+        return self.tier_for(bucket)
+
     @property
     def patch_dim(self) -> int:
         """Columns of ``pixel_values``: channels x temporal patch x patch x patch."""
@@ -586,7 +705,11 @@ class ShapeContract:
     def mtp_kv_shape(self) -> tuple[int, ...]:
         """The MTP head's own KV cache (its one full-attention layer): ``[2, 1, num_key_value_heads, capacity,
         head_dim]`` (k at 0, v at 1), in the KV cache's dtype."""
-        return (2, self.batch, self.num_key_value_heads, self.capacity, self.head_dim)
+        return self.mtp_kv_shape_at(self.capacity)
+
+    def mtp_kv_shape_at(self, width: int) -> tuple[int, ...]:
+        """:attr:`mtp_kv_shape` ``width`` tokens wide (a KV tier)."""
+        return (2, self.batch, self.num_key_value_heads, width, self.head_dim)
 
     def select_bucket(self, prompt_len: int) -> int:
         """Prefill length (tokens) for a prompt of ``prompt_len`` tokens: the prompt's own length
@@ -628,11 +751,11 @@ class ShapeContract:
         length = self.capacity if length is None else length
         return (2 * self.n_full, self.batch, self.num_key_value_heads, length, self.head_dim)
 
-    def slot_state_shape(self, state: str) -> tuple[int, ...]:
-        """Shape of ``state`` as the decode graph takes it: :meth:`state_shape` with :attr:`slots` rows on
-        the batch axis (axis 1), row ``s`` being slot ``s``'s state (the same as :meth:`state_shape`
-        when :attr:`slots` is 1)."""
-        shape = list(self.state_shape(state))
+    def slot_state_shape(self, state: str, width: int | None = None) -> tuple[int, ...]:
+        """Shape of ``state`` as the decode graph takes it: :meth:`state_shape` (the KV cache ``width`` tokens
+        wide, default the capacity) with :attr:`slots` rows on the batch axis (axis 1), row ``s`` being slot
+        ``s``'s state (the same as :meth:`state_shape` when :attr:`slots` is 1)."""
+        shape = list(self.state_shape(state, width))
         shape[1] = self.slots
         return tuple(shape)
 
@@ -691,13 +814,13 @@ class ShapeContract:
         (``runtime.onnxruntime.decoders.BoundDecoder.updated_in_place``)."""
         return self.ops == Ops.ORT and self.kv_mode == KvMode.FIXED
 
-    def state_shape(self, state: str) -> tuple[int, ...]:
-        """Stacked shape of ``state`` (one of :data:`STATE_NAMES`); entry ``j`` of a per-entry
-        decode graph has this shape without the first axis."""
+    def state_shape(self, state: str, width: int | None = None) -> tuple[int, ...]:
+        """Stacked shape of ``state`` (one of :data:`STATE_NAMES`), the KV cache ``width`` tokens wide (default:
+        the capacity); entry ``j`` of a per-entry decode graph has this shape without the first axis."""
         shapes = {
             "conv_states": self.conv_state_shape,
             "recurrent_states": self.recurrent_state_shape,
-            "kv_cache": self.kv_shape(),
+            "kv_cache": self.kv_shape(width),
         }
         if state not in shapes:
             raise ValueError(f"unknown state {state!r}; expected one of {STATE_NAMES}")
@@ -751,6 +874,7 @@ class ShapeContract:
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["prefill_buckets"] = list(self.prefill_buckets)
         d["prefill_chunks"] = list(self.prefill_chunks)
+        d["kv_tiers"] = list(self.kv_tiers)
         d["vision_grids"] = [list(g) for g in self.vision_grids]
         d["derived"] = {
             "vision": "static grids" if self.static_vision else "any grid",
@@ -793,9 +917,11 @@ class ShapeContract:
         names = {f.name for f in dataclasses.fields(cls)}
         # max_images: 1 in exports before 0.4.0; quant_accuracy_level: 4 before 0.5.0;
         # quantize_embedding: False before 0.6.0; vision_grids: none (any grid); prefill_chunks: none
-        # before 0.8.0; slots: 1 before 0.10.0; draft_tokens: 0 before 0.11.0; kv_dtype: dtype before 0.15.0
+        # before 0.8.0; slots: 1 before 0.10.0; draft_tokens: 0 before 0.11.0; kv_dtype: dtype, kv_tiers: one
+        # width, the capacity, before 0.15.0
         optional = (
             "kv_dtype",
+            "kv_tiers",
             "draft_tokens",
             "prefill_chunks",
             "graphs",
@@ -827,6 +953,10 @@ class ShapeContract:
             if not isinstance(chunks, list):
                 raise TypeError(f"prefill_chunks must be a list, got {chunks!r}")
             kwargs["prefill_chunks"] = tuple(chunks)
+            tiers = kwargs.get("kv_tiers", [])
+            if not isinstance(tiers, list):
+                raise TypeError(f"kv_tiers must be a list, got {tiers!r}")
+            kwargs["kv_tiers"] = tuple(tiers)
             for name, mode in _MODES.items():
                 if kwargs.get(name) in tuple(mode):
                     kwargs[name] = mode(kwargs[name])
@@ -899,6 +1029,7 @@ class ShapeContract:
             check_buckets(self.prefill_buckets, self.capacity)
             check_chunks(self.prefill_chunks, self.capacity, self.kv_mode)
             check_max_images(self.max_images, self.n_image_tokens, self.capacity)
+            check_kv_tiers(self.kv_tiers, self.capacity, self.ops, self.kv_mode)
         except ValueError as exc:
             raise ContractError(str(exc)) from exc
         if self.kv_mode == KvMode.FIXED and not self.prefill_buckets and not self.prefill_chunks:

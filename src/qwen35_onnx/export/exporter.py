@@ -25,6 +25,7 @@ from tqdm import tqdm
 from .. import __version__
 from ..contract import (
     KV_SCALES,
+    KV_WIDTH,
     MANIFEST_NAME,
     METADATA_KEY,
     STATE_NAMES,
@@ -472,11 +473,36 @@ def past_states(contract: ShapeContract, kv_len: int, rows: int = 1, kv_dtype: s
     return tuple(torch.zeros(shape(name), dtype=dtype[name]) for name in STATE_NAMES)
 
 
-def dynamic_shapes(job: GraphJob, contract: ShapeContract):
-    """``torch.export`` dynamic shapes: none for vision, prefill buckets and fixed decode; the
-    chunk count for the dynamic-length prefill; the past length for dynamic decode."""
+def kv_width_shapes(kind: GraphKind, contract: ShapeContract) -> tuple:
+    """``torch.export`` dynamic shapes of a decode, chunk, verify or MTP graph of an export with several KV tiers:
+    one dimension, :data:`~qwen35_onnx.contract.KV_WIDTH` (from the smallest tier to the capacity), on
+    ``attention_mask``'s width and the KV cache's token axis, so that nothing in the graph is specialised to one
+    width (in the order of each graph module's ``forward`` arguments; the decode graph's states are its
+    ``*rest``)."""
     from torch.export import Dim
 
+    width = Dim(KV_WIDTH, min=contract.kv_tiers[0], max=contract.capacity)
+    mask, kv = {1: width}, {3: width}
+    if kind == GraphKind.DECODE:
+        active = (None,) if contract.slots > 1 else ()
+        return (None, mask, None, (*active, None, None, kv))
+    if kind == GraphKind.CHUNK:
+        return (None, None, mask, None, None, None, None, kv)
+    if kind == GraphKind.VERIFY:
+        return (None, mask, None, None, None, kv)
+    if kind == GraphKind.MTP:
+        return (None, None, None, mask, None, None, kv)
+    raise ValueError(f"a {kind} graph has no KV width")
+
+
+def dynamic_shapes(job: GraphJob, contract: ShapeContract):
+    """``torch.export`` dynamic shapes: none for vision, prefill buckets and fixed decode; the
+    chunk count for the dynamic-length prefill; the past length for dynamic decode; with several KV tiers the KV
+    width of the decode, chunk, verify and MTP graphs (:func:`kv_width_shapes`)."""
+    from torch.export import Dim
+
+    if contract.tiered and job.kind in (GraphKind.DECODE, GraphKind.CHUNK, GraphKind.VERIFY, GraphKind.MTP):
+        return kv_width_shapes(job.kind, contract)
     if job.kind == GraphKind.VISION:
         if job.grid is not None:
             return None

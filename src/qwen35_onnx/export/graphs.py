@@ -4,7 +4,9 @@
 rotary embedding) and replace only the parts whose transformers form is not static-shape:
 the cache objects, the gated delta rule, the causal conv and the attention mask.
 
-Graph I/O (names as in the reference system; B = 1, except decode's B = the export's slots; L = capacity):
+Graph I/O (names as in the reference system; B = 1, except decode's B = the export's slots; L = capacity; with
+several KV tiers L is the symbolic ``kv_width`` of the decode, chunk, verify and MTP graphs, and a prefill bucket's
+smallest tier that holds it):
 
 =========  ================================================================================
 vision     pixel_values [N, patch_dim], pos_embed_indices [N, 4], pos_embed_weights [N, 4],
@@ -575,7 +577,8 @@ class PrefillGraph(_TextGraph):
 
     ``attention_mask`` must be a contiguous prefix of ones; padded positions neither decay
     nor write the recurrent state, leave the conv state alone, stay zero in the KV cache and
-    are ignored by attention. In fixed mode the KV output is zero-padded to capacity.
+    are ignored by attention. In fixed mode the KV output is zero-padded to the smallest KV tier that holds the
+    bucket (:meth:`~qwen35_onnx.contract.ShapeContract.prefill_kv_width`: the capacity with one tier).
     """
 
     def forward(self, input_ids, attention_mask, position_ids, image_embeds):
@@ -613,10 +616,10 @@ class PrefillGraph(_TextGraph):
                 out = self.prompt_attention(attn, q, k, v, valid)
             else:
                 out = layers.masked_attention(q, k, v, causal.unsqueeze(1), attn.scaling)
-            if contract.kv_mode == KvMode.FIXED:
+            if contract.kv_mode == KvMode.FIXED:  # zero-padded to the smallest KV tier that holds the bucket
                 n = self.full_slot[i]
                 k, v = (
-                    F.pad(self.kv_store(t, n, w), (0, 0, 0, contract.capacity - seq_len))
+                    F.pad(self.kv_store(t, n, w), (0, 0, 0, contract.prefill_kv_width(seq_len) - seq_len))
                     for t, w in ((k, "k"), (v, "v"))
                 )
             kv.extend([k, v])

@@ -33,9 +33,11 @@ from ..contract import (
     check_chunks,
     check_draft_tokens,
     check_dummy_seq_len,
+    check_kv_tiers,
     check_slots,
     default_buckets,
     default_chunks,
+    default_kv_tiers,
     is_quant_block_size,
     plain,
 )
@@ -64,18 +66,45 @@ def parse_buckets(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def _parse_lengths(text: str, message: str) -> tuple[int, ...]:
+    """Comma-separated integers as a tuple; ``""`` or ``"none"`` -> ``()``; a ValueError saying ``message``
+    otherwise."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(message) from None
+
+
 def parse_chunks(text: str) -> tuple[int, ...]:
     """``"64,512"`` -> ``(64, 512)``; ``""`` or ``"none"`` -> ``()``.
 
     Raises:
         ValueError: not comma-separated integers, naming the text.
     """
-    if text.strip().lower() in ("", "none"):
-        return ()
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"--prefill-chunks {text!r} must be comma-separated integers, e.g. 64,512, or none") from None
+    return _parse_lengths(text, f"--prefill-chunks {text!r} must be comma-separated integers, e.g. 64,512, or none")
+
+
+def parse_kv_tiers(text: str) -> tuple[int, ...]:
+    """``"2048,8192"`` -> ``(2048, 8192)``; ``"none"`` -> ``()`` (one width, the capacity).
+
+    Raises:
+        ValueError: not comma-separated integers, naming the text.
+    """
+    message = f"--kv-tiers {text!r} must be comma-separated integers, e.g. 2048,8192,32768, or none"
+    return _parse_lengths(text, message)
+
+
+def resolve_kv_tiers(tiers, capacity: int, ops: Ops, kv_mode: KvMode) -> tuple[int, ...]:
+    """``--kv-tiers`` as the contract records it: by default (None) :func:`~qwen35_onnx.contract.default_kv_tiers`;
+    ``()`` (``none``) one width, the capacity; a list with the capacity added where its last width is below it."""
+    if tiers is None:
+        return default_kv_tiers(capacity, ops, kv_mode)
+    tiers = tuple(tiers)
+    if not tiers or (isinstance(tiers[-1], int) and not isinstance(tiers[-1], bool) and tiers[-1] < capacity):
+        return (*tiers, capacity)
+    return tiers
 
 
 DEFAULT_IMAGE_TOKENS = 256
@@ -125,6 +154,13 @@ class ExportOptions:
              "(per-channel scales calibrated on the checkpoint at export); by default int8 for a quantized --ops "
              "ort export with a fixed KV cache (measured: the same prefill and half the decode time at 8k tokens), "
              "else --dtype's.")
+    kv_tiers: tuple[int, ...] | None = option(
+        None, "--kv-tiers", contract=True, parse=parse_kv_tiers,
+        help="Comma-separated KV widths in tokens (the capacity is always the last one), or none for one width. A "
+             "sequence's KV cache is held at the smallest width that holds it and moved up when it fills, so a step "
+             "costs the width in use, not the capacity. By default with --ops portable and --kv-cache fixed: 2048, "
+             "then x4 below the capacity (2048,8192,32768 at 65536), plus the capacity; with --ops ort one width "
+             "(its GroupQueryAttention reads only the used length, and its cache costs memory as it is written).")
     image_tokens: int = option(
         DEFAULT_IMAGE_TOKENS, "--image-tokens", contract=True,
         help="Image-token budget of one image (each token is 32x32 pixels with Qwen3.5's 16-pixel patches and 2x2 "
@@ -276,6 +312,25 @@ class ExportOptions:
             except ValueError as exc:
                 raise ExportError(f"--prefill-buckets: {exc}") from exc
 
+        if self.kv_tiers is not None and not isinstance(self.kv_tiers, (tuple, list)):
+            raise ExportError(f"--kv-tiers {self.kv_tiers!r} must be a list of widths in tokens, or none")
+        tiers = self.tiers
+        try:
+            check_kv_tiers(tiers, self.capacity, Ops.PORTABLE, KvMode.FIXED)
+        except ValueError as exc:
+            raise ExportError(f"--kv-tiers: {exc}") from exc
+        shown = ",".join(map(str, tiers))
+        if len(tiers) > 1 and self.kv_mode != KvMode.FIXED:
+            raise ExportError(
+                f"--kv-tiers {shown} needs --kv-cache fixed: a dynamic KV cache grows by one token a step already"
+            )
+        if len(tiers) > 1 and self.ops != Ops.PORTABLE:
+            raise ExportError(
+                f"--kv-tiers {shown} needs --ops portable: with --ops {plain(self.ops)} GroupQueryAttention reads "
+                "only the used length of one capacity-wide KV cache, whose memory is committed as it is written, so "
+                "one width already costs what is used (leave --kv-tiers out, or give none)"
+            )
+
         if self.prefill_chunks is not None and not isinstance(self.prefill_chunks, (tuple, list)):
             raise ExportError(f"--prefill-chunks {self.prefill_chunks!r} must be a list of chunk sizes")
         try:
@@ -306,6 +361,11 @@ class ExportOptions:
         if self.kv_mode != KvMode.FIXED or self.chunks:
             return ()
         return tuple(self.prefill_buckets) if self.prefill_buckets else default_buckets(self.capacity)
+
+    @property
+    def tiers(self) -> tuple[int, ...]:
+        """The KV tiers in tokens (:func:`resolve_kv_tiers`)."""
+        return resolve_kv_tiers(self.kv_tiers, self.capacity, self.ops, self.kv_mode)
 
     @property
     def kv_precision(self) -> KvDtype:
@@ -344,6 +404,7 @@ class ExportOptions:
             quantize_embedding=self.embedding_quantized,
             draft_tokens=self.drafts(has_mtp),
             kv_dtype=self.kv_precision,
+            kv_tiers=self.tiers,
         )
         return values
 
@@ -413,6 +474,8 @@ def component_options(existing: ShapeContract, options: ExportOptions, explicit:
             given = tuple(given)
         if name == "vision_grids":
             given = _resolved_grids(given, existing)
+        if name == "kv_tiers" and given is not None:
+            given = resolve_kv_tiers(given, existing.capacity, existing.ops, existing.kv_mode)
         chosen = name in explicit if explicit is not None else given != getattr(defaults, name)
         if chosen and given != kept:
             shown = [format_grids(v) if isinstance(v, tuple) and name == "vision_grids" else v for v in (given, kept)]

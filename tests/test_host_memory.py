@@ -70,8 +70,8 @@ def test_ort_states_from_host_commit_only_the_slots_given(width):
 
     class Contract:  # the part of a ShapeContract that states_from_host reads
         @staticmethod
-        def state_shape(state):
-            return {"kv_cache": (2, 1, 2, 65_536, 128), "conv_states": (1, 1, 3, 8)}[state]
+        def state_shape(state, width=None):
+            return {"kv_cache": (2, 1, 2, width or 65_536, 128), "conv_states": (1, 1, 3, 8)}[state]
 
     backend = OrtBackend.__new__(OrtBackend)
     backend.contract, backend.device, backend.host_state_roundtrip = Contract(), "cpu", False

@@ -222,8 +222,9 @@ class Decoder(Protocol):
         position_ids: np.ndarray,
         active_rows: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Run one decode step on ``input_ids`` ``[S, 1]``, ``attention_mask`` ``[S, capacity]``
-        (fixed KV; one column more per step in dynamic mode) and ``position_ids`` ``[4, S, 1]``
+        """Run one decode step on ``input_ids`` ``[S, 1]``, ``attention_mask`` ``[S, W]`` (fixed KV: W the
+        KV width of the states the decoder was built from, the capacity or a KV tier; one column more per step in
+        dynamic mode) and ``position_ids`` ``[4, S, 1]``
         (int64), ``S`` the export's decode slots (1 unless exported with ``--slots``; then also
         ``active_rows`` ``[S]`` bool, the rows that step, see :class:`~.slots.SlotPool`); returns the
         logits ``[S, 1, V]`` fp32 as a host array the caller owns: the decoder does not write into it
@@ -496,15 +497,16 @@ class Backend(abc.ABC):
         """
         raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
-    def verify_buffers(self) -> VerifyBuffers:
+    def verify_buffers(self, width: int | None = None) -> VerifyBuffers:
         """Host buffers for the states of every position of a verify run (the largest one,
-        :attr:`ShapeContract.draft_tokens` + 1 positions); a speculation alternates two of them.
+        :attr:`ShapeContract.draft_tokens` + 1 positions; a KV cache ``width`` tokens wide, default the capacity); a
+        speculation alternates two of them.
 
         Raises:
             ContractError: see :meth:`check_speculation`.
         """
         self.check_speculation()
-        return VerifyBuffers.new(self.contract)
+        return VerifyBuffers.new(self.contract, width)
 
     def states_after(self, result: Any, position: int) -> dict[str, Any]:
         """The states after ``position`` (0-based, among the verify run's tokens) of a :meth:`run_verify` result,
@@ -518,14 +520,15 @@ class Backend(abc.ABC):
         logits ``[1, 1, V]`` and ``mtp_hidden [1, 1, hidden]`` (host, fp32) and the KV cache after the run."""
         raise ContractError(f"the {self.runtime} backend does not run speculative decoding")
 
-    def mtp_cache(self) -> MtpCache:
-        """The MTP head's empty KV cache (:attr:`ShapeContract.mtp_kv_shape`, zeros, host buffers).
+    def mtp_cache(self, width: int | None = None) -> MtpCache:
+        """The MTP head's empty KV cache (:meth:`ShapeContract.mtp_kv_shape_at` ``width``, default the capacity;
+        zeros, host buffers).
 
         Raises:
             ContractError: see :meth:`check_speculation`.
         """
         self.check_speculation()
-        return MtpCache.new(self.contract)
+        return MtpCache.new(self.contract, width)
 
     @abc.abstractmethod
     def states_to_host(self, states: dict[str, Any], kv_length: int | None = None) -> dict[str, np.ndarray]:
@@ -540,19 +543,22 @@ class Backend(abc.ABC):
         return export_fingerprint(self.graphs.root, self.contract)
 
     @abc.abstractmethod
-    def states_from_host(self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None) -> dict[str, Any]:
+    def states_from_host(
+        self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None, width: int | None = None
+    ) -> dict[str, Any]:
         """States in the backend's form (fresh buffers) holding the host ``arrays`` keyed
         ``present_conv_states``, ``present_recurrent_states``, ``present_kv_cache`` (the contract's
         stacked shapes and dtypes, the KV cache in ``kv_dtype``, by default the decode graphs'
-        :attr:`~qwen35_onnx.contract.ShapeContract.kv_precision`; the KV cache may hold fewer slots than the
-        capacity, as a snapshot's does: the other slots are zero)."""
+        :attr:`~qwen35_onnx.contract.ShapeContract.kv_precision`, and ``width`` tokens wide: a KV tier, by default
+        the capacity; the KV cache may hold fewer slots than the width, as a snapshot's does: the other slots are
+        zero)."""
 
-    def zero_states(self) -> dict[str, Any]:
+    def zero_states(self, width: int | None = None) -> dict[str, Any]:
         """The states of an empty prompt: zeros in the contract's stacked shapes and dtypes (fixed
-        KV), in the backend's form, for the prompt's graphs (the KV cache in
-        :attr:`~qwen35_onnx.contract.ShapeContract.prompt_kv_dtype`)."""
+        KV, ``width`` tokens wide, default the capacity), in the backend's form, for the prompt's graphs (the KV
+        cache in :attr:`~qwen35_onnx.contract.ShapeContract.prompt_kv_dtype`)."""
         kv_dtype = self.contract.prompt_kv_dtype
-        return self.states_from_host(zero_state_arrays(self.contract, kv_dtype), kv_dtype=kv_dtype)
+        return self.states_from_host(zero_state_arrays(self.contract, kv_dtype), kv_dtype=kv_dtype, width=width)
 
     @functools.cached_property
     def kv_codec(self) -> KvCodec:
@@ -566,22 +572,41 @@ class Backend(abc.ABC):
     def decode_states(self, states: dict[str, Any], length: int) -> dict[str, Any]:
         """``states`` of the prompt's graphs (a prefill's or the chunks', keyed as :meth:`run_prefill` returns them)
         in the form the decode and verify graphs take: the KV cache's first ``length`` slots converted to the
-        contract's KV precision (new buffers; :mod:`.kv_codec`), or ``states`` themselves where the two dtypes
-        agree."""
+        contract's KV precision (new buffers of the same KV width; :mod:`.kv_codec`), or ``states`` themselves
+        where the two dtypes agree."""
         if not self.kv_codec.converts:
             return states
+        width = self.state_shape(states["present_kv_cache"])[3]
         arrays = self.states_to_host(states, kv_length=length)
         arrays["present_kv_cache"] = self.kv_codec.to_decode(arrays["present_kv_cache"])
-        return self.states_from_host(arrays)
+        return self.states_from_host(arrays, width=width)
 
-    def prompt_states_from_host(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    def prompt_states_from_host(self, arrays: dict[str, np.ndarray], width: int | None = None) -> dict[str, Any]:
         """States for the prompt's graphs from host ``arrays`` in the decode form (a kept
-        :class:`~.snapshots.StateSnapshot`'s): :meth:`states_from_host` with the KV cache converted to
-        :attr:`~qwen35_onnx.contract.ShapeContract.prompt_kv_dtype`."""
+        :class:`~.snapshots.StateSnapshot`'s): :meth:`states_from_host` (the KV cache ``width`` tokens wide) with
+        the KV cache converted to :attr:`~qwen35_onnx.contract.ShapeContract.prompt_kv_dtype`."""
         kv_dtype = self.contract.prompt_kv_dtype
         if self.kv_codec.converts:
             arrays = {**arrays, "present_kv_cache": self.kv_codec.to_prompt(arrays["present_kv_cache"])}
-        return self.states_from_host(arrays, kv_dtype=kv_dtype)
+        return self.states_from_host(arrays, kv_dtype=kv_dtype, width=width)
+
+    def widen_states(
+        self, states: dict[str, Any], width: int, length: int, kv_dtype: str | None = None
+    ) -> dict[str, Any]:
+        """States whose KV cache is ``width`` tokens wide (another KV tier: a move up, or down in a slot pool)
+        holding ``states``' conv and recurrent states and their first ``length`` KV slots (``length <= width``), in
+        fresh buffers of this backend's form with the KV cache in ``kv_dtype`` (that of ``states``: by default the
+        decode graphs', the prompt graphs' ``prompt_kv_dtype`` for a prefill's states). The KV slots are copied
+        once, host array to host array where the host can address them (:meth:`state_views`), else through host
+        copies. ``states`` are left as they were."""
+        try:
+            old = self.state_views(states)["present_kv_cache"]
+        except ContractError:  # states on a device: through the host
+            arrays = self.states_to_host(states, kv_length=length)
+            return self.states_from_host(arrays, kv_dtype=kv_dtype, width=width)
+        new = self.states_from_host(self.states_to_host(states, kv_length=0), kv_dtype=kv_dtype, width=width)
+        np.copyto(self.state_views(new)["present_kv_cache"][:, :, :, :length], old[:, :, :, :length])
+        return new
 
     @abc.abstractmethod
     def decoder(self, states: dict[str, Any]) -> Decoder:
@@ -592,24 +617,27 @@ class Backend(abc.ABC):
     def state_shape(value: Any) -> list[int]:
         """Shape of one state as :meth:`run_prefill` returned it."""
 
-    def slot_decoder(self) -> Decoder:
+    def slot_decoder(self, width: int | None = None) -> Decoder:
         """A decoder over the states of every decode slot of the export (:attr:`ShapeContract.slots`
-        rows, zeros: :meth:`ShapeContract.slot_state_shape`), for :class:`~.slots.SlotPool`.
+        rows, zeros: :meth:`ShapeContract.slot_state_shape`, the KV cache ``width`` tokens wide, default the
+        capacity), for :class:`~.slots.SlotPool`.
 
         Raises:
             ContractError: a device whose states the host cannot address (slots are copied in and out
                 of the states as host arrays, see :meth:`state_views`).
         """
-        return self.decoder(self._zero_slot_states())
+        return self.decoder(self._zero_slot_states(width))
 
-    def _zero_slot_states(self) -> dict[str, Any]:
-        """Zeros in the slot-wide shapes, in this backend's form (by default host arrays)."""
+    def _zero_slot_states(self, width: int | None = None) -> dict[str, Any]:
+        """Zeros in the slot-wide shapes (the KV cache ``width`` tokens wide), in this backend's form (by default
+        host arrays)."""
         arrays = {}
         for state in ("conv_states", "recurrent_states", "kv_cache"):
             dtype = self.contract.state_dtype(state)
             if dtype not in STATE_NUMPY_DTYPES:
                 raise ContractError(f"{state} of a {dtype} export cannot be held in host memory (numpy has no {dtype})")
-            arrays[f"present_{state}"] = np.zeros(self.contract.slot_state_shape(state), STATE_NUMPY_DTYPES[dtype])
+            shape = self.contract.slot_state_shape(state, width)
+            arrays[f"present_{state}"] = np.zeros(shape, STATE_NUMPY_DTYPES[dtype])
         return arrays
 
     def state_views(self, states: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -642,14 +670,14 @@ def fill_state(target: np.ndarray, value: np.ndarray, zeroed: bool = False) -> N
         target[:, :, :, width:] = 0
 
 
-def host_inputs(contract: ShapeContract, rows: int) -> dict[str, np.ndarray]:
+def host_inputs(contract: ShapeContract, rows: int, width: int | None = None) -> dict[str, np.ndarray]:
     """Zeroed host buffers of the decode graph's inputs other than the states
     (:attr:`ShapeContract.decode_host_inputs`), for a step of ``rows`` rows: ``input_ids [rows, 1]``,
-    ``attention_mask [rows, capacity]``, ``position_ids [4, rows, 1]`` int64, and with several slots
-    ``active_rows [rows]`` bool."""
+    ``attention_mask [rows, width]`` (a KV tier, default the capacity), ``position_ids [4, rows, 1]`` int64, and
+    with several slots ``active_rows [rows]`` bool."""
     host = {
         "input_ids": np.zeros((rows, 1), dtype=np.int64),
-        "attention_mask": np.zeros((rows, contract.capacity), dtype=np.int64),
+        "attention_mask": np.zeros((rows, width or contract.capacity), dtype=np.int64),
         "position_ids": np.zeros((4, rows, 1), dtype=np.int64),
     }
     if "active_rows" in contract.decode_host_inputs:
@@ -659,8 +687,8 @@ def host_inputs(contract: ShapeContract, rows: int) -> dict[str, np.ndarray]:
 
 def zero_state_arrays(contract: ShapeContract, kv_dtype: str | None = None) -> dict[str, np.ndarray]:
     """Host zeros of the three states (``present_*`` keys, stacked), the KV cache holding no slot (``[2 * n_full,
-    1, Hkv, 0, D]``, as a snapshot of no tokens: :meth:`Backend.states_from_host` makes it capacity wide, where a
-    backend can without committing the capacity's memory) in ``kv_dtype`` (by default the decode graphs').
+    1, Hkv, 0, D]``, as a snapshot of no tokens: :meth:`Backend.states_from_host` makes it as wide as asked, where a
+    backend can without committing the width's memory) in ``kv_dtype`` (by default the decode graphs').
 
     Raises:
         ContractError: a state dtype numpy cannot hold (bf16).

@@ -7,7 +7,9 @@ The ``check_*`` functions compare that description with the manifest's
 :class:`~qwen35_onnx.contract.ShapeContract`. The capacity comes from two sources that must agree:
 the manifest and the graphs' own static shapes (decode ``attention_mask`` width ==
 ``past_kv_cache`` token axis == ``present_kv_cache`` token axis, and prefill's
-``present_kv_cache`` token axis). Any disagreement is a
+``present_kv_cache`` token axis). With several KV tiers (``kv_tiers`` in the manifest) the decode, chunk, verify
+and MTP graphs take the KV width symbolic (``kv_width``, and only then) and each prefill bucket's KV output is the
+smallest tier that holds the bucket. Any disagreement is a
 :class:`~qwen35_onnx.contract.ContractError` raised at load time, before the first decode step;
 there is no silent fallback to another flow.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..contract import STATE_NAMES, ContractError, KvMode, PrefillLogits, ShapeContract
+from ..contract import KV_WIDTH, STATE_NAMES, ContractError, GraphKind, KvMode, PrefillLogits, ShapeContract
 from ..onnxfile.edit import read_model
 
 #: Element type (ONNX's type string, the same for every backend) of each contract dtype.
@@ -187,14 +189,42 @@ def _check_names(graph: GraphSpec, kind: str, expected: list[str]) -> None:
         )
 
 
+def kv_width_axes(contract: ShapeContract, key: str) -> dict[str, int]:
+    """Which axis of which input or output of the graph listed under ``key`` is the symbolic KV width
+    (:data:`~qwen35_onnx.contract.KV_WIDTH`): ``attention_mask``'s 1 and the stacked KV cache's 3 (the MTP head's
+    too) in the decode, chunk, verify and MTP graphs of an export with several KV tiers; none otherwise (every
+    dimension static)."""
+    kinds = (GraphKind.DECODE, GraphKind.CHUNK, GraphKind.VERIFY, GraphKind.MTP)
+    if not contract.tiered or GraphKind.of(key) not in kinds:
+        return {}
+    names = ("past_kv_cache", "present_kv_cache", "past_mtp_kv_cache", "present_mtp_kv_cache")
+    return {"attention_mask": 1, **dict.fromkeys(names, 3)}
+
+
 def _check_capacity(contract: ShapeContract, widths: dict[str, object]) -> None:
+    """The KV widths of a decode, chunk, verify or MTP graph (``widths``: what -> the size in its shape) are the
+    manifest's capacity, or with several KV tiers all the symbolic :data:`~qwen35_onnx.contract.KV_WIDTH`."""
+    expected = contract.kv_width_dim
     for what, width in widths.items():
-        if width != contract.capacity:
-            listing = ", ".join(f"{k} = {v!r}" for k, v in widths.items())
+        if width == expected:
+            continue
+        listing = ", ".join(f"{k} = {v!r}" for k, v in widths.items())
+        tiers = ",".join(map(str, contract.kv_tiers))
+        if contract.tiered:
             raise ContractError(
-                f"capacity mismatch: {what} is {width!r} but manifest capacity is {contract.capacity} "
-                f"({listing}); re-export all graphs with the same --max-seq-len"
+                f"KV width mismatch: {what} is {width!r} but manifest.json lists the KV tiers {tiers}, whose graphs "
+                f"take the KV width symbolic ({KV_WIDTH!r}) ({listing}); re-export all graphs with the same --kv-tiers"
             )
+        if isinstance(width, str):
+            raise ContractError(
+                f"KV width mismatch: {what} is symbolic ({width!r}), which only an export with several KV tiers has, "
+                f"but manifest.json lists one width, the capacity {contract.capacity} ({listing}); re-export all "
+                "graphs with the same --max-seq-len and --kv-tiers"
+            )
+        raise ContractError(
+            f"capacity mismatch: {what} is {width!r} but manifest capacity is {contract.capacity} "
+            f"({listing}); re-export all graphs with the same --max-seq-len"
+        )
 
 
 #: The vision graph's inputs (pixel_values first; the other three computed per grid on the host,
@@ -352,6 +382,8 @@ def check_verify(contract: ShapeContract, verify: GraphSpec, size: int) -> None:
     widths = {f"{verify.name} attention_mask width": verify.dim("input", "attention_mask", 1)}
     for name in contract.decode_state_names("kv_cache", "past"):
         widths[f"{verify.name} {name} token axis"] = verify.inputs[name][-2]
+    for name in kv:
+        widths[f"{verify.name} {name} token axis"] = verify.outputs[name][-2]
     _check_capacity(contract, widths)
 
 
@@ -370,20 +402,34 @@ def check_mtp(contract: ShapeContract, mtp: GraphSpec, size: int) -> None:
         _expect(f"{mtp.name} {name} shape", mtp.inputs.get(name), shape)
     _expect(f"{mtp.name} logits shape", mtp.outputs.get("logits"), [b, 1, contract.vocab_size])
     _expect(f"{mtp.name} mtp_hidden shape", mtp.outputs.get("mtp_hidden"), [b, 1, h])
-    kv = list(contract.mtp_kv_shape[1:]) if contract.kv_in_place else list(contract.mtp_kv_shape)
+    widths = {f"{mtp.name} attention_mask width": mtp.dim("input", "attention_mask", 1)}
+    for e in entries:
+        for kind, name in (("input", f"past_mtp_kv_cache{e}"), ("output", f"present_mtp_kv_cache{e}")):
+            widths[f"{mtp.name} {name} token axis"] = mtp.dim(kind, name, -2)
+    _check_capacity(contract, widths)
+    kv = list(contract.mtp_kv_shape_at(contract.kv_width_dim))
+    kv = kv[1:] if contract.kv_in_place else kv
     for e in entries:
         _check_tensor(mtp, "input", f"past_mtp_kv_cache{e}", kv, contract.mtp_kv_dtype)
         _check_tensor(mtp, "output", f"present_mtp_kv_cache{e}", kv, contract.mtp_kv_dtype)
-    _check_capacity(contract, {f"{mtp.name} attention_mask width": mtp.dim("input", "attention_mask", 1)})
 
 
 def check_prefill(contract: ShapeContract, prefill: GraphSpec, bucket: int | None) -> None:
-    """State shapes; in fixed mode the KV output width equals capacity and a bucket graph's
+    """State shapes; in fixed mode the KV output width equals the smallest KV tier that holds the bucket (the
+    capacity with one tier) and a bucket graph's
     inputs have exactly ``bucket`` tokens; logits have 1 row with ``prefill_logits='last'``."""
     _check_states(contract, prefill, "output", "present", what="prefill")
     _check_host_types(prefill, "prefill")
-    if contract.kv_mode == KvMode.FIXED:
-        _check_capacity(contract, {"prefill present_kv_cache token axis": prefill.dim("output", "present_kv_cache", 3)})
+    if contract.kv_mode == KvMode.FIXED and bucket is not None:
+        width, expected = prefill.dim("output", "present_kv_cache", 3), contract.prefill_kv_width(bucket)
+        if width != expected and contract.tiered:
+            raise ContractError(
+                f"{prefill.name} present_kv_cache token axis is {width!r} but the manifest's KV tiers "
+                f"{','.join(map(str, contract.kv_tiers))} put a {bucket}-token bucket at the tier {expected}; "
+                "re-export all graphs with the same --kv-tiers"
+            )
+        if width != expected:
+            _check_capacity(contract, {"prefill present_kv_cache token axis": width})
     _expect(
         f"{prefill.name} input image_embeds shape",
         prefill.inputs.get("image_embeds"),

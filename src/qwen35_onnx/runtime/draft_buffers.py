@@ -30,8 +30,8 @@ class VerifyBuffers:
     """Host buffers for one verify run's per-position states: ``conv [P, n_linear, 1, K-1, conv_dim]`` and
     ``rec [P, n_linear, 1, Hv, Dk, Dv]`` (P = the export's draft tokens + 1; a run of C tokens fills the first C),
     and, where the KV cache is not written in place, the whole cache after the run ``kv``
-    (:meth:`~qwen35_onnx.contract.ShapeContract.state_shape` of ``'kv_cache'``). ``bound``: what a backend made
-    of them once (e.g. its tensors over the rows), kept with them."""
+    (:meth:`~qwen35_onnx.contract.ShapeContract.state_shape` of ``'kv_cache'``, as wide as the generation's KV
+    tier). ``bound``: what a backend made of them once (e.g. its tensors over the rows), kept with them."""
 
     conv: np.ndarray
     rec: np.ndarray
@@ -39,11 +39,12 @@ class VerifyBuffers:
     bound: dict = field(default_factory=dict)
 
     @classmethod
-    def new(cls, contract: ShapeContract) -> VerifyBuffers:
+    def new(cls, contract: ShapeContract, width: int | None = None) -> VerifyBuffers:
+        """Zero buffers, the KV cache ``width`` tokens wide (default: the capacity)."""
         positions = contract.draft_tokens + 1
         conv = _zeros(contract, "conv_states", (positions, *contract.state_shape("conv_states")))
         rec = _zeros(contract, "recurrent_states", (positions, *contract.state_shape("recurrent_states")))
-        kv = None if contract.kv_in_place else _zeros(contract, "kv_cache", contract.state_shape("kv_cache"))
+        kv = None if contract.kv_in_place else _zeros(contract, "kv_cache", contract.state_shape("kv_cache", width))
         return cls(conv, rec, kv)
 
     def places(self, contract: ShapeContract, size: int) -> Iterator[tuple[str, str, np.ndarray]]:
@@ -58,16 +59,31 @@ class VerifyBuffers:
 
 @dataclass
 class MtpCache:
-    """The MTP head's KV cache ``[2, 1, Hkv, L, D]``: one buffer written in place (``--ops ort``), or an A/B pair
-    whose ``current`` one holds the cache (a run reads it and writes the other, then :meth:`flip`)."""
+    """The MTP head's KV cache ``[2, 1, Hkv, L, D]`` (L the capacity, or a KV tier: :meth:`widen`): one buffer
+    written in place (``--ops ort``), or an A/B pair whose ``current`` one holds the cache (a run reads it and
+    writes the other, then :meth:`flip`)."""
 
     buffers: list[np.ndarray] = field(default_factory=list)
     current: int = 0
 
     @classmethod
-    def new(cls, contract: ShapeContract) -> MtpCache:
+    def new(cls, contract: ShapeContract, width: int | None = None) -> MtpCache:
+        """Zero buffers ``width`` tokens wide (default: the capacity)."""
         count = 1 if contract.kv_in_place else 2
-        return cls([_zeros(contract, "mtp_kv_cache", contract.mtp_kv_shape) for _ in range(count)])
+        shape = contract.mtp_kv_shape_at(width or contract.capacity)
+        return cls([_zeros(contract, "mtp_kv_cache", shape) for _ in range(count)])
+
+    @property
+    def width(self) -> int:
+        """The KV slots the cache holds (its token axis)."""
+        return int(self.kv.shape[3])
+
+    def widen(self, width: int) -> None:
+        """Hold the cache in buffers ``width`` tokens wide (a wider KV tier), its slots copied once."""
+        old = self.kv
+        self.buffers = [np.zeros((*old.shape[:3], width, old.shape[4]), dtype=old.dtype) for _ in self.buffers]
+        self.current = 0
+        self.kv[:, :, :, : old.shape[3]] = old
 
     @property
     def kv(self) -> np.ndarray:

@@ -102,8 +102,15 @@ class Generation:
     then go into the slot, and each decode step is a step of the pool (alone: :meth:`step`; with the
     pool's other sequences: :meth:`~.slots.SlotPool.step`).
 
+    KV tiers (an export with several :attr:`~qwen35_onnx.contract.ShapeContract.kv_tiers`): the mask, the states
+    and the decoder are held at the smallest tier that holds what the generation needs (:attr:`width`): the prefill
+    at the tier that holds the prompt (a chunked prefill plans its chunks within it), and before a decode step, a
+    verify run or a draft would pass it the generation moves up (:meth:`_move_to`: the states copied once into
+    buffers of the wider tier, the decoder rebuilt from them). In a slot pool the pool holds the states at the
+    width of its widest sequence (:class:`~.slots.SlotPool`).
+
     Attributes:
-        mask: the decode attention mask, int64 ``[1, capacity]`` in fixed mode (one column per
+        mask: the decode attention mask, int64 ``[1, width]`` in fixed mode (one column per
             token in dynamic mode); its ones are the KV slots written so far.
         states: the prefill states until the first :meth:`step` hands them to the decoder.
         decoder: the backend's decoder (None before the first step).
@@ -113,7 +120,8 @@ class Generation:
 
     Raises (constructor):
         ValueError: a mask that breaks the checks above (see :func:`~.masks.prepare_decode_mask`),
-            ``states`` whose KV width is not the capacity, both ``states`` and ``start``, or a
+            ``states`` whose KV width is not the capacity (with KV tiers: one of them), both ``states`` and
+            ``start``, or a
             ``start`` that is not a prefix of the prompt.
         ContractError: the prefill graph is missing or disagrees with the manifest; a ``start``
             of another export or capacity, or on an export without prefill chunks; no ``pool`` on an
@@ -172,8 +180,11 @@ class Generation:
         if states is None and not self.chunked:
             backend.load_prefill(self.bucket)
         self._inputs = prompt.padded(contract.pad_token_id)
-        width = contract.capacity if contract.kv_mode == KvMode.FIXED else prompt.bucket
+        # fixed KV: the smallest KV tier that holds the prompt (its bucket), the capacity with one tier
+        width = contract.prefill_kv_width(prompt.bucket) if contract.kv_mode == KvMode.FIXED else prompt.bucket
         self.mask = prepare_decode_mask(self._inputs[1], width, width)
+        self.tier_moves = 0
+        """Moves of this generation's KV cache to a wider tier (:meth:`_move_to`)."""
         if start is not None:
             start.check_export(backend.export_id, contract.capacity)
             if not start.is_prefix_of(prompt.input_ids[0], self.image_digests):
@@ -213,6 +224,12 @@ class Generation:
     @property
     def contract(self) -> ShapeContract:
         return self.backend.contract
+
+    @property
+    def width(self) -> int:
+        """The KV width (tokens) of the mask and the states: in fixed mode the capacity or the KV tier the
+        generation is at."""
+        return int(self.mask.shape[1])
 
     @property
     def length(self) -> int:
@@ -262,7 +279,8 @@ class Generation:
         Raises:
             RuntimeError: this generation has prefilled already.
             ContractError: the logits are not finite (corrupt weights).
-            ValueError: see :meth:`run_vision`; the prefill's KV width is not the capacity.
+            ValueError: see :meth:`run_vision`; the prefill's KV width is not the capacity (or one of the KV
+                tiers).
         """
         runs = self.prefill_runs(image_embeds)
         while True:
@@ -321,21 +339,16 @@ class Generation:
         sizes = c.prefill_chunks
         if self.max_chunk_tokens is not None:
             sizes = tuple(n for n in sizes if n <= self.max_chunk_tokens) or (min(sizes),)
-        plan = (sizes, c.capacity, c.image_token_id, self.snapshot_at)
         # in a slot pool a trailing decode step of the prompt is a step of every slot: only where no chunk fits
         pooled = self.pool is not None or self.chunk_observer is not None
         step_cost = POOLED_DECODE_STEP_COST if pooled else DECODE_STEP_COST
-        try:
-            pieces = plan_chunks(ids, self.cached_tokens, *plan, decode_step_cost=step_cost)
-        except PromptTooLongError:
-            if self.start is None:
-                raise
-            # the tokens after the snapshot end in an image too close to the capacity for any chunk from
-            # there: prefill from the start instead
-            self.start = None
-            pieces = plan_chunks(ids, 0, *plan, decode_step_cost=step_cost)
+        pieces, width = self._plan(ids, sizes, step_cost)
         done = self.cached_tokens
-        states = backend.prompt_states_from_host(self.start.state_arrays()) if self.start else backend.zero_states()
+        # the states at the KV tier the whole prefill reaches (a snapshot restored into it: it holds the snapshot)
+        if self.start is not None:
+            states = backend.prompt_states_from_host(self.start.state_arrays(), width=width)
+        else:
+            states = backend.zero_states(width)
         rows = self.run_vision(done) if image_embeds is None else image_embeds
         self.image_rows = rows  # (the MTP head reads the image embeddings of the prompt's image tokens too)
         vision_done = time.perf_counter()
@@ -353,7 +366,7 @@ class Generation:
             chunk_ids[0, :real] = ids[a : a + real]
             chunk_mask = np.zeros((1, size), dtype=np.int64)
             chunk_mask[0, :real] = 1
-            mask = np.zeros((1, c.capacity), dtype=np.int64)
+            mask = np.zeros((1, width), dtype=np.int64)
             mask[0, : a + real] = 1
             positions = np.zeros((4, 1, size), dtype=np.int64)
             positions[:, :, :real] = prompt.position_ids[:, :, a : a + real]
@@ -381,7 +394,7 @@ class Generation:
                 yield size
         self.next_run_tokens = None
         self.states = states
-        self.mask = np.zeros((1, c.capacity), dtype=np.int64)
+        self.mask = np.zeros((1, width), dtype=np.int64)
         self.mask[0, :done] = 1
         self._enter_slot()
         self._prefilling = True
@@ -399,6 +412,27 @@ class Generation:
             prefill_ms=1000 * (end - vision_done),
         )
         return _finite(logits, "prefill")
+
+    def _plan(self, ids: np.ndarray, sizes: tuple[int, ...], step_cost: float) -> tuple[list, int]:
+        """The chunk plan of the prompt ``ids`` (:func:`~.chunks.plan_chunks`) and the KV tier it runs at: the
+        smallest tier that holds the prompt and every chunk's padding, from the snapshot :attr:`start`; where the
+        tokens after the snapshot end in an image too close to the capacity for any chunk from there, from the
+        prompt's start instead (:attr:`start` dropped).
+
+        Raises:
+            PromptTooLongError: no plan fits below the capacity.
+        """
+        c = self.contract
+        tiers = [w for w in c.kv_tiers if w >= self.width]
+        while True:
+            for width in tiers:
+                try:
+                    plan = (sizes, width, c.image_token_id, self.snapshot_at)
+                    return plan_chunks(ids, self.cached_tokens, *plan, decode_step_cost=step_cost), width
+                except PromptTooLongError:
+                    if width == c.capacity and self.start is None:
+                        raise
+            self.start = None
 
     def _snapshot(self, arrays: dict[str, np.ndarray], length: int, prompt_form: bool = False) -> StateSnapshot:
         """A snapshot of the host state ``arrays`` (``present_*``, the KV cache ``length`` slots wide; ``prompt_form``:
@@ -448,11 +482,18 @@ class Generation:
         return self._snapshot(arrays, self.length, prompt_form)
 
     def _take(self, states: dict[str, Any]) -> None:
-        """Keep prefill ``states``, after checking that their KV width is the capacity (fixed mode)."""
+        """Keep prefill ``states``, after checking that their KV width is the capacity or one of the KV tiers
+        (fixed mode); the mask becomes that wide."""
         contract = self.contract
         if contract.kv_mode == KvMode.FIXED:
             kv_width = self.backend.state_shape(states["present_kv_cache"])[3]
-            self.mask = prepare_decode_mask(self._inputs[1], contract.capacity, kv_width)
+            if contract.tiered and kv_width not in contract.kv_tiers:
+                raise ValueError(
+                    f"prefill KV width {kv_width} is not one of the export's KV tiers "
+                    f"{','.join(map(str, contract.kv_tiers))}"
+                )
+            width = kv_width if contract.tiered else contract.capacity
+            self.mask = prepare_decode_mask(self._inputs[1], width, kv_width)
         self.states = states
 
     def step(self, token: int) -> np.ndarray:
@@ -485,8 +526,8 @@ class Generation:
                 raise RuntimeError("prefill before the first decode step")
             self._decode_form()
             self.decoder, self.states = self.backend.decoder(self.states), None
+        start = time.perf_counter()  # (a move to a wider KV tier counts with the step that needs it)
         next_pos = self._advance()
-        start = time.perf_counter()
         logits = self.decoder.step(
             np.array([[token]], dtype=np.int64), self.mask, decode_position_ids(next_pos, self.prompt.rope_deltas)
         )
@@ -541,20 +582,23 @@ class Generation:
             raise ValueError(f"verify tokens {list(tokens)} must be token ids from 0 to {vocab - 1}")
         if start + size > self.contract.capacity:
             raise CapacityExhausted(start + size - 1, self.contract.capacity)
+        self._decode_form()
+        begin = time.perf_counter()
+        self._make_room(start + size)
+        moved_ms = 1000 * (time.perf_counter() - begin)  # (a move to a wider KV tier counts with the run)
         mask = self.mask.copy()
         mask[0, start : start + size] = 1
         positions = np.concatenate(
             [decode_position_ids(start + t, self.prompt.rope_deltas) for t in range(size)], axis=2
         )
-        self._decode_form()
         if not self._verify_buffers:
-            self._verify_buffers = [self.backend.verify_buffers(), self.backend.verify_buffers()]
+            self._verify_buffers = [self.backend.verify_buffers(self.width) for _ in (0, 1)]
         buffers = self._verify_buffers[self._verify_parity]
         feeds = {"input_ids": np.array([tokens], dtype=np.int64), "attention_mask": mask, "position_ids": positions}
         begin = time.perf_counter()
         logits, hidden, result = self.backend.run_verify(size, feeds, self.states, buffers)
         self._verify_parity = 1 - self._verify_parity  # (after the run: the states may point into the other set)
-        self.timings.decode_ms += 1000 * (time.perf_counter() - begin) + draft_ms
+        self.timings.decode_ms += 1000 * (time.perf_counter() - begin) + draft_ms + moved_ms
         self.timings.draft_ms += draft_ms
         self.timings.verify_runs += 1
         self._verified = (result, list(tokens))
@@ -609,15 +653,40 @@ class Generation:
 
     def _advance(self) -> int:
         """Claim the slot of the token being fed; returns ``next_pos = sum(mask)`` before the
-        update, the token's text position. Fixed mode sets the next mask slot; dynamic mode appends
-        a column. Both raise CapacityExhausted at capacity."""
+        update, the token's text position. Fixed mode sets the next mask slot (after a move to a wider KV tier
+        where the generation's is full); dynamic mode appends a column. Both raise CapacityExhausted at
+        capacity."""
         if self.contract.kv_mode == KvMode.FIXED:
+            self._make_room(self.length + 1)
             return advance_mask(self.mask)
         next_pos = self.length
         if next_pos >= self.contract.capacity:
             raise CapacityExhausted(next_pos, self.contract.capacity)
         self.mask = np.concatenate([self.mask, np.ones((1, 1), dtype=np.int64)], axis=1)
         return next_pos
+
+    def _make_room(self, slots: int) -> None:
+        """Before a run that writes KV slots up to ``slots`` (fixed mode): move to the smallest KV tier that holds
+        them where the generation's does not (nothing at the capacity: the caller raises CapacityExhausted)."""
+        if self.width < slots <= self.contract.capacity:
+            self._move_to(self.contract.tier_for(slots))
+
+    def _move_to(self, width: int) -> None:
+        """Hold the generation at the KV tier ``width``: the mask widened, and the states (the decoder's, or those
+        held for a verify run) copied once into buffers of that width (:meth:`~.backend.Backend.widen_states`),
+        the decoder rebuilt from them; in a slot pool the mask only (the pool holds the states,
+        :meth:`~.slots.SlotPool.step` widens them)."""
+        length = self.length
+        mask = np.zeros((1, width), dtype=np.int64)
+        mask[0, :length] = 1
+        if self.pool is None and self.decoder is not None:
+            self.decoder = self.backend.decoder(self.backend.widen_states(self.decoder.states(), width, length))
+        elif self.pool is None and self.states is not None:
+            kv_dtype = self.contract.prompt_kv_dtype if self.prompt_form else None  # (their KV cache's dtype)
+            self.states = self.backend.widen_states(self.states, width, length, kv_dtype)
+            self._verify_buffers, self._verify_parity = [], 0  # (the states point into none of them now)
+        self.mask = mask
+        self.tier_moves += 1
 
 
 def _finite(logits: np.ndarray, where: str) -> np.ndarray:

@@ -24,6 +24,12 @@ pool makes). From then on every decode step updates the slot where it is: the KV
 (``--ops ort``) or in the A/B buffers every row shares; nothing is gathered or scattered per step
 (:attr:`SlotPool.bytes_copied` counts the bytes ``place`` copied; a step copies none).
 
+KV tiers (an export with several :attr:`~qwen35_onnx.contract.ShapeContract.kv_tiers`): the pool runs the decode
+graph at one width for every row, the smallest tier that holds its widest sequence (:attr:`SlotPool.width`). A
+step, or a sequence placed into a slot, that needs more moves the pool up first, and a release that leaves it
+wider than needed moves it down (:meth:`SlotPool._resize`: a new decoder at the new width, each held slot's conv
+and recurrent state and its KV slots in use copied once); a step reads every row at the pool's width.
+
 Source: continuous batching as in Orca (Yu et al. 2022, "Orca: A Distributed Serving System for
 Transformer-Based Generative Models": requests join and leave the batch between iterations) and
 vLLM; the per-slot recurrent state of hybrid models as in vLLM's mamba state slots and Qualcomm's
@@ -76,6 +82,9 @@ class SlotPool:
         last_rows: the rows of the latest step.
         bytes_copied: bytes :meth:`place` copied into slots (a decode step copies none).
         bytes_discarded: bytes of KV memory handed back to the system as slots were released.
+        width: the KV width (tokens) the decode graph runs at: the capacity, or the smallest KV tier that holds the
+            widest held sequence and its next token.
+        resizes: moves of the pool to another KV tier.
 
     Raises (constructor):
         ContractError: a dynamic-KV export, or a backend whose states the host cannot address.
@@ -87,11 +96,13 @@ class SlotPool:
             raise ContractError("decode slots need a fixed-KV export (--kv-cache fixed)")
         self.backend = backend
         self.size = contract.slots
-        self.decoder = backend.slot_decoder()
+        self.width = contract.kv_tiers[0]
+        self.decoder = backend.slot_decoder(self.width)
         self.holders: list[SlotSequence | None] = [None] * self.size
         self.steps = self.rows_stepped = self.last_rows = self.bytes_copied = self.bytes_discarded = 0
+        self.resizes = 0
         self._ids = np.zeros((self.size, 1), dtype=np.int64)
-        self._masks = np.zeros((self.size, contract.capacity), dtype=np.int64)
+        self._masks = np.zeros((self.size, self.width), dtype=np.int64)
         self._mask_ones = [0] * self.size  # the leading ones of each row of _masks (the rest is zeros)
         self._positions = np.zeros((4, self.size, 1), dtype=np.int64)
         self._active = np.zeros(self.size, dtype=np.bool_)
@@ -125,11 +136,12 @@ class SlotPool:
         (:func:`~qwen35_onnx.host_memory.discard_pages`: the slot reads zeros and costs nothing until the next
         sequence writes it; its conv and recurrent rows keep stale values until then). With a dynamic row axis the
         last held slot's sequence moves into it (its states copied, its ``slot`` changed), so that the held slots
-        stay first."""
+        stay first. With KV tiers the pool moves down to the smallest tier that holds the sequences left."""
         self.holders[slot] = None
         self.lengths[slot] = 0
         if not self.backend.contract.dynamic_rows:
             self._discard(slot)
+            self._fit()
             return
         last = self.rows - 1
         if last <= slot:
@@ -149,6 +161,42 @@ class SlotPool:
         mover.slot = slot
         self._discard(last)
 
+    def _needed(self) -> int:
+        """KV slots a step needs: each held sequence's length and the one its next token (or an idle row's
+        write) takes, at most the capacity."""
+        held = [self.lengths[s] + 1 for s, holder in enumerate(self.holders) if holder is not None]
+        return min(max(held, default=1), self.backend.contract.capacity)
+
+    def _fit(self, slots: int = 0) -> None:
+        """Run at the smallest KV tier that holds ``slots`` and every held sequence (:meth:`_needed`), moving
+        there (:meth:`_resize`) where that is another width."""
+        width = self.backend.contract.tier_for(max(slots, self._needed()))
+        if width != self.width:
+            self._resize(width)
+
+    def _resize(self, width: int) -> None:
+        """Move the pool's states to buffers ``width`` tokens wide: a new decoder at that width, each held slot's
+        conv and recurrent state and the KV slots it uses copied once (the rows of free slots stay zero)."""
+        old = self.backend.state_views(self.decoder.states())
+        decoder = self.backend.slot_decoder(width)
+        new = self.backend.state_views(decoder.states())
+        for slot, length in enumerate(self.lengths):
+            if self.holders[slot] is None or not length:
+                continue
+            for name, value in old.items():
+                source, target = value[:, slot : slot + 1], new[name][:, slot : slot + 1]
+                if name == "present_kv_cache":
+                    source, target = source[:, :, :, :length], target[:, :, :, :length]
+                np.copyto(target, source)
+                self.bytes_copied += source.nbytes
+        self.decoder, self.width = decoder, width
+        kept = min(width, self._masks.shape[1])
+        masks = np.zeros((self.size, width), dtype=np.int64)
+        masks[:, :kept] = self._masks[:, :kept]
+        self._masks = masks
+        self._mask_ones = [min(ones, width) for ones in self._mask_ones]
+        self.resizes += 1
+
     def _discard(self, slot: int) -> None:
         """Hand back the memory of ``slot``'s KV rows (those of the buffers the decoder holds now)."""
         kv = self.backend.state_views(self.decoder.states()).get("present_kv_cache")
@@ -166,7 +214,9 @@ class SlotPool:
         """Copy a prefilled sequence's ``states`` (one row, the backend's form, as a prefill or chunk run
         returns them: the KV cache in the prompt graphs' dtype) of ``length`` tokens into ``slot``'s rows of the
         decode states (the KV cache converted to the decode graph's, :mod:`.kv_codec`, as it is copied); the KV
-        slots from ``length`` on are left as they are (no row reads a KV slot it has not written)."""
+        slots from ``length`` on are left as they are (no row reads a KV slot it has not written). The pool moves
+        up first where its KV tier does not hold the sequence and its next token."""
+        self._fit(length + 1)
         rows = self.backend.state_views(self.decoder.states())
         for name, value in self.backend.states_to_host(states, kv_length=length).items():
             target = rows[name][:, slot : slot + 1]
@@ -214,9 +264,11 @@ class SlotPool:
         Raises:
             ValueError: a generation that holds no slot of this pool, or two rows for one slot.
         """
+        start = time.perf_counter()  # (a move to a wider KV tier counts with the step that needs it)
         self._ids[...] = 0
         self._positions[...] = 0
         self._active[...] = False
+        self._fit()  # (every held sequence's next token: its own claim below, or its idle row's write)
         for slot, length in enumerate(self.lengths):  # idle rows: the next free KV slot of their sequence
             self._mask_prefix(slot, length + 1)
         results: list[np.ndarray | Exception | None] = [None] * len(rows)
@@ -241,7 +293,6 @@ class SlotPool:
         if not live:
             return results
         n = self.rows
-        start = time.perf_counter()
         logits = self.decoder.step(self._ids[:n], self._masks[:n], self._positions[:, :n], self._active[:n])
         elapsed = 1000 * (time.perf_counter() - start)
         self.steps += 1

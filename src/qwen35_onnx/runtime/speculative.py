@@ -160,7 +160,7 @@ class Speculation:
         self._forced_rng = np.random.default_rng(0)
         backend = generation.backend
         backend.check_speculation()
-        self.cache = backend.mtp_cache() if drafter is None else None
+        self.cache = backend.mtp_cache(generation.width) if drafter is None else None
         backend.graphs.verify(self.draft_tokens + 1)  # load and cross-check every graph a round may run, now
         for size in contract.mtp_sizes if drafter is None else ():
             backend.graphs.mtp(size)
@@ -187,6 +187,7 @@ class Speculation:
         self._head_whole = start is None  # the head has read every position from 0 (what a snapshot may keep)
         if self.cache is not None and start is not None and start.mtp_kv is not None:
             b = start.mtp_kv.shape[3]
+            self._fit_cache(b)
             self.cache.kv[:, :, :, :b] = start.mtp_kv
             self._backlog = _Backlog(b, start.mtp_hidden.copy())
             self.restored, self._head_whole = start.length, True
@@ -244,7 +245,8 @@ class Speculation:
         rows[0, :n] = hidden
         chunk_mask = np.zeros((1, size), dtype=np.int64)
         chunk_mask[0, :n] = 1
-        mask = np.zeros((1, c.capacity), dtype=np.int64)
+        self._fit_cache(first + size)
+        mask = np.zeros((1, self.cache.width if self.cache is not None else c.capacity), dtype=np.int64)
         mask[0, : first + n] = 1
         positions = np.zeros((4, 1, size), dtype=np.int64)
         for t in range(n):
@@ -271,6 +273,16 @@ class Speculation:
             "position_ids": positions,
             "image_embeds": embeds,
         }
+
+    def _fit_cache(self, slots: int) -> None:
+        """The MTP head's KV cache follows the generation's KV tier: widened (:meth:`~.draft_buffers.MtpCache.
+        widen`) to the generation's tier, or to the smallest one that holds the ``slots`` a run writes."""
+        if self.cache is None:
+            return
+        c = self.generation.contract
+        width = c.tier_for(min(max(slots, self.generation.width), c.capacity))
+        if width > self.cache.width:
+            self.cache.widen(width)
 
     def _run_mtp(self, first: int, hidden: np.ndarray, tokens) -> tuple[np.ndarray, np.ndarray]:
         """The MTP head over positions ``first .. first + n - 1``, in as few runs as its graph sizes allow (each run

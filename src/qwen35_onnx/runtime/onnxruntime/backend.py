@@ -109,11 +109,13 @@ class OrtBackend(Backend):
             arrays[name] = np.array(array, copy=True)
         return arrays
 
-    def states_from_host(self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None) -> dict:
+    def states_from_host(
+        self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None, width: int | None = None
+    ) -> dict:
         # the buffers take the arrays' dtypes (kv_dtype names the KV cache's, which its array has)
         states = {}
         for name, value in arrays.items():
-            shape = self.contract.state_shape(name.removeprefix("present_"))
+            shape = self.contract.state_shape(name.removeprefix("present_"), width)
             if self.host_state_roundtrip:
                 states[name] = np.empty(shape, dtype=value.dtype)
                 fill_state(states[name], value)
@@ -147,11 +149,11 @@ class OrtBackend(Backend):
                 "--device cpu, or re-export with --slots 1)"
             )
 
-    def _zero_slot_states(self) -> dict:
+    def _zero_slot_states(self, width: int | None = None) -> dict:
         self._check_host_addressable()
         c, states = self.contract, {}
         for state in STATE_NAMES:
-            shape, dtype = c.slot_state_shape(state), NP_DTYPES[c.state_dtype(state)]
+            shape, dtype = c.slot_state_shape(state, width), NP_DTYPES[c.state_dtype(state)]
             if self.host_state_roundtrip:
                 states[f"present_{state}"] = np.zeros(shape, dtype=dtype)
                 continue

@@ -25,6 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ...contract import STATE_NAMES, KvMode, ShapeContract
+from ...host_memory import reserve_zeros
 from ..backend import host_inputs
 from ..checks import ONNX_TYPES
 from .sessions import GraphSession
@@ -74,17 +75,24 @@ class BoundDecoder:
         buffered = [n for n in STATE_NAMES if f"present_{n}" not in self.updated_in_place]
         if not self.fixed:
             buffered.remove("kv_cache")
+        # fixed KV: the width of the states given (the capacity, or a KV tier of the export)
+        kv = states["present_kv_cache"]
+        self.width = int((kv.shape() if isinstance(kv, ort.OrtValue) else kv.shape)[3]) if self.fixed else None
         shapes = {
-            f"present_{name}": (contract.slot_state_shape(name), NP_DTYPES[contract.state_dtype(name)])
+            f"present_{name}": (contract.slot_state_shape(name, self.width), NP_DTYPES[contract.state_dtype(name)])
             for name in buffered
         }
         # Two complete sets of output buffers: set p is written at steps of parity p; the
-        # prefill's states serve as set 1 (read by step 0).
+        # prefill's states serve as set 1 (read by step 0). On the CPU reserved as the KV cache is
+        # (host_memory.reserve_zeros: freed back to the system with the decoder).
         new = ort.OrtValue.ortvalue_from_shape_and_type
-        self.buffers = [
-            {name: new(shape, dt, device, 0) for name, (shape, dt) in shapes.items()},
-            {name: states[name] for name in shapes},
-        ]
+        if device == "cpu":
+            fresh = {
+                name: ort.OrtValue.ortvalue_from_numpy(reserve_zeros(shape, dt)) for name, (shape, dt) in shapes.items()
+            }
+        else:
+            fresh = {name: new(shape, dt, device, 0) for name, (shape, dt) in shapes.items()}
+        self.buffers = [fresh, {name: states[name] for name in shapes}]
         # On the CPU the logits are written into numpy arrays that step() returns as they are: no
         # copy of V floats (1 MB at 0.8B, read back from the last-level cache; with the cheaper
         # finiteness check the host's time per 0.8B step went from 0.60 to 0.40 ms); a step only
@@ -120,7 +128,7 @@ class BoundDecoder:
 
     def _host(self, rows: int) -> dict[str, np.ndarray]:
         if rows not in self.hosts:
-            self.hosts[rows] = host_inputs(self.contract, rows)
+            self.hosts[rows] = host_inputs(self.contract, rows, self.width)
         return self.hosts[rows]
 
     def _bind(self, parity: int, rows: int, attention_mask: np.ndarray | None = None) -> ort.IOBinding:
@@ -236,15 +244,15 @@ ORT_TYPES = {ONNX_TYPES[dtype]: np_dtype for dtype, np_dtype in NP_DTYPES.items(
 """numpy dtypes of the ONNX Runtime output types :func:`bind_state_output` allocates itself."""
 
 
-def bind_state_output(binding: ort.IOBinding, output, device: str) -> None:
+def bind_state_output(binding: ort.IOBinding, output, device: str, shape: list[int] | None = None) -> None:
     """Bind the graph output ``output`` (a ``NodeArg`` of ``session.get_outputs()``) to a new
     buffer of its own (``OrtValue.ortvalue_from_shape_and_type``: ONNX Runtime's default allocator
     on ``device``), not one from the session's arena: a state a generation keeps (``[L, ...]``
     conv, recurrent, KV) then pins none of the CPU arena that vision, prefill and chunk runs share
-    (:class:`.sessions.Activations`), and freeing it hands its memory back. Outputs with a
-    symbolic dimension (dynamic KV) or another element type are left to the session
-    (``bind_output``)."""
-    shape = output.shape
+    (:class:`.sessions.Activations`), and freeing it hands its memory back. ``shape``: the output's
+    shape where the graph's is symbolic (a KV tier's width). Outputs with a symbolic dimension
+    otherwise (dynamic KV) or another element type are left to the session (``bind_output``)."""
+    shape = output.shape if shape is None else shape
     if output.type not in ORT_TYPES or not all(isinstance(d, int) for d in shape):
         binding.bind_output(output.name, device)
         return
@@ -308,8 +316,9 @@ def run_chunk_bound(
     if not contract.kv_in_place:
         graph_outputs = {o.name: o for o in session.get_outputs()}
         for state in STATE_NAMES:
-            binding.bind_ortvalue_input(f"past_{state}", states[f"present_{state}"])
-            bind_state_output(binding, graph_outputs[f"present_{state}"], device)
+            past = states[f"present_{state}"]
+            binding.bind_ortvalue_input(f"past_{state}", past)
+            bind_state_output(binding, graph_outputs[f"present_{state}"], device, past.shape())  # (the same shape)
         session.run_with_iobinding(binding, options)
         values = binding.get_outputs()
         outputs = dict(zip((f"present_{s}" for s in STATE_NAMES), values[first:]))

@@ -10,7 +10,7 @@ Checked before anything compiles:
   read (``--ops ort`` exports are refused naming the operators);
 - each graph: read by OpenVINO's ONNX reader (a failure is a ContractError with its summary),
   no dynamic dimension on any input or output (``Model.is_dynamic()``; the any-grid vision graph's patch
-  count excepted, see below), the contract in its
+  count and a tiered export's KV width excepted, see below), the contract in its
   ``metadata_props`` (OpenVINO keeps them in the model's ``rt_info['framework']``) equal to the
   manifest's, and its input/output shapes and element types cross-checked by the shared
   :mod:`qwen35_onnx.runtime.checks` functions, exactly as on ONNX Runtime.
@@ -23,6 +23,11 @@ reshaped to each image's or video frame pair's grid and compiled static on first
 the N most recently used kept (4 after a refusal). The CPU plugin shares no weights between compiled models:
 each static grid holds its own copy of the vision weights (0.42 GB at Qwen3.5-0.8B,
 ``benchmarks/video/amd-epyc-2c-qwen3.5-0.8b.json``).
+
+KV tiers: the decode, chunk, verify and MTP graphs of an export with several KV tiers take the KV width as one
+symbolic dimension (``kv_width``); each is compiled once with it dynamic (one copy of its weights for every tier)
+and each run sets the tensors of the generation's tier; a device that refuses the dynamic compile is named at
+load.
 
 Decode states stay in OpenVINO tensors (:mod:`.decoders`); speculative decoding's verify and MTP runs write into
 host buffers bound as OpenVINO tensors (:mod:`.speculative`).
@@ -38,12 +43,12 @@ from pathlib import Path
 import numpy as np
 import openvino as ov
 
-from ...contract import METADATA_KEY, STATE_NAMES, ContractError, KvMode, Ops, ShapeContract, plain
+from ...contract import KV_WIDTH, METADATA_KEY, STATE_NAMES, ContractError, KvMode, Ops, ShapeContract, plain
 from ...onnxfile.scan import OnnxScanError, scan
 from ..backend import STATE_NUMPY_DTYPES, Backend, Decoder, GraphSet, Runtime, RuntimeOptions, fill_state
-from ..checks import GraphSpec, check_export_files, check_vision
+from ..checks import GraphSpec, check_export_files, check_vision, kv_width_axes
 from ..draft_buffers import MtpCache, VerifyBuffers
-from .decoders import STATE_TYPES, OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request
+from .decoders import STATE_TYPES, OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request, set_inputs
 from .speculative import run_mtp, run_verify
 
 DEFAULT_GRID_CACHE = 4
@@ -131,7 +136,8 @@ class CompiledGraph(GraphSpec):
     compiled: ov.CompiledModel | None = None
     request: ov.InferRequest | None = None
     dynamic: bool = False
-    """Compiled with a dynamic dimension (the any-grid vision graph's patch count): each run sets its own tensors."""
+    """Compiled with a dynamic dimension (the any-grid vision graph's patch count, or the KV width of a tiered
+    export's decode, chunk, verify and MTP graphs): each run sets the tensors of its own shapes."""
 
 
 @dataclass
@@ -241,33 +247,44 @@ class OpenVinoGraphSet(GraphSet):
         contract = ShapeContract.from_json(model.get_rt_info(["framework", METADATA_KEY]).astype(str))
         graph_names = set(onnx_names.inputs) | set(onnx_names.outputs)
         any_grid = key == self.contract.vision_graph_key(None) and not self.contract.static_vision
-        return self._describe(key, model, contract, graph_names, dynamic_patches=any_grid, path=path)
+        widths = kv_width_axes(self.contract, key)
+        return self._describe(key, model, contract, graph_names, dynamic_patches=any_grid, path=path, widths=widths)
 
     @staticmethod
     def _describe(
-        key: str, model: ov.Model, contract, graph_names, dynamic_patches: bool = False, path: Path | None = None
+        key: str,
+        model: ov.Model,
+        contract,
+        graph_names,
+        dynamic_patches: bool = False,
+        path: Path | None = None,
+        widths: dict[str, int] | None = None,
     ) -> CompiledGraph:
         """The :class:`CompiledGraph` (not yet compiled) of an OpenVINO ``model``: its ports' shapes and types.
         ``dynamic_patches``: the any-grid vision graph, whose first dimension (the patch count) is left dynamic
-        (named ``patches``) for :meth:`vision` to reshape; any other dynamic dimension is refused."""
+        (named ``patches``) for :meth:`vision` to reshape; ``widths``: the ports whose axis is the symbolic KV width
+        of a tiered export (:func:`~qwen35_onnx.runtime.checks.kv_width_axes`, named ``kv_width``); any other
+        dynamic dimension is refused."""
         tables: dict[str, dict[str, list]] = {"input": {}, "output": {}}
         types: dict[str, str] = {}
+        widths = widths or {}
         for kind, ports in (("input", model.inputs), ("output", model.outputs)):
             for port in ports:
                 name = next((n for n in sorted(port.get_names()) if n in graph_names), port.get_any_name())
                 shape = port.get_partial_shape()
                 dims = list(shape)
-                fixed = dims[1:] if dynamic_patches else dims
-                if any(d.is_dynamic for d in fixed) or (not dynamic_patches and shape.is_dynamic):
+                free = {0} if dynamic_patches else {widths[name]} if name in widths else set()
+                if any(d.is_dynamic for axis, d in enumerate(dims) if axis not in free):
                     raise ContractError(
                         f"{key} graph {kind} {name!r} has the dynamic shape {shape}: OpenVINO would compile it with a "
                         "dynamic dimension, and the fixed-shape contract needs every dimension static "
                         "(re-export the graph with this version, --kv-cache fixed)"
                     )
-                tables[kind][name] = ["patches" if d.is_dynamic else int(d.get_length()) for d in dims]
+                symbol = "patches" if dynamic_patches else KV_WIDTH
+                tables[kind][name] = [symbol if d.is_dynamic else int(d.get_length()) for d in dims]
                 type_name = port.get_element_type().get_type_name()
                 types[name] = ONNX_TYPE_OF.get(type_name, type_name)
-        if model.is_dynamic() and not dynamic_patches:
+        if model.is_dynamic() and not (dynamic_patches or widths):
             where = f"{str(path)!r}" if path is not None else key
             raise ContractError(
                 f"{key} graph {where} has a dynamic dimension inside: OpenVINO cannot compile it statically"
@@ -279,6 +296,8 @@ class OpenVinoGraphSet(GraphSet):
         return graph
 
     def _prepare(self, graph: CompiledGraph) -> CompiledGraph:
+        if graph.model is not None and graph.model.is_dynamic() and kv_width_axes(self.contract, graph.name):
+            return self._compile_tiered(graph)
         if graph.model is not None and graph.model.is_dynamic():  # the any-grid vision graph
             if self.grids.capacity:
                 return graph  # compiled per grid (vision)
@@ -300,6 +319,33 @@ class OpenVinoGraphSet(GraphSet):
         graph.model = None  # the compiled model holds what it needs
         graph.request = graph.compiled.create_infer_request()
         return graph
+
+    def _compile_tiered(self, graph: CompiledGraph) -> CompiledGraph:
+        """Compile a tiered export's decode, chunk, verify or MTP graph once with its KV width dynamic: one copy of
+        its weights for every KV tier (the CPU plugin shares none between compiled models), each run given the
+        tensors of its tier.
+
+        Raises:
+            ContractError: the device refuses a dynamic dimension (a static compiler reshapes the graph to each
+                tier instead: ``Model.reshape``).
+        """
+        try:
+            graph.compiled = self.core.compile_model(graph.model, self.device, self.config)
+        except RuntimeError as exc:
+            tiers = ",".join(map(str, self.contract.kv_tiers))
+            raise ContractError(
+                f"{graph.name} graph cannot be compiled by OpenVINO for {self.device} with its KV width dynamic (KV "
+                f"tiers {tiers}): {_summary(exc)}; export with --kv-tiers none for this device"
+            ) from None
+        graph.model, graph.dynamic = None, True
+        graph.request = graph.compiled.create_infer_request()
+        return graph
+
+
+def state_tensor(port, shape) -> ov.Tensor:
+    """A new tensor of ``port``'s element type and ``shape`` (a state output: its shape is the past state's, the KV
+    width a tier's where the graph's is dynamic)."""
+    return ov.Tensor(port.get_element_type(), list(shape))
 
 
 class OpenVinoBackend(Backend):
@@ -374,13 +420,12 @@ class OpenVinoBackend(Backend):
     def run_chunk(self, size: int, feeds: dict[str, np.ndarray], states: dict) -> tuple[np.ndarray, dict, object]:
         graph = self.graphs.chunk(size)
         request = graph.request
-        for name, value in feeds.items():
-            np.copyto(request.get_tensor(name).data, value)
+        set_inputs(request, feeds)
         new = {}
         for state in STATE_NAMES:
             past = states[f"present_{state}"]
             request.set_tensor(f"past_{state}", past if isinstance(past, ov.Tensor) else ov.Tensor(past))
-            new[f"present_{state}"] = fresh_tensor(graph.compiled.output(f"present_{state}"))
+            new[f"present_{state}"] = state_tensor(graph.compiled.output(f"present_{state}"), self.state_shape(past))
             request.set_tensor(f"present_{state}", new[f"present_{state}"])
         run_request(request)
         logits = request.get_tensor("logits").data.copy()
@@ -404,13 +449,15 @@ class OpenVinoBackend(Backend):
             arrays[name] = np.array(array, copy=True)
         return arrays
 
-    def states_from_host(self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None) -> dict:
+    def states_from_host(
+        self, arrays: dict[str, np.ndarray], kv_dtype: str | None = None, width: int | None = None
+    ) -> dict:
         """As the base class; a bf16 state's host array holds its raw bits as float16 (what
         ``ov.Tensor.data`` shows of a bf16 tensor, and :meth:`states_to_host` returns)."""
         states = {}
         for name, value in arrays.items():
             state = name.removeprefix("present_")
-            shape = list(self.contract.state_shape(state))
+            shape = list(self.contract.state_shape(state, width))
             if self.host_state_roundtrip:
                 states[name] = np.empty(shape, dtype=value.dtype)
                 fill_state(states[name], value)
@@ -421,24 +468,24 @@ class OpenVinoBackend(Backend):
             states[name] = tensor
         return states
 
-    def zero_states(self) -> dict:
+    def zero_states(self, width: int | None = None) -> dict:
         """Zero states made on the runtime (a bf16 export's too: numpy has no bf16), the KV cache in the prompt
         graphs' dtype."""
         c = self.contract
         if self.host_state_roundtrip:
-            return super().zero_states()
+            return super().zero_states(width)
         states = {}
         for state in STATE_NAMES:
             dtype = c.prompt_kv_dtype if state == "kv_cache" else c.state_dtype(state)
-            tensor = ov.Tensor(STATE_TYPES[dtype], list(c.state_shape(state)))
+            tensor = ov.Tensor(STATE_TYPES[dtype], list(c.state_shape(state, width)))
             tensor.data[...] = 0
             states[f"present_{state}"] = tensor
         return states
 
-    def _zero_slot_states(self) -> dict:
+    def _zero_slot_states(self, width: int | None = None) -> dict:
         c, states = self.contract, {}
         for state in STATE_NAMES:
-            shape = list(c.slot_state_shape(state))
+            shape = list(c.slot_state_shape(state, width))
             if self.host_state_roundtrip:
                 if c.state_dtype(state) not in STATE_NUMPY_DTYPES:
                     raise ContractError(f"{state} of a {c.state_dtype(state)} export cannot be held in host memory")

@@ -28,6 +28,18 @@ def run_request(request: ov.InferRequest) -> None:
     request.wait()
 
 
+def set_inputs(request: ov.InferRequest, feeds: dict[str, np.ndarray]) -> None:
+    """Write host ``feeds`` into ``request``'s input tensors: copied into a static input's own tensor, or, where
+    the input's shape differs (a tiered export's dynamic KV width: another tier), set as a tensor of its own (a
+    copy)."""
+    for name, value in feeds.items():
+        tensor = request.get_tensor(name)
+        if tuple(tensor.shape) == value.shape:
+            np.copyto(tensor.data, value)
+        else:
+            request.set_tensor(name, ov.Tensor(np.ascontiguousarray(value)))
+
+
 def fresh_tensor(port) -> ov.Tensor:
     return ov.Tensor(port.get_element_type(), port.get_shape())
 
@@ -41,7 +53,8 @@ class OpenVinoDecoder:
     shared with both requests' input tensors, and each request writes its own logits tensor.
 
     Args:
-        compiled: the compiled decode graph.
+        compiled: the compiled decode graph (with a tiered export's KV width dynamic: the decoder runs it at
+            the width of ``states``).
         contract: the export contract.
         states: the prefill outputs ``present_conv_states``, ``present_recurrent_states``,
             ``present_kv_cache`` as OpenVINO tensors (taken over by this decoder).
@@ -50,11 +63,12 @@ class OpenVinoDecoder:
     def __init__(self, compiled: ov.CompiledModel, contract: ShapeContract, states: dict[str, ov.Tensor]):
         self.requests = [compiled.create_infer_request() for _ in (0, 1)]
         names = [f"present_{state}" for state in STATE_NAMES]
-        self.buffers = [
-            {name: fresh_tensor(compiled.output(name)) for name in names},
+        self.buffers = [  # (each of the states' own shape: the KV width a tier's where the graph's is dynamic)
+            {name: ov.Tensor(compiled.output(name).get_element_type(), states[name].get_shape()) for name in names},
             {name: states[name] for name in names},
         ]
-        self.host = host_inputs(contract, contract.slots)
+        self.width = int(states["present_kv_cache"].get_shape()[3])
+        self.host = host_inputs(contract, contract.slots, self.width)
         shared = {name: ov.Tensor(array, shared_memory=True) for name, array in self.host.items()}
         self.logits = []
         for parity, request in enumerate(self.requests):

@@ -19,7 +19,7 @@ import openvino as ov
 
 from ...contract import STATE_NAMES, ShapeContract
 from ..draft_buffers import MtpCache, VerifyBuffers
-from .decoders import STATE_TYPES, run_request
+from .decoders import STATE_TYPES, run_request, set_inputs
 
 
 def bound_tensor(contract: ShapeContract, state: str, array: np.ndarray) -> ov.Tensor:
@@ -58,11 +58,6 @@ def _outputs(contract: ShapeContract, buffers: VerifyBuffers, size: int) -> dict
     return buffers.bound[key]
 
 
-def _feed(request: ov.InferRequest, feeds: dict[str, np.ndarray]) -> None:
-    for name, value in feeds.items():
-        np.copyto(request.get_tensor(name).data, value)
-
-
 def _past(contract: ShapeContract, value, state: str) -> ov.Tensor:
     """``value`` as an input tensor: itself, or a tensor over the host array (C-contiguous: every state array is;
     a copy would be freed while the request still points into it)."""
@@ -85,7 +80,7 @@ def run_verify(
     host arrays, stacked), each position's states and the KV cache after the run into ``buffers`` (not the set
     ``states`` point into). Returns the logits ``[1, C, V]`` and hidden states ``[1, C, hidden]`` (fp32 host
     copies) and the :class:`VerifyResult`."""
-    _feed(request, feeds)
+    set_inputs(request, feeds)
     for state in STATE_NAMES:
         request.set_tensor(f"past_{state}", _past(contract, states[f"present_{state}"], state))
     for name, tensor in _outputs(contract, buffers, int(feeds["input_ids"].shape[1])).items():
@@ -101,7 +96,7 @@ def run_mtp(
 ) -> tuple[np.ndarray, np.ndarray, MtpCache]:
     """One run of an MTP graph on ``request``: host ``feeds`` after ``cache`` (its other buffer becomes current).
     Returns the draft logits ``[1, 1, V]`` and ``mtp_hidden [1, 1, hidden]`` (fp32 host copies) and the cache."""
-    _feed(request, feeds)
+    set_inputs(request, feeds)
     request.set_tensor("past_mtp_kv_cache", bound_tensor(contract, "kv_cache", cache.kv))
     request.set_tensor("present_mtp_kv_cache", bound_tensor(contract, "kv_cache", cache.next))
     run_request(request)

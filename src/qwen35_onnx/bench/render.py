@@ -44,6 +44,7 @@ BLOCKS: dict[str, Callable[[Path, Path], str]] = {
     "grammar": run_tables.grammar,
     "state-cache": run_tables.state_cache,
     "kv-token-bytes": run_tables.kv_token_bytes,
+    "kv-tiers": run_tables.kv_tiers,
 }
 """Block name -> its renderer: ``(repository root, page from the root) -> Markdown``."""
 COMPUTED_BLOCKS = ("kv-token-bytes",)
@@ -60,6 +61,7 @@ SHOWN_IN = {
     "benchmarks/video": "docs/video.md#measured",
     "benchmarks/grammar_vocab.json": "docs/server.md#structured-output-json-schema",
     "benchmarks/state_cache": "docs/runtime.md#prefill-at-run-time-and-kept-states",
+    "benchmarks/kv_tiers": "docs/export.md#kv-tiers",
 }
 """Stored results outside ``benchmarks/results/`` -> the page section that renders them (for the benchmarks
 page's index)."""

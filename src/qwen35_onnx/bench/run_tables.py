@@ -1,6 +1,7 @@
 """The tables rendered from the other benches' stored results (``bench --render``): concurrent streams
 (``benchmarks/streams/``), speculative decoding (``benchmarks/speculative/``), the Ray Serve cluster
-(``benchmarks/cluster/``), video (``benchmarks/video/``) and the grammar's cost (``benchmarks/grammar_vocab.json``).
+(``benchmarks/cluster/``), video (``benchmarks/video/``), the grammar's cost (``benchmarks/grammar_vocab.json``), kept
+states on disk (``benchmarks/state_cache/``) and KV tiers (``benchmarks/kv_tiers/``).
 
 Each function takes the repository's root and the page the block goes into, and returns the block's Markdown:
 the caption naming its runs (:func:`~.stored.caption`), the table, and what its columns measure. Nothing here is
@@ -16,6 +17,7 @@ from .stored import StoredRun, by_machine, caption, load_run, load_runs, short_r
 __all__ = [
     "cluster",
     "grammar",
+    "kv_tiers",
     "speculative_costs",
     "speculative_llamacpp",
     "speculative_rates",
@@ -652,3 +654,43 @@ def kv_token_bytes(root: Path, page: Path) -> str:
         "(`src/qwen35_onnx/presets.py`), not measured."
     )
     return "\n".join([*table, "", note])
+
+
+# ---- KV tiers (benchmarks/kv_tiers.py) ----------------------------------------------------------------------
+def kv_tiers(root: Path, page: Path) -> str:
+    """Decode ms/token at a few depths with the default KV tiers against one width (the capacity)."""
+
+    def section(stored: StoredRun) -> list[str] | None:
+        data = stored.data
+        exports = data.get("exports", {})
+        if len(exports) != 2:
+            return None
+        (tiered_label, tiered), (one_label, one) = exports.items()
+        header = ["depth, tokens", "tiers: width", "tiers: ms/token", "one width: ms/token", "one width / tiers"]
+        header += ["tiers: Pss, GiB", "one width: Pss, GiB"]
+        rows = [
+            [
+                f"{a['depth']:,}",
+                f"{a['width']:,}",
+                f"{a['median_ms']:.1f}",
+                f"{b['median_ms']:.1f}",
+                f"{b['median_ms'] / a['median_ms']:.1f}x",
+                f"{a['pss_bytes'] / 2**30:.2f}",
+                f"{b['pss_bytes'] / 2**30:.2f}",
+            ]
+            for a, b in zip(tiered["depths"], one["depths"])
+        ]
+        tiers = ", ".join(f"{w:,}" for w in tiered["kv_tiers"])
+        return _section(
+            [stored],
+            _table(header, rows),
+            f"The {size_label(data['preset'])} {tiered['quantize']} `--ops portable` export (capacity "
+            f"{tiered['capacity']:,}, KV cache {tiered['kv_dtype']}) on OpenVINO, {data['threads']} threads: "
+            f"{tiered_label} (KV tiers {tiers}) against {one_label} (`--kv-tiers none`: every step at the capacity). "
+            f"A generation holding that many tokens steps {data['steps']} times after {data['warmup']} (the first "
+            "one moves it up where its tier is full: the width is the one the timed steps ran at); ms/token: the "
+            f"median step, the median of {data['rounds']} rounds; Pss: the process after the steps (weights, "
+            "states and activations; one process per export and round, the depths in this order).",
+        )
+
+    return _each(load_runs(root, "kv_tiers"), section, "KV tiers")

@@ -137,6 +137,7 @@ HEAVY_FIRST = (
     "test_api.py",
     "test_video.py",
     "test_chunked_prefill.py",
+    "test_kv_tiers.py",
     "test_wide_parity.py",
     "test_export_contract.py",
     "test_export_memory.py",

@@ -80,7 +80,8 @@ class SlotPool:
         steps: decode steps run.
         rows_stepped: rows summed over those steps (``rows_stepped / steps``: the mean batch).
         last_rows: the rows of the latest step.
-        bytes_copied: bytes :meth:`place` copied into slots (a decode step copies none).
+        bytes_copied: bytes :meth:`place` copied into slots and tier moves copied between widths (a decode step
+            copies none).
         bytes_discarded: bytes of KV memory handed back to the system as slots were released.
         width: the KV width (tokens) the decode graph runs at: the capacity, or the smallest KV tier that holds the
             widest held sequence and its next token.

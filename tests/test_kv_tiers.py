@@ -175,6 +175,7 @@ def test_each_step_runs_at_the_smallest_tier_that_holds_it_and_moves_up_once_per
 
 
 # ---- exports: the graphs and their checks -------------------------------------------------------------------
+@pytest.mark.slow
 def test_tiered_graphs_take_the_kv_width_symbolic(tiered_export, fixed_export):
     """The decode and chunk graphs have one symbolic dimension, ``kv_width``, on the mask's width and the KV
     cache's token axis (their other dimensions static); the checks accept it only where the manifest lists tiers,
@@ -218,6 +219,7 @@ def test_a_bucket_prefill_writes_its_kv_at_the_smallest_tier_that_holds_it(fixed
     assert torch.equal(outputs[True][0], outputs[False][0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_states_move_to_a_wider_tier_with_one_copy(tiered_export, runtime):
     """``Backend.widen_states``: fresh buffers of the wider tier holding the conv and recurrent states and the KV

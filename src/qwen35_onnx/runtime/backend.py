@@ -574,7 +574,7 @@ class Backend(abc.ABC):
         in the form the decode and verify graphs take: the KV cache's first ``length`` slots converted to the
         contract's KV precision (new buffers of the same KV width; :mod:`.kv_codec`), or ``states`` themselves
         where the two dtypes agree."""
-        if not self.kv_codec.converts:
+        if not self.contract.converts_kv:
             return states
         width = self.state_shape(states["present_kv_cache"])[3]
         arrays = self.states_to_host(states, kv_length=length)
@@ -586,7 +586,7 @@ class Backend(abc.ABC):
         :class:`~.snapshots.StateSnapshot`'s): :meth:`states_from_host` (the KV cache ``width`` tokens wide) with
         the KV cache converted to :attr:`~qwen35_onnx.contract.ShapeContract.prompt_kv_dtype`."""
         kv_dtype = self.contract.prompt_kv_dtype
-        if self.kv_codec.converts:
+        if self.contract.converts_kv:
             arrays = {**arrays, "present_kv_cache": self.kv_codec.to_prompt(arrays["present_kv_cache"])}
         return self.states_from_host(arrays, kv_dtype=kv_dtype, width=width)
 

@@ -437,9 +437,8 @@ class Generation:
     def _snapshot(self, arrays: dict[str, np.ndarray], length: int, prompt_form: bool = False) -> StateSnapshot:
         """A snapshot of the host state ``arrays`` (``present_*``, the KV cache ``length`` slots wide; ``prompt_form``:
         the prompt graphs' KV dtype, kept in the decode graphs' as every snapshot)."""
-        codec = self.backend.kv_codec
-        if prompt_form and codec.converts:
-            arrays = {**arrays, "present_kv_cache": codec.to_decode(arrays["present_kv_cache"])}
+        if prompt_form and self.contract.converts_kv:
+            arrays = {**arrays, "present_kv_cache": self.backend.kv_codec.to_decode(arrays["present_kv_cache"])}
         return StateSnapshot.take(
             self.backend.export_id,
             self.contract,

@@ -223,6 +223,7 @@ class SlotPool:
             target = rows[name][:, slot : slot + 1]
             if name == "present_kv_cache":
                 target = target[:, :, :, :length]
+            if name == "present_kv_cache" and self.backend.contract.converts_kv:
                 self.backend.kv_codec.to_decode(value, out=target)
             else:
                 np.copyto(target, value)

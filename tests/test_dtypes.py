@@ -143,7 +143,7 @@ def test_bf16_runs_on_openvino_and_is_refused_clearly_by_onnxruntime_cpu(trained
     with monkeypatch.context() as patch:
         patch.setattr(ort_backend, "OrtGraphSet", lambda *args, **kwargs: None)
         with pytest.raises(
-            ContractError, match=r"is bf16: .* buffers of fp32, fp16 only; run it with --runtime openvino"
+            ContractError, match=r"is bf16: .* buffers of fp32, fp16, int8 only; run it with --runtime openvino"
         ):
             ort_backend.OrtBackend(out, contract)
     pipe = Pipeline.from_exported(out, runtime="openvino")

@@ -46,7 +46,8 @@ def test_export_holds_one_tensor_at_a_time(checkpoint, tmp_path, monkeypatch, qu
     or more is read once for the whole export (a graph that needs it again reuses what was
     written; onnxscript's optimizer reads some small ones again to fold them), the bytes read
     are at most 1.1x the checkpoint's, and the checkpoint tensors alive at once never exceed
-    twice the largest tensor (a merged projection reads its parts together)."""
+    twice the largest tensor (a merged projection reads its parts together). (An fp32 KV cache: an int8 one's
+    calibration reads the text weights once more, one decoder layer at a time: tests/test_kv_dtype.py.)"""
     from safetensors import safe_open
 
     with safe_open(checkpoint / "model.safetensors", framework="pt") as f:
@@ -56,7 +57,13 @@ def test_export_holds_one_tensor_at_a_time(checkpoint, tmp_path, monkeypatch, qu
     export(
         checkpoint,
         tmp_path / "out",
-        ExportOptions(capacity=CAPACITY, image_tokens=IMAGE_TOKENS, prefill_buckets=(64, CAPACITY), quantize=quantize),
+        ExportOptions(
+            capacity=CAPACITY,
+            image_tokens=IMAGE_TOKENS,
+            prefill_buckets=(64, CAPACITY),
+            quantize=quantize,
+            kv_dtype="fp32",
+        ),
     )
     assert set(tracker.reads) == set(nbytes)  # every tensor of the checkpoint is used
     repeated = {k: n for k, n in tracker.reads.items() if n > 1 and nbytes[k] >= 64 * 1024}

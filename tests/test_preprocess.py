@@ -448,7 +448,8 @@ def test_sizing_of_a_contract():
     from qwen35_onnx.export.options import ExportOptions
     from qwen35_onnx.presets import tiny_config
 
-    contract = build_contract(tiny_config(), None, ExportOptions(image_tokens=96, vision_grids="static"))
+    options = ExportOptions(capacity=4096, image_tokens=96, vision_grids="static")  # (the demo sizes' positions)
+    contract = build_contract(tiny_config(), None, options)
     sizing = ImageSizing.of(contract)
     assert (sizing.patch_size, sizing.merge_size, sizing.factor) == (16, 2, 32)
     assert (sizing.min_pixels, sizing.max_pixels) == (contract.min_pixels, contract.max_pixels)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..paths import has_mtp_weights
-from .protocol import PeerResult, Protocol, run_tool, tool_failure
+from .protocol import LONG_PROMPT, PeerResult, Protocol, run_tool, tool_failure
 
 __all__ = [
     "ENGINES",
@@ -483,14 +483,17 @@ def bench_llamacpp(
     steps = protocol.decode_runs
     for n in sorted(lengths):
         tests, prefill_peak = _llama_bench(
-            llama, model, threads, ["-p", str(n), "-n", "0", "-r", str(protocol.prefill_runs), *options]
+            llama, model, threads, ["-p", str(n), "-n", "0", "-r", str(protocol.prefill_at(n)[1]), *options]
         )
         test = _one_test(tests, f"-p {n}")
         if int(test["n_prompt"]) != n:
             raise RuntimeError(f"llama-bench -p {n}: it reports a prompt of {test['n_prompt']} tokens")
         result.prefill_ms[n] = statistics.median(test["samples_ns"]) / 1e6
         tests, decode_peak = _llama_bench(
-            llama, model, threads, [*llama.engine.decode_args(n, steps), "-r", "3", *options]
+            llama,
+            model,
+            threads,
+            [*llama.engine.decode_args(n, steps), "-r", "3" if n <= LONG_PROMPT else "1", *options],
         )
         test = _one_test(tests, f"decode at {n}")
         if llama.engine.depth_of(test) != n:

@@ -29,6 +29,10 @@ __all__ = [
 ]
 
 
+LONG_PROMPT = 2048
+"""Prompt lengths (tokens) above which a prefill is timed once (:meth:`Protocol.prefill_at`)."""
+
+
 @dataclass(frozen=True)
 class Protocol:
     """How often each figure is measured: prefill = median of ``prefill_runs`` runs after
@@ -55,6 +59,13 @@ class Protocol:
     @property
     def is_reference(self) -> bool:
         return self == Protocol()
+
+    def prefill_at(self, length: int) -> tuple[int, int]:
+        """``(warm-ups, runs)`` of the prefill of ``length`` tokens: the protocol's up to
+        :data:`LONG_PROMPT` tokens; above it one run without a warm-up (agent lengths: a 32k-token prefill
+        takes minutes on 2 cores, and the shorter lengths before it have loaded and warmed every graph; the
+        rounds of ``bench --rounds`` give the figure its repetitions)."""
+        return (self.prefill_warmup, self.prefill_runs) if length <= LONG_PROMPT else (0, 1)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from .protocol import PeerResult, Protocol
+from .protocol import LONG_PROMPT, PeerResult, Protocol
 
 TARGETS = (
     ("openvino int4 f32", "ov-genai int4 f32"),
@@ -45,6 +45,13 @@ def report(
             f"Rounds: {rounds} (`--rounds`): the rows were measured in turn, round after round; each prefill, "
             "decode and end-to-end figure below is the median over the rounds (each round's in bench.json, "
             "the targets' per-round ratios under them).",
+            "",
+        ]
+    long = [n for n in lengths if n > LONG_PROMPT]
+    if long:
+        lines += [
+            f"Above {LONG_PROMPT} tokens ({', '.join(map(str, long))}) each prefill is timed once without a warm-up "
+            "and llama-bench's decode runs once (the rounds repeat them).",
             "",
         ]
     first, last = lengths[0], lengths[-1]

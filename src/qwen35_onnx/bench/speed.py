@@ -5,7 +5,8 @@ tokens (the same ids for every peer). All peers run in one command, one after th
 on the same checkpoint:
 
 - this project on ONNX Runtime: ``ort int4`` is the export a user gets by default with
-  ``--quantize int4`` (prefill chunks, the default capacity, block and accuracy level); portable
+  ``--quantize int4`` (prefill chunks, the default capacity, block, accuracy level and int8 KV cache), ``ort int4
+  kv32`` the same with an fp32 KV cache; portable
   fp32, ort fp32, ort int8, portable int4 and ``ort int4 buckets`` (the same with prefill buckets
   at the bench's lengths) are bucket exports, ``ort int4 b32`` uses block 32 (as llama.cpp's Q4_0);
 - this project on OpenVINO (``runtime="openvino"``): the portable fp32 and portable int4
@@ -103,7 +104,7 @@ EXPORTS = {
     "ort fp32": (dict(ops="ort"), True),
     "ort int8": (dict(ops="ort", quantize="int8"), True),
     "ort int4": (dict(ops="ort", quantize="int4"), False),  # what `export --quantize int4` gives
-    "ort int4 kv8": (dict(ops="ort", quantize="int4", kv_dtype="int8"), False),  # the same with an int8 KV cache
+    "ort int4 kv32": (dict(ops="ort", quantize="int4", kv_dtype="fp32"), False),  # the same with an fp32 KV cache
     "ort int4 b32": (dict(ops="ort", quantize="int4", quant_block_size=32), True),  # the block of llama.cpp's Q4_0
     "ort int4 buckets": (dict(ops="ort", quantize="int4"), True),
     "portable int4": (dict(ops="portable", quantize="int4", vision_grids="static"), True),
@@ -114,7 +115,7 @@ PIPELINE_ROWS = {
     "ort fp32": ("ort fp32", "onnxruntime", "f32"),
     "ort int8": ("ort int8", "onnxruntime", "f32"),
     "ort int4": ("ort int4", "onnxruntime", "f32"),
-    "ort int4 kv8": ("ort int4 kv8", "onnxruntime", "f32"),
+    "ort int4 kv32": ("ort int4 kv32", "onnxruntime", "f32"),
     "ort int4 b32": ("ort int4 b32", "onnxruntime", "f32"),
     "ort int4 buckets": ("ort int4 buckets", "onnxruntime", "f32"),
     "portable int4": ("portable int4", "onnxruntime", "f32"),
@@ -162,7 +163,7 @@ def bench_pipeline(
 
     def one_length(prepared, length: int) -> tuple[float, float]:
         """Prefill ms and decode ms/token of ``prepared`` (the generation is released on return)."""
-        prefill = median_ms(lambda: pipe.generation(prepared).prefill(), protocol.prefill_warmup, protocol.prefill_runs)
+        prefill = median_ms(lambda: pipe.generation(prepared).prefill(), *protocol.prefill_at(length))
         sample(length)
         generation = pipe.generation(prepared)
         token = int(np.argmax(generation.prefill()))

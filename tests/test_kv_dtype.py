@@ -15,7 +15,7 @@ import pytest
 from qwen35_onnx.contract import GraphKind, KvDtype, read_manifest
 from qwen35_onnx.pipeline import Pipeline
 
-from .conftest import PROMPT, Reference, build_once, export_to, logit_cosine, split_margin
+from .conftest import PHOTO_GRID, PROMPT, Reference, build_once, export_to, logit_cosine, split_margin
 
 NEW_TOKENS = 32
 ONNX_TYPE = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}
@@ -47,7 +47,10 @@ def test_kv_precision_against_fp32(ops, kv_dtype, runtime, trained_export, int8_
     """The decode graph's KV inputs and outputs are of the cache's dtype, the prefill graph's of the activations'
     (fp32); last-logit cosine against the fp32 cache >= 0.999; greedy tokens equal for fp16 and bf16, and for int8
     equal or parting where fp32's own margin is a near tie."""
-    out = int8_chunked if kv_dtype == KvDtype.INT8 else trained_export(ops, kv_dtype=kv_dtype)
+    # portable: the photo's static vision grid, as tests/test_dtypes.py's OpenVINO exports (its fp32 one is this
+    # test's reference: one export less for the suite)
+    grids = {"vision_grids": (PHOTO_GRID,)} if ops == "portable" else {}
+    out = int8_chunked if kv_dtype == KvDtype.INT8 else trained_export(ops, kv_dtype=kv_dtype, **grids)
     contract = read_manifest(out)
     assert (contract.dtype, contract.kv_precision, contract.prompt_kv_dtype) == ("fp32", kv_dtype, "fp32")
     assert contract.state_dtypes == {"conv": "fp32", "recurrent": "fp32", "kv": kv_dtype}
@@ -56,10 +59,10 @@ def test_kv_precision_against_fp32(ops, kv_dtype, runtime, trained_export, int8_
         if kind != GraphKind.VISION:
             held = kv_dtype if kind in (GraphKind.DECODE, GraphKind.VERIFY) else "fp32"
             assert _kv_types(out / path) == {ONNX_TYPE[held]}, key
-    reference = Reference(trained_export(ops), photo) if runtime == "onnxruntime" else None
+    reference = Reference(trained_export(ops, **grids), photo) if runtime == "onnxruntime" else None
     pipe = Pipeline.from_exported(out, runtime=runtime)
     if reference is None:  # OpenVINO: its own fp32 run of the portable fp32 export
-        reference = Reference(trained_export(ops), photo)
+        reference = Reference(trained_export(ops, **grids), photo)
         reference.pipe = Pipeline.from_exported(reference.path, runtime="openvino")
     prepared = pipe.prepare(photo, PROMPT)
     logits = np.asarray(pipe.generation(prepared).prefill(), dtype=np.float64)

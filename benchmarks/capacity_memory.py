@@ -66,7 +66,8 @@ def measure(export: Path, what: str) -> dict:
 
     pipe = Pipeline.from_exported(export)
     out = {"after_load": status("Pss")}
-    specials = set(pipe.preprocessor.tokenizer.all_special_ids)
+    # ordinary text tokens: no special token, no image or video placeholder (ids 1000-1010 of the demo vocabulary)
+    specials = set(pipe.preprocessor.tokenizer.all_special_ids) | set(range(1000, 1011))
     pool = np.array([t for t in range(2000) if t not in specials])
     if what == "slots":
         from qwen35_onnx.runtime.sampling import SamplingConfig
@@ -144,13 +145,14 @@ def main() -> None:
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = build_demo_checkpoint(args.work_dir / args.preset, preset=args.preset)
-    result = {"run": run_info(), "preset": args.preset, "exports": {}, "measures": {}}
+    command = " ".join(["benchmarks/capacity_memory.py", *sys.argv[1:]])
+    result = {"run": {**run_info(), "command": command}, "preset": args.preset, "exports": {}, "measures": {}}
     for name, options in EXPORTS.items():
         out = args.work_dir / f"{args.preset}-int4-{name}"
         if not (out / "manifest.json").is_file():
             export(checkpoint, out, ExportOptions(quantize="int4", overwrite=True, **options))
         contract = json.loads((out / "manifest.json").read_text())
-        result["exports"][name] = {k: contract[k] for k in ("capacity", "slots", "kv_dtype", "quantize", "ops")}
+        result["exports"][name] = {k: contract.get(k) for k in ("capacity", "slots", "kv_dtype", "quantize", "ops")}
         wanted = {"2k-fp32kv": ["load"], "2k": ["load"], "64k": ["load", "8k"], "64k-4slots": ["slots"]}[name]
         for what in wanted:
             command = [sys.executable, __file__, "--measure", str(out), what]

@@ -9,7 +9,9 @@ tokens). For each precision in ``--kv-dtypes``, an ``--ops ort --quantize int4``
   object, tests/conftest.py's ``forced_logits``); a position agrees when the export's argmax is fp32's;
 - speed: time to first token of a prompt of each ``--lengths`` (random ordinary tokens, the bench's), and the
   decode ms/token at that depth (median of 10 steps after 3);
-- memory: the process's Pss after each length (``/proc/self/smaps_rollup``).
+- memory: the process's Pss after each length (``/proc/self/smaps_rollup``); the precisions run one after the
+  other in one process, so a later precision's Pss includes what the earlier ones left mapped (only the first
+  precision's is a figure of its own: ``benchmarks/capacity_memory.py`` measures memory one process each).
 
 The trained test checkpoint (``--checkpoint trained``: the demo checkpoint after 200 training steps,
 tests/training.py) answers "same greedy tokens over a long prompt": its greedy reply to the long prompt with each
@@ -128,7 +130,8 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",") if n]
     args.work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = checkpoint_at(args.checkpoint, args.work_dir)
-    result = {"run": run_info(), "checkpoint": args.checkpoint, "precisions": {}}
+    command = " ".join(["benchmarks/kv_precision.py", *sys.argv[1:]])
+    result = {"run": {**run_info(), "command": command}, "checkpoint": args.checkpoint, "precisions": {}}
     reference_tokens = None
     for dtype in dtypes:
         print(f"--kv-dtype {dtype}", flush=True)

@@ -45,6 +45,8 @@ BLOCKS: dict[str, Callable[[Path, Path], str]] = {
     "state-cache": run_tables.state_cache,
     "kv-token-bytes": run_tables.kv_token_bytes,
     "kv-tiers": run_tables.kv_tiers,
+    "capacity-memory": run_tables.capacity_memory,
+    "kv-precision": run_tables.kv_precision,
 }
 """Block name -> its renderer: ``(repository root, page from the root) -> Markdown``."""
 COMPUTED_BLOCKS = ("kv-token-bytes",)
@@ -62,6 +64,8 @@ SHOWN_IN = {
     "benchmarks/grammar_vocab.json": "docs/server.md#structured-output-json-schema",
     "benchmarks/state_cache": "docs/runtime.md#prefill-at-run-time-and-kept-states",
     "benchmarks/kv_tiers": "docs/export.md#kv-tiers",
+    "benchmarks/capacity": "docs/export.md#capacity-and-the-kv-cache",
+    "benchmarks/kv_precision": "docs/export.md#kv-cache-precision",
 }
 """Stored results outside ``benchmarks/results/`` -> the page section that renders them (for the benchmarks
 page's index)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from .stored import StoredRun, by_machine, caption, load_run, load_runs, short_run, size_label
 
 __all__ = [
+    "capacity_memory",
     "cluster",
     "grammar",
     "kv_tiers",
@@ -23,6 +24,7 @@ __all__ = [
     "speculative_rates",
     "speculative_readme",
     "speculative_summary",
+    "kv_precision",
     "kv_token_bytes",
     "state_cache",
     "streams_decode",
@@ -694,3 +696,84 @@ def kv_tiers(root: Path, page: Path) -> str:
         )
 
     return _each(load_runs(root, "kv_tiers"), section, "KV tiers")
+
+
+# ---- what a capacity costs in memory (benchmarks/capacity_memory.py) -------------------------------------------
+def capacity_memory(root: Path, page: Path) -> str:
+    """Pss of the default capacity against a 2,048-token export, after an 8k-token prompt, with 4 slots, and
+    llama.cpp's server at the same context."""
+
+    def section(stored: StoredRun) -> list[str] | None:
+        data = stored.data
+        measures = data.get("measures", {})
+        if "64k load" not in measures:
+            return None
+        gb = lambda value: f"{value / 1e9:.2f}"  # noqa: E731
+        exports = data["exports"]
+
+        def name(key: str) -> str:
+            e = exports[key]
+            kv = e.get("kv_dtype") or "fp32"
+            slots = f", {e['slots']} slots" if e.get("slots", 1) > 1 else ""
+            return f"capacity {e['capacity']:,}, KV {kv}{slots}"
+
+        rows = [
+            [name(key), "after a 32-token reply", gb(measures[f"{key} load"]["after_short_reply"]), "-"]
+            for key in ("2k-fp32kv", "2k", "64k")
+            if f"{key} load" in measures
+        ]
+        long = measures.get("64k 8k", {})
+        if "after_8k_prompt" in long:
+            rows.append([name("64k"), "after an 8,192-token prompt and 32 tokens", gb(long["after_8k_prompt"]), "-"])
+        if "64k-4slots slots" in measures:
+            four = measures["64k-4slots slots"]["after_four_streams"]
+            rows.append([name("64k-4slots"), "after four short replies decoded together", gb(four), "-"])
+        peer = data.get("llama.cpp")
+        if peer:
+            server = f"llama.cpp `llama-server -c {peer['context']:,}` (f16 KV)"
+            rows.append([server, "an 8,192-token prompt", "-", gb(peer["peak_rss"])])
+        return _section(
+            [stored],
+            _table(["", "when", "this project: Pss, GB", "peak RSS, GB"], rows),
+            f"The {size_label(data['preset'])} `export --quantize int4` (`--ops ort`) at each capacity, one process "
+            "per line. Pss (`/proc/self/smaps_rollup`): the process's share of its resident memory (the pre-packed "
+            "weights are a shared file mapping); peak RSS: llama.cpp's server process's `VmHWM`. GB = 1e9 bytes.",
+        )
+
+    return _each(load_runs(root, "capacity"), section, "capacity-memory")
+
+
+# ---- KV cache precision (benchmarks/kv_precision.py) -----------------------------------------------------------
+def kv_precision(root: Path, page: Path) -> str:
+    """Agreement with an fp32 KV cache and speed at depth, per ``--kv-dtype``."""
+
+    def section(stored: StoredRun) -> list[str] | None:
+        data = stored.data
+        precisions = data.get("precisions")
+        if not precisions:
+            return None
+        lengths = sorted({int(n) for p in precisions.values() for n in p["speed"]})
+        header = ["--kv-dtype", "top-1 agreement with fp32"]
+        header += [f"time to first token at {n:,}, s" for n in lengths]
+        header += [f"decode at {n:,}, ms/token" for n in lengths]
+        rows = []
+        for dtype, p in precisions.items():
+            cells = [f"`{dtype}`", f"{100 * p['agreement']:.1f} %"]
+            speed = [p["speed"].get(str(n)) for n in lengths]
+            cells += [_f(r and r["ttft_ms"] / 1000) for r in speed]
+            cells += [_f(r and r["decode_ms"], ".2f") for r in speed]
+            rows.append(cells)
+        checkpoint = data["checkpoint"]
+        what = f"{size_label(checkpoint)} (random weights)"
+        if checkpoint == "trained":
+            what = "The trained demo checkpoint"
+        return _section(
+            [stored],
+            _table(header, rows),
+            f"{what}, `export --quantize int4` with each KV precision. Agreement: a prompt of real text, then the "
+            "fp32 cache's greedy tokens fed to each export (teacher forcing); the share of positions where its "
+            "greedy choice is fp32's. Speed: a prompt of random tokens of each length, its first token, then decode "
+            "steps at that depth (median of 10 after 3).",
+        )
+
+    return _each(load_runs(root, "kv_precision"), section, "KV-precision")

@@ -314,7 +314,7 @@ def main() -> None:
         recorder.stop()
         server.stop()
     result = {
-        "run": {**run_info(), "command": " ".join(["benchmarks/agents.py", *sys.argv[1:]])},
+        "run": run_info(program="benchmarks/agents.py"),
         "export": {"capacity": args.max_seq_len, "built_s": None if cached else round(export_s, 1)},
         "task": TASK,
         "agents": results,

@@ -145,8 +145,8 @@ def main() -> None:
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = build_demo_checkpoint(args.work_dir / args.preset, preset=args.preset)
-    command = " ".join(["benchmarks/capacity_memory.py", *sys.argv[1:]])
-    result = {"run": {**run_info(), "command": command}, "preset": args.preset, "exports": {}, "measures": {}}
+    run = run_info(program="benchmarks/capacity_memory.py")
+    result = {"run": run, "preset": args.preset, "exports": {}, "measures": {}}
     for name, options in EXPORTS.items():
         out = args.work_dir / f"{args.preset}-int4-{name}"
         if not (out / "manifest.json").is_file():

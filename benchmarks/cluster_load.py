@@ -219,7 +219,7 @@ def main() -> None:
         r["throughput_x_single"] = round(r["throughput_tok_s"] / single["throughput_tok_s"], 3)
         r["ttft_p95_x_single"] = round(r["ttft_p95_s"] / single["ttft_p95_s"], 3)
     result = {
-        "run": {**run_info(), "command": " ".join(["benchmarks/cluster_load.py", *sys.argv[1:]])},
+        "run": run_info(program="benchmarks/cluster_load.py"),
         "model": str(args.model),
         "export": {k: manifest.get(k) for k in ("capacity", "prefill_chunks", "slots", "ops", "quantize")},
         "load": {"clients": args.clients, "turns": args.turns, "max_tokens": args.max_tokens, "cpus": cpus},

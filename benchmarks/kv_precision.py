@@ -130,8 +130,7 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",") if n]
     args.work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = checkpoint_at(args.checkpoint, args.work_dir)
-    command = " ".join(["benchmarks/kv_precision.py", *sys.argv[1:]])
-    result = {"run": {**run_info(), "command": command}, "checkpoint": args.checkpoint, "precisions": {}}
+    result = {"run": run_info(program="benchmarks/kv_precision.py"), "checkpoint": args.checkpoint, "precisions": {}}
     reference_tokens = None
     for dtype in dtypes:
         print(f"--kv-dtype {dtype}", flush=True)

@@ -112,7 +112,7 @@ def main() -> None:
             medians = [row["median_ms"] for row in runs[label][-1]["depths"]]
             print(f"round {round_ + 1} {label}: " + ", ".join(f"{d}: {m:.1f} ms" for d, m in zip(depths, medians)))
     result = {
-        "run": {**run_info(), "command": " ".join(["benchmarks/kv_tiers.py", *sys.argv[1:]])},
+        "run": run_info(program="benchmarks/kv_tiers.py"),
         "preset": args.preset,
         "runtime": "openvino",
         "threads": args.threads,

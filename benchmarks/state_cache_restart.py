@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -182,7 +181,7 @@ def main() -> None:
     manifest = json.loads((args.model / "manifest.json").read_text())
     ratio = disk["ttft_s"] / cold["ttft_s"]
     result = {
-        "run": {**run_info(), "command": " ".join(["benchmarks/state_cache_restart.py", *sys.argv[1:]])},
+        "run": run_info(program="benchmarks/state_cache_restart.py"),
         "model": str(args.model),
         "preset": args.preset,
         "export": {k: manifest.get(k) for k in ("capacity", "prefill_chunks", "slots", "ops", "quantize")},

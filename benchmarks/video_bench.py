@@ -189,7 +189,7 @@ def main() -> None:
     from qwen35_onnx.pipeline import Pipeline
 
     result = {
-        "run": {**run_info(), "command": " ".join(['benchmarks/video_bench.py', *sys.argv[1:]])},
+        "run": run_info(program="benchmarks/video_bench.py"),
         "clip": {"seconds": args.seconds, "fps": 30, "size": "1280x720", "codec": "h264", "sampled_fps": 2},
         "question": QUESTION,
         "rows": {},

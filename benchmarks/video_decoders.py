@@ -21,7 +21,6 @@ import argparse
 import importlib.metadata
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -155,7 +154,7 @@ def main() -> None:
                 )
                 print(rows[-1], flush=True)
     result = {
-        "run": {**run_info(), "command": " ".join(['benchmarks/video_decoders.py', *sys.argv[1:]])},
+        "run": run_info(program="benchmarks/video_decoders.py"),
         "clip": {"seconds": args.seconds, "fps": args.fps, "size": args.size, "source": "pan across assets/photo.jpg"},
         "rows": rows,
     }

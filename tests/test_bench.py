@@ -314,3 +314,13 @@ def test_the_bench_records_what_its_exports_cost(tmp_path: Path):
     assert export_cost(folder, 2048) == {"export_s": None, "disk_bytes": 1002, "capacity": 2048}
     (tmp_path / "ort-int4.export.json").write_text('{"export_s": 12.5}')
     assert export_cost(folder, 2048)["export_s"] == 12.5
+
+
+def test_run_info_names_the_program_before_the_arguments():
+    """A stored result's ``command``: the CLI's (``qwen35-onnx``) or a benchmark script's path, then the
+    arguments shell-quoted."""
+    from qwen35_onnx.bench.results import run_info
+
+    assert run_info(["--lengths", "32,512"])["command"] == "qwen35-onnx --lengths 32,512"
+    script = run_info(["--out", "a b.json"], program="benchmarks/kv_tiers.py")["command"]
+    assert script == "benchmarks/kv_tiers.py --out 'a b.json'"

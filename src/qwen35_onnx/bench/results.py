@@ -48,11 +48,12 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
-def run_info(command: list[str] | None = None) -> dict:
+def run_info(command: list[str] | None = None, program: str = "qwen35-onnx") -> dict:
     """What a stored result says about its run: ``cpu`` (model name), ``cores`` (logical CPUs),
     ``memory_gib`` (MemTotal, GiB), ``cpu_flags`` (those of :data:`_CPU_FLAGS` present), ``date`` (UTC,
     ISO 8601 to the minute), ``version`` (this package's), ``python`` and ``command`` (``command`` or
-    the process's arguments, the program as ``qwen35-onnx``)."""
+    the process's arguments, after ``program``: ``qwen35-onnx``, or a script's path such as
+    ``benchmarks/kv_tiers.py``)."""
     from .. import __version__
 
     cpu = _cpuinfo()
@@ -73,7 +74,7 @@ def run_info(command: list[str] | None = None) -> dict:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ"),
         "version": __version__,
         "python": platform.python_version(),
-        "command": shlex.join(["qwen35-onnx", *args]),
+        "command": shlex.join([program, *args]),
     }
 
 

@@ -655,3 +655,44 @@ def test_a_step_of_fewer_rows_reuses_dropped_logits_and_never_overwrites_held_on
     assert addresses[0] == addresses[2] and addresses[1] == addresses[3] and addresses[0] != addresses[1]
     assert all(pool.decoder.bindings[key] is binding for key, binding in bindings.items())
     g.close()
+
+
+@pytest.mark.slow
+def test_identical_greedy_requests_of_the_three_apis_at_once_get_their_reply_alone(slot_export, tmp_path):
+    """Two identical greedy requests per API (chat completions, Responses, Messages), six at once against ``serve``
+    on the slots export: each gets the text the same request gets alone, and the three APIs' texts are one (one
+    conversation core under every route, its slots shared)."""
+    import concurrent.futures
+
+    import httpx
+
+    from .test_server import ServerProcess
+
+    ask = [{"role": "user", "content": "Name the colours of a rainbow."}]
+    bodies = {
+        "/v1/chat/completions": {"messages": ask, "max_tokens": 12, "chat_template_kwargs": NO_THINKING},
+        "/v1/responses": {"input": ask[0]["content"], "max_output_tokens": 12, "reasoning": {"effort": "none"}},
+        "/v1/messages": {"messages": ask, "max_tokens": 12},  # (thinking absent: off, as in Anthropic's API)
+    }
+
+    def text(path: str) -> str:
+        response = httpx.post(f"{proc.url}{path}", json={"model": "m", "temperature": 0, **bodies[path]}, timeout=120)
+        assert response.status_code == 200, response.text
+        data = response.json()
+        if path == "/v1/chat/completions":
+            return data["choices"][0]["message"]["content"].strip()
+        if path == "/v1/responses":
+            parts = [p["text"] for item in data["output"] if item["type"] == "message" for p in item["content"]]
+            return "".join(parts).strip()
+        return "".join(b["text"] for b in data["content"] if b["type"] == "text").strip()
+
+    proc = ServerProcess(["--model", str(slot_export("ort")), "--port", "0", "--max-queue", "8"], tmp_path / "s.log")
+    try:
+        alone = {path: text(path) for path in bodies}
+        assert len(set(alone.values())) == 1, alone
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            together = list(pool.map(lambda path: (path, text(path)), [*bodies, *bodies]))
+        for path, got in together:
+            assert got == alone[path], path
+    finally:
+        proc.stop()

@@ -189,12 +189,12 @@ def gated_delta_rule_chunked(
     intra = (query @ key.transpose(-1, -2)) * decay
     q_decayed = query * cum.exp().unsqueeze(-1)
     k_decayed = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+    chunk_decay = cum[..., -1].exp()  # [B, H, N]
 
     def step(state, u, w, q, attn, k, d):
         v_new = u - w @ state
         out = q @ state + attn @ v_new
-        state = state * d + k.transpose(-1, -2) @ v_new
+        state = state * d[..., None, None] + k.transpose(-1, -2) @ v_new
         return state, out
 
     def to_scan(t: torch.Tensor) -> torch.Tensor:  # chunk axis first

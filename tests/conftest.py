@@ -247,6 +247,43 @@ def shared_export(tmp_path_factory, checkpoint: Path, name: str, **options) -> P
     return build_once(tmp_path_factory, f"export-{name}", lambda out: export_to(checkpoint, out, **options))
 
 
+def quantized_copy(tmp_path_factory, base: Path, name: str, **quantization) -> Path:
+    """``qwen35-onnx quantize`` of the export ``base`` with ``quantization`` (the fields of
+    :class:`qwen35_onnx.export.options.QuantizeOptions`), built once per run under ``name``: the export that
+    ``export --quantize`` writes with ``base``'s other options, KV precision included (tests/test_requantize.py),
+    in a fraction of a second instead of a trace."""
+    from qwen35_onnx.export.options import QuantizeOptions
+    from qwen35_onnx.export.requantize import quantize_export
+
+    return build_once(tmp_path_factory, name, lambda out: quantize_export(base, out, QuantizeOptions(**quantization)))
+
+
+@pytest.fixture(scope="session")
+def tied_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """The demo checkpoint with ``tie_word_embeddings`` (as the published Qwen3.5-0.8B): the lm_head is the
+    embedding table."""
+    import json
+
+    def build(folder: Path) -> None:
+        shutil.copytree(checkpoint, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+        (folder / "config.json").write_text(json.dumps(config))
+
+    return build_once(tmp_path_factory, "checkpoint-tied", build)
+
+
+TIED_OPTIONS = {"ops": "ort", "kv_dtype": "fp32", "prefill_buckets": (64,)}
+"""Options of :func:`tied_export`."""
+
+
+@pytest.fixture(scope="session")
+def tied_export(tied_checkpoint, tmp_path_factory) -> Path:
+    """The tied checkpoint's float export (:data:`TIED_OPTIONS`: ``--ops ort``, an fp32 KV cache, one 64-token prefill
+    bucket), which the tied quantized exports are quantized copies of (:func:`quantized_copy`)."""
+    return shared_export(tmp_path_factory, tied_checkpoint, "tied", **TIED_OPTIONS)
+
+
 @pytest.fixture(scope="session")
 def wide_int4_export(wide_checkpoint, tmp_path_factory) -> Path:
     """The wide checkpoint, ``--ops ort`` int4, buckets 32 / 64 / 128: quantized sessions large
@@ -482,10 +519,22 @@ def trained_export(trained_checkpoint, tmp_path_factory):
     """``trained_export(ops, dtype="fp32", **options) -> Path``: an export of the trained demo
     checkpoint with one prefill bucket of CAPACITY tokens, built on first request and shared by
     every test of the session (the quantization, dtype and OpenVINO tests compare the same
-    exports; built once per run, see :func:`build_once`)."""
+    exports; built once per run, see :func:`build_once`). A quantized one is ``qwen35-onnx quantize`` of the float
+    export with its other options and KV precision (:func:`qwen35_onnx.export.requantize.quantize_export`, which
+    tests/test_requantize.py shows gives ``export --quantize``'s graphs and weights): one trace for every
+    quantization of an export."""
 
     def get(ops: str, dtype: str = "fp32", **options) -> Path:
         name = "-".join(["trained", ops, dtype] + [f"{k}-{v}" for k, v in sorted(options.items())])
+        if options.get("quantize", "none") != "none":  # a quantized copy of the float export (one trace for all)
+            from qwen35_onnx.export.options import ExportOptions
+
+            quantization = {k: v for k, v in options.items() if k in QUANTIZATION_OPTIONS}
+            others = {k: v for k, v in options.items() if k not in QUANTIZATION_OPTIONS and k != "kv_dtype"}
+            kv = ExportOptions(ops=ops, dtype=dtype, prefill_buckets=(CAPACITY,), **options).kv_precision
+            if kv != dtype:  # the KV precision export --quantize gives (a float export's default is its dtype)
+                others["kv_dtype"] = str(kv)
+            return quantized_copy(tmp_path_factory, get(ops, dtype, **others), name, **quantization)
         return build_once(
             tmp_path_factory,
             name,
@@ -495,6 +544,11 @@ def trained_export(trained_checkpoint, tmp_path_factory):
         )
 
     return get
+
+
+QUANTIZATION_OPTIONS = ("quantize", "quant_block_size", "quant_accuracy_level", "quantize_embedding")
+"""The options of ``qwen35-onnx quantize`` (:class:`qwen35_onnx.export.options.QuantizeOptions`, less
+``overwrite``)."""
 
 
 class Reference:

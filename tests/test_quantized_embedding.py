@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,21 +24,9 @@ from onnx import numpy_helper
 from qwen35_onnx.contract import DEFAULT_QUANT_BLOCK_SIZE, read_manifest
 from qwen35_onnx.export.quantize import quantize_blocks
 
-from .conftest import PROMPT, Reference, export_to, forced_logits
+from .conftest import PROMPT, Reference, forced_logits, quantized_copy
 
 BLOCK = DEFAULT_QUANT_BLOCK_SIZE
-
-
-@pytest.fixture(scope="module")
-def tied_checkpoint(checkpoint, tmp_path_factory) -> Path:
-    """The demo checkpoint with ``tie_word_embeddings`` (as the published Qwen3.5-0.8B): the
-    lm_head is the embedding table."""
-    folder = tmp_path_factory.mktemp("ckpt") / "tied"
-    shutil.copytree(checkpoint, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def _table(checkpoint: Path) -> np.ndarray:
@@ -66,9 +53,11 @@ def _external(out: Path, tensor: onnx.TensorProto) -> np.ndarray:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_ort_embedding_is_gather_block_quantized_sharing_the_tied_lm_head(tied_checkpoint, tmp_path, bits):
+def test_ort_embedding_is_gather_block_quantized_sharing_the_tied_lm_head(
+    tied_checkpoint, tied_export, tmp_path_factory, bits
+):
     scheme = f"int{bits}"
-    out = export_to(tied_checkpoint, tmp_path / "q", ops="ort", quantize=scheme, prefill_buckets=(64,))
+    out = quantized_copy(tmp_path_factory, tied_export, f"tied-{scheme}", quantize=scheme)
     contract = read_manifest(out)
     assert contract.quantize_embedding
     manifest = json.loads((out / "manifest.json").read_text())
@@ -105,8 +94,8 @@ def test_ort_embedding_is_gather_block_quantized_sharing_the_tied_lm_head(tied_c
     if bits == 8:
         return
     # against the same export with a float embedding (once: the layout does not depend on the width)
-    plain = export_to(
-        tied_checkpoint, tmp_path / "f", ops="ort", quantize=scheme, prefill_buckets=(64,), quantize_embedding=False
+    plain = quantized_copy(
+        tmp_path_factory, tied_export, "tied-int4-float-embedding", quantize=scheme, quantize_embedding=False
     )
     assert not read_manifest(plain).quantize_embedding
     # what a decode step reads is unchanged (the table is indexed, one row per token)

@@ -1,4 +1,4 @@
-"""The qwen35-onnx command: export, generate, chat, serve, verify, bench and demo.
+"""The qwen35-onnx command: export, quantize, generate, chat, serve, verify, bench and demo.
 
 Option groups are declared once, as dataclasses (:class:`~.export.options.ExportOptions`,
 :class:`~.runtime.backend.RuntimeOptions`, :class:`~.runtime.sampling.SamplingConfig`,
@@ -24,7 +24,7 @@ import typer
 
 from .cluster.options import ClusterOptions
 from .contract import ContractError
-from .export.options import ExportOptions
+from .export.options import ExportOptions, QuantizeOptions
 from .interrupts import unwinding
 from .options import Declared, declared
 from .runtime.backend import RuntimeOptions
@@ -167,6 +167,33 @@ def export(
     typer.echo(
         f"exported {options.component} to {output_dir} (capacity {contract.capacity}, kv {contract.kv_mode}, "
         f"{contract.n_image_tokens} image tokens); peak resident memory {peak_rss_bytes() / 2**30:.2f} GiB",
+        err=True,
+    )
+
+
+@app.command()
+@with_options(options=QuantizeOptions)
+def quantize(
+    model: Path = typer.Option(
+        ..., "--model", help="Export folder written by `qwen35-onnx export` without --quantize."
+    ),
+    output_dir: Path = typer.Option(..., "--output-dir", help="Folder to write the quantized export to."),
+    options: QuantizeOptions = None,
+) -> None:
+    """Quantize the text graphs of an existing export (int4 or int8 weights) without tracing the checkpoint again."""
+    try:
+        from .export.requantize import quantize_export
+        from .export.weight_source import peak_rss_bytes
+    except ImportError as exc:  # onnx / onnxscript missing
+        _fail(ValueError(f"quantize needs the 'export' extra (torch, onnx, onnxscript, ml_dtypes): {exc}"))
+    try:
+        contract = quantize_export(model, output_dir, options, show_progress=True)
+    except USER_ERRORS as exc:
+        _fail(exc)
+    typer.echo(
+        f"quantized {model} to {output_dir} ({contract.quantize}, block {contract.quant_block_size}, embedding "
+        f"{'quantized' if contract.quantize_embedding else 'kept'}); peak resident memory "
+        f"{peak_rss_bytes() / 2**30:.2f} GiB",
         err=True,
     )
 

@@ -33,7 +33,6 @@ from ..contract import (
     GraphKind,
     KvDtype,
     KvMode,
-    Ops,
     Quantization,
     ShapeContract,
     check_image_budget,
@@ -232,12 +231,7 @@ def build_contract(
         check_max_images(options.max_images, options.image_tokens, options.capacity)
     except ValueError as exc:
         raise ExportError(str(exc)) from exc
-    if options.embedding_quantized and options.ops == Ops.ORT and text.hidden_size % options.quant_block_size:
-        raise ExportError(
-            f"the model's hidden size {text.hidden_size} is not a multiple of --quant-block-size "
-            f"{options.quant_block_size}, which the quantized embedding (GatherBlockQuantized) needs; "
-            "choose a smaller block size or add --no-quantize-embedding"
-        )
+    options.check_embedding_blocks(text.hidden_size)
     max_positions = getattr(text, "max_position_embeddings", None)
     if max_positions and options.capacity > max_positions:
         raise ExportError(

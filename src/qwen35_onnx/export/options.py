@@ -9,6 +9,7 @@ options through :meth:`ExportOptions.from_contract`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -344,6 +345,19 @@ class ExportOptions:
                 "to the capacity); give one of them"
             )
 
+    def check_embedding_blocks(self, hidden_size: int) -> None:
+        """A quantized embedding on ``--ops ort`` (GatherBlockQuantized) needs whole blocks along the hidden axis.
+
+        Raises:
+            ExportError: ``hidden_size`` is not a multiple of ``quant_block_size`` for such an export.
+        """
+        if self.embedding_quantized and self.ops == Ops.ORT and hidden_size % self.quant_block_size:
+            raise ExportError(
+                f"the model's hidden size {hidden_size} is not a multiple of --quant-block-size "
+                f"{self.quant_block_size}, which the quantized embedding (GatherBlockQuantized) needs; "
+                "choose a smaller block size or add --no-quantize-embedding"
+            )
+
     @property
     def chunks(self) -> tuple[int, ...]:
         """Prefill chunk sizes in tokens: as given; by default (None) :data:`~qwen35_onnx.contract.DEFAULT_CHUNKS`
@@ -428,11 +442,38 @@ class ExportOptions:
 
     @classmethod
     def from_contract(cls, contract: ShapeContract, **others) -> ExportOptions:
-        """The options that made ``contract`` (the contract-shaping ones), plus ``others``."""
+        """The options that made ``contract`` (the contract-shaping ones), ``others`` in place of those named
+        there and added."""
         values = {name: getattr(contract, name) for name in cls.contract_fields()}
         values["prefill_buckets"] = contract.prefill_buckets or None  # none in dynamic mode
         values["vision_grids"] = contract.vision_grids or ANY_GRID
-        return cls(**values, **others)
+        return cls(**{**values, **others})
+
+
+def _export_option(name: str) -> Any:
+    """A field declared as ``export``'s option ``name`` (the same default, flag and help)."""
+    field = next(f for f in dataclasses.fields(ExportOptions) if f.name == name)
+    return dataclasses.field(default=field.default, metadata=field.metadata)
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """Options of ``qwen35-onnx quantize`` (weight-only quantization of an existing export's text graphs,
+    :mod:`.requantize`): ``export``'s quantization options, with the same flags, defaults and rules."""
+
+    quantize: Quantization = _export_option("quantize")
+    quant_block_size: int = _export_option("quant_block_size")
+    quant_accuracy_level: int = _export_option("quant_accuracy_level")
+    quantize_embedding: bool | None = _export_option("quantize_embedding")
+    overwrite: bool = _export_option("overwrite")
+
+    def validate(self) -> None:
+        """Raises ExportError: no quantization asked (``--quantize`` none or another value); the other options
+        are checked against the source export's (:func:`.requantize.quantized_contract`)."""
+        if self.quantize not in (Quantization.INT4, Quantization.INT8):
+            raise ExportError(
+                f"--quantize {plain(self.quantize)!r}: give int4 or int8 (the quantization to apply to the export)"
+            )
 
 
 def _resolved_grids(grids, contract: ShapeContract):

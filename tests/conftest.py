@@ -133,6 +133,7 @@ HEAVY_FIRST = (
     "test_speculative.py",
     "test_openvino.py",
     "test_quantized_embedding.py",
+    "test_requantize.py",
     "test_cluster.py",
     "test_api.py",
     "test_video.py",

@@ -6,6 +6,7 @@ trained checkpoint are made this way (tests/conftest.py ``trained_export``), one
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import onnx
@@ -118,29 +119,27 @@ def test_quantize_command_writes_an_export_that_generates(trained_export, tmp_pa
 def test_bad_quantize_requests_fail_with_one_line_and_write_nothing(trained_export, tmp_path):
     source = trained_export("ort")
     quantized = trained_export("ort", quantize="int4")
-    stray = tmp_path / "stray"
+    stray = tmp_path / "stray"  # a folder of the user's
     stray.mkdir()
     (stray / "notes.txt").write_text("mine")
+    webapp = tmp_path / "webapp"  # a folder of the user's with a manifest.json of its own
+    webapp.mkdir()
+    (webapp / MANIFEST_NAME).write_text('{"name": "my web app"}')
+    damaged = tmp_path / "damaged"  # an export whose weights file was cut short
+    shutil.copytree(source, damaged)
+    with open(damaged / "text/weights.data", "r+b") as data:
+        data.truncate(1000)
+    before = {p: p.read_bytes() for p in (*source.rglob("*"), *damaged.rglob("*")) if p.is_file()}
+    out = str(tmp_path / "a")
     cases = [
-        (["--model", str(source), "--output-dir", str(tmp_path / "a")], ["--quantize 'none'", "int4 or int8"]),
+        (["--model", str(source), "--output-dir", out], ["--quantize is required", "int4 or int8"]),
+        (["--model", str(source), "--output-dir", out, "--quantize", "int3"], ["--quantize 'int3'", "int4 or int8"]),
+        (["--model", str(quantized), "--output-dir", out, "--quantize", "int8"], ["quantized already"]),
         (
-            ["--model", str(source), "--output-dir", str(tmp_path / "a"), "--quantize", "int3"],
-            ["--quantize 'int3'"],
-        ),
-        (["--model", str(quantized), "--output-dir", str(tmp_path / "a"), "--quantize", "int8"], ["quantized already"]),
-        (
-            [
-                "--model",
-                str(source),
-                "--output-dir",
-                str(tmp_path / "a"),
-                "--quantize",
-                "int4",
-                "--quant-block-size",
-                "48",
-            ],
+            ["--model", str(source), "--output-dir", out, "--quantize", "int4", "--quant-block-size", "48"],
             ["--quant-block-size 48", "power of two"],
         ),
+        (["--model", str(source), "--output-dir", "", "--quantize", "int4"], ["--output-dir ''", "empty"]),
         (
             ["--model", str(source), "--output-dir", str(source / "text"), "--quantize", "int4"],
             ["overlaps the source export"],
@@ -148,12 +147,17 @@ def test_bad_quantize_requests_fail_with_one_line_and_write_nothing(trained_expo
         (["--model", str(source), "--output-dir", str(stray), "--quantize", "int4"], ["not empty", "--overwrite"]),
         (
             ["--model", str(source), "--output-dir", str(stray), "--quantize", "int4", "--overwrite"],
-            ["has no manifest.json"],
+            ["only replaces a previous qwen35-onnx export", "manifest.json"],
         ),
         (
-            ["--model", str(tmp_path / "missing"), "--output-dir", str(tmp_path / "a"), "--quantize", "int4"],
-            ["does not exist"],
+            ["--model", str(source), "--output-dir", str(webapp), "--quantize", "int4", "--overwrite"],
+            ["only replaces a previous qwen35-onnx export", str(webapp)],
         ),
+        (
+            ["--model", str(damaged), "--output-dir", out, "--quantize", "int4"],
+            ["weights.data", "has 1000 bytes", "incomplete or damaged"],
+        ),
+        (["--model", str(tmp_path / "missing"), "--output-dir", out, "--quantize", "int4"], ["does not exist"]),
     ]
     for args, fragments in cases:
         done = invoke_cli("quantize", *args)
@@ -162,8 +166,10 @@ def test_bad_quantize_requests_fail_with_one_line_and_write_nothing(trained_expo
         assert line.startswith("error: ") and "\n" not in line and "Traceback" not in line, (args, line)
         for fragment in fragments:
             assert fragment in line, (args, line)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["stray"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged", "stray", "webapp"]
     assert [p.name for p in stray.iterdir()] == ["notes.txt"]
+    assert [p.name for p in webapp.iterdir()] == [MANIFEST_NAME]
+    assert before == {p: p.read_bytes() for p in (*source.rglob("*"), *damaged.rglob("*")) if p.is_file()}
 
 
 def test_an_interrupted_quantize_leaves_nothing(trained_export, tmp_path, monkeypatch):
@@ -176,5 +182,5 @@ def test_an_interrupted_quantize_leaves_nothing(trained_export, tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         requantize.quantize_export(trained_export("ort"), tmp_path / "out", QuantizeOptions(quantize="int4"))
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ExportError, match="int4 or int8"):
+    with pytest.raises(ExportError, match="--quantize is required"):
         requantize.quantize_export(trained_export("ort"), tmp_path / "out", QuantizeOptions())

@@ -145,9 +145,10 @@ def with_options(given_only: tuple[str, ...] = (), default_from: dict[str, str] 
 @with_options(given_only=("options",), options=ExportOptions)
 def export(
     model_id: Path = typer.Option(..., "--model-id", help="Local Hugging Face checkpoint folder."),
-    output_dir: Path = typer.Option(
+    output_dir: str = typer.Option(  # a string: typer would read an empty path as the current folder
         ...,
         "--output-dir",
+        metavar="<path>",
         help="Folder to write (vision/, text/ with the prefill and decode graphs and their shared weights, "
         "manifest.json).",
     ),
@@ -177,7 +178,9 @@ def quantize(
     model: Path = typer.Option(
         ..., "--model", help="Export folder written by `qwen35-onnx export` without --quantize."
     ),
-    output_dir: Path = typer.Option(..., "--output-dir", help="Folder to write the quantized export to."),
+    output_dir: str = typer.Option(  # a string: typer would read an empty path as the current folder
+        ..., "--output-dir", metavar="<path>", help="Folder to write the quantized export to."
+    ),
     options: QuantizeOptions = None,
 ) -> None:
     """Quantize the text graphs of an existing export (int4 or int8 weights) without tracing the checkpoint again."""

@@ -26,9 +26,9 @@ from .. import __version__
 from ..contract import (
     KV_SCALES,
     KV_WIDTH,
-    MANIFEST_NAME,
     METADATA_KEY,
     STATE_NAMES,
+    ContractError,
     Dtype,
     GraphKind,
     KvDtype,
@@ -664,16 +664,9 @@ def export_graph(
     ir_model.metadata_props[METADATA_KEY] = contract.to_json()
     ir_model.metadata_props["qwen35_onnx.graph"] = job.key
     if contract.quantize != Quantization.NONE and job.kind != GraphKind.VISION:
-        from .quantize import quantize_model
+        from .quantize import quantize_for_contract
 
-        quantize_model(
-            ir_model,
-            contract.quantize,
-            contract.quant_block_size,
-            ops=contract.ops,
-            accuracy_level=contract.quant_accuracy_level,
-            embedding_ids="input_ids" if contract.quantize_embedding else None,
-        )
+        quantize_for_contract(ir_model, contract)
     writer.add_model(ir_model, path)
     return path
 
@@ -745,14 +738,38 @@ def _check_output(out: Path, model_dir: Path, options: ExportOptions) -> None:
                 "export with --component all first"
             )
         return
-    if out.exists() and any(out.iterdir()):
-        if not options.overwrite:
-            raise ExportError(f"--output-dir {str(out)!r} exists and is not empty; pass --overwrite to replace it")
-        if not (out / MANIFEST_NAME).is_file():
-            raise ExportError(
-                f"--overwrite only replaces a previous qwen35-onnx export, and {str(out)!r} has no {MANIFEST_NAME}; "
-                "remove it yourself or choose another folder"
-            )
+    check_replaceable(out, options.overwrite)
+
+
+def output_folder(output_dir: str | os.PathLike) -> Path:
+    """``--output-dir`` as an absolute path.
+
+    Raises:
+        ExportError: an empty path (which would name the current folder).
+    """
+    if not str(output_dir).strip():
+        raise ExportError(f"--output-dir {str(output_dir)!r} is empty: give the folder to write")
+    return Path(output_dir).expanduser().resolve()
+
+
+def check_replaceable(out: Path, overwrite: bool) -> None:
+    """An output folder that exists and is not empty may only be a previous qwen35-onnx export, replaced with
+    ``overwrite``.
+
+    Raises:
+        ExportError: without ``overwrite``; a folder whose ``manifest.json`` is missing or is not an export's.
+    """
+    if not (out.is_dir() and any(out.iterdir())):
+        return
+    if not overwrite:
+        raise ExportError(f"--output-dir {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+    try:
+        read_manifest(out)
+    except ContractError as exc:
+        raise ExportError(
+            f"--overwrite only replaces a previous qwen35-onnx export, and {str(out)!r} is not one ({exc}); "
+            "remove it yourself or choose another folder"
+        ) from None
 
 
 def export(
@@ -779,7 +796,7 @@ def export(
             conflict, each naming the value and the rule it broke.
     """
     options.validate()
-    out = Path(output_dir).expanduser().resolve()
+    out = output_folder(output_dir)
     model_dir = Path(model_id).expanduser().resolve()
     _check_output(out, model_dir, options)
     if options.component != ALL_COMPONENTS:

@@ -461,7 +461,11 @@ class QuantizeOptions:
     """Options of ``qwen35-onnx quantize`` (weight-only quantization of an existing export's text graphs,
     :mod:`.requantize`): ``export``'s quantization options, with the same flags, defaults and rules."""
 
-    quantize: Quantization = _export_option("quantize")
+    quantize: Quantization | None = option(
+        None,
+        "--quantize",
+        help="int4 or int8 (required): the weight-only quantization to apply, as export's --quantize.",
+    )
     quant_block_size: int = _export_option("quant_block_size")
     quant_accuracy_level: int = _export_option("quant_accuracy_level")
     quantize_embedding: bool | None = _export_option("quantize_embedding")
@@ -470,9 +474,11 @@ class QuantizeOptions:
     def validate(self) -> None:
         """Raises ExportError: no quantization asked (``--quantize`` none or another value); the other options
         are checked against the source export's (:func:`.requantize.quantized_contract`)."""
+        if self.quantize is None:
+            raise ExportError("--quantize is required: int4 or int8 (the quantization to apply to the export)")
         if self.quantize not in (Quantization.INT4, Quantization.INT8):
             raise ExportError(
-                f"--quantize {plain(self.quantize)!r}: give int4 or int8 (the quantization to apply to the export)"
+                f"--quantize {plain(self.quantize)!r} must be int4 or int8 (the quantization to apply to the export)"
             )
 
 

@@ -217,6 +217,21 @@ def quantize_model(
     return len(replaced)
 
 
+def quantize_for_contract(model: ir.Model, contract) -> int:
+    """:func:`quantize_model` of a text graph ``model`` with the quantization ``contract`` (a
+    :class:`~qwen35_onnx.contract.ShapeContract` with ``quantize`` int4 or int8) records: its scheme, block size,
+    operators, accuracy level and, where ``quantize_embedding``, the table the ``input_ids`` input gathers. Returns the
+    number of quantized weights; raises as :func:`quantize_model`."""
+    return quantize_model(
+        model,
+        contract.quantize,
+        contract.quant_block_size,
+        ops=contract.ops,
+        accuracy_level=contract.quant_accuracy_level,
+        embedding_ids="input_ids" if contract.quantize_embedding else None,
+    )
+
+
 def _quantize_embedding(graph: ir.Graph, ids_name: str, bits: int, block_size: int, ops: str) -> dict[str, list]:
     """Quantize the token-embedding table: the 2-D float initializer gathered (axis 0) by the
     graph input ``ids_name``. Returns ``{table name: new values}`` (empty when the graph has none).

@@ -38,7 +38,8 @@ from ..contract import (
     read_manifest,
     write_manifest,
 )
-from .exporter import TEXT_DIR, _swap_into_place, _umask, graph_jobs
+from ..onnxfile.complete import check_export_files, check_external_data
+from .exporter import TEXT_DIR, _swap_into_place, _umask, check_replaceable, graph_jobs, output_folder
 from .options import ExportError, ExportOptions, QuantizeOptions
 from .weights import WeightsFileWriter
 
@@ -81,14 +82,7 @@ def _check_folders(src: Path, out: Path, overwrite: bool) -> None:
         raise ExportError(f"--output-dir {str(out)!r} overlaps the source export {str(src)!r}; choose another folder")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--output-dir {str(out)!r} is a file, not a folder")
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ExportError(f"--output-dir {str(out)!r} exists and is not empty; pass --overwrite to replace it")
-        if not (out / MANIFEST_NAME).is_file():
-            raise ExportError(
-                f"--overwrite only replaces a previous qwen35-onnx export, and {str(out)!r} has no {MANIFEST_NAME}; "
-                "remove it yourself or choose another folder"
-            )
+    check_replaceable(out, overwrite)
 
 
 def _keyed(model) -> None:
@@ -165,17 +159,21 @@ def quantize_export(
         ExportError: ``options`` refused (:meth:`.options.QuantizeOptions.validate`, :func:`quantized_contract`);
             ``output_dir`` overlaps the source, is a file, or is a non-empty folder (without ``overwrite``,
             or that is not an export).
-        ContractError: ``export_dir`` is not a complete export.
+        ContractError: ``export_dir`` is not a complete export (no manifest, a graph or weights file missing,
+            short or unreadable).
     """
     import onnx
     import onnx_ir as ir
 
-    from .quantize import quantize_model
+    from .quantize import quantize_for_contract
 
     options.validate()
-    src, out = Path(export_dir).expanduser().resolve(), Path(output_dir).expanduser().resolve()
+    src, out = Path(export_dir).expanduser().resolve(), output_folder(output_dir)
     contract = read_manifest(src)
     new = quantized_contract(contract, options)
+    check_export_files(src, contract)
+    for key, rel in contract.graphs.items():  # every graph readable and every byte of weights it reads there
+        check_external_data(key, src / rel)
     if sorted(job.path for job in graph_jobs(contract)) != sorted(contract.graphs.values()):
         raise ExportError(
             f"{str(src)!r} has another graph layout ({sorted(contract.graphs.values())}) than this version writes: "
@@ -212,14 +210,7 @@ def quantize_export(
             _keyed(model)
             _transpose_shared_weights(model)
             model.metadata_props[METADATA_KEY] = new.to_json()
-            quantize_model(
-                model,
-                new.quantize,
-                new.quant_block_size,
-                ops=new.ops,
-                accuracy_level=new.quant_accuracy_level,
-                embedding_ids="input_ids" if new.quantize_embedding else None,
-            )
+            quantize_for_contract(model, new)
             writer.add_model(model, tmp / rel)
         writer.finish()
         write_manifest(tmp, new)

@@ -36,13 +36,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..contract import MAX_DRAFT_TOKENS, ContractError, KvMode, ShapeContract, plain
+from ..onnxfile.complete import check_export_files, check_external_data
 from ..options import option
 from .checks import (
     GraphSpec,
     check_chunk,
     check_decode,
-    check_export_files,
-    check_external_data,
     check_metadata,
     check_mtp,
     check_prefill,

@@ -17,10 +17,8 @@ there is no silent fallback to another flow.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..contract import KV_WIDTH, STATE_NAMES, ContractError, GraphKind, KvMode, PrefillLogits, ShapeContract
-from ..onnxfile.edit import read_model
 
 #: Element type (ONNX's type string, the same for every backend) of each contract dtype.
 ONNX_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)", "int8": "tensor(int8)"}
@@ -74,55 +72,6 @@ class GraphSpec:
         if tensor not in table:
             raise ContractError(f"{self.name} graph has no {kind} named {tensor!r} (has {sorted(table)})")
         return table[tensor][axis]
-
-
-def check_export_files(root: Path, contract: ShapeContract) -> None:
-    """The manifest lists every graph the contract needs, and each listed file exists and is not empty.
-
-    Raises:
-        ContractError: naming the missing graph or file.
-    """
-    expected = {"decode", *contract.vision_graph_keys()}
-    expected |= set(contract.prefill_keys)
-    expected |= {contract.chunk_graph_key(c) for c in contract.prefill_chunks}
-    expected |= {contract.verify_graph_key(c) for c in contract.verify_sizes}
-    expected |= {contract.mtp_graph_key(c) for c in contract.mtp_sizes}
-    missing = sorted(expected - set(contract.graphs))
-    if missing:
-        raise ContractError(f"manifest.json lists no graph for {missing} (has {sorted(contract.graphs)})")
-    for key, rel in contract.graphs.items():
-        path = Path(root) / rel
-        if not path.is_file() or path.stat().st_size == 0:
-            raise ContractError(f"{key} graph {str(path)!r} is missing or empty: the export is incomplete")
-
-
-def check_external_data(key: str, path: Path) -> None:
-    """Each external-data file the graph at ``path`` (manifest key ``key``) reads holds every byte
-    it reads (the graph file is a few hundred kilobytes: its weights are skipped, never decoded;
-    about 8 ms a graph at the demo size). Run before a runtime opens the graph, which would fail
-    on a short file with an error that does not name it.
-
-    Raises:
-        ContractError: an unreadable graph file, or a missing or short data file, naming its size
-            and the bytes the graph reads.
-    """
-    try:
-        model = read_model(path.read_bytes())
-    except (ValueError, IndexError) as exc:  # OnnxScanError is a ValueError
-        raise ContractError(f"{key} graph {str(path)!r} is not a readable ONNX file: {exc}") from exc
-    reads: dict[str, int] = {}
-    for tensor in model.initializers.values():
-        if tensor.location is not None:
-            reads[tensor.location] = max(reads.get(tensor.location, 0), tensor.offset + tensor.length)
-    for name, end in sorted(reads.items()):
-        data = path.parent / name
-        size = data.stat().st_size if data.is_file() else None
-        if size is None or size < end:
-            found = "is missing" if size is None else f"has {size} bytes"
-            raise ContractError(
-                f"{key} graph {str(path)!r} reads {end} bytes of weights from {str(data)!r}, which {found}: "
-                "the export is incomplete or damaged (re-export it)"
-            )
 
 
 def _expect(what: str, actual, expected, source: str = "the manifest says") -> None:

@@ -44,9 +44,10 @@ import numpy as np
 import openvino as ov
 
 from ...contract import KV_WIDTH, METADATA_KEY, STATE_NAMES, ContractError, KvMode, Ops, ShapeContract, plain
+from ...onnxfile.complete import check_export_files
 from ...onnxfile.scan import OnnxScanError, scan
 from ..backend import STATE_NUMPY_DTYPES, Backend, Decoder, GraphSet, Runtime, RuntimeOptions, fill_state
-from ..checks import GraphSpec, check_export_files, check_vision, kv_width_axes
+from ..checks import GraphSpec, check_vision, kv_width_axes
 from ..draft_buffers import MtpCache, VerifyBuffers
 from .decoders import STATE_TYPES, OpenVinoDecoder, OpenVinoHostDecoder, fresh_tensor, run_request, set_inputs
 from .speculative import run_mtp, run_verify

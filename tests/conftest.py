@@ -547,9 +547,16 @@ def trained_export(trained_checkpoint, tmp_path_factory):
     return get
 
 
-QUANTIZATION_OPTIONS = ("quantize", "quant_block_size", "quant_accuracy_level", "quantize_embedding")
+def _quantization_options() -> tuple[str, ...]:
+    from qwen35_onnx.export.options import QuantizeOptions
+    from qwen35_onnx.options import declared
+
+    return tuple(o.name for o in declared(QuantizeOptions) if o.name != "overwrite")
+
+
+QUANTIZATION_OPTIONS = _quantization_options()
 """The options of ``qwen35-onnx quantize`` (:class:`qwen35_onnx.export.options.QuantizeOptions`, less
-``overwrite``)."""
+``overwrite``), read from its declarations."""
 
 
 class Reference:

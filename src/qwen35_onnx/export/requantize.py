@@ -5,9 +5,9 @@ An export made without ``--quantize`` holds its text graphs with float weights. 
 those graphs back (ONNX IR, weights memory-mapped from ``text/weights.data``), applies the same
 weight-only quantization the exporter applies after tracing (:func:`.quantize.quantize_model`, with
 the new contract in each graph's metadata) and writes a new export folder: the result is the export
-``export --quantize ...`` writes with the source's other options, graph for graph and byte for byte
-(``tests/test_requantize.py`` checks it), in the time of the quantization alone (the trace is the
-long part of an export: minutes at 0.8B).
+``export --quantize ...`` writes with the source's other options: the same graphs operator for operator (only
+the trace's own node names may differ), the same weights file byte for byte (``tests/test_requantize.py``), in the
+time of the quantization alone (the trace is the long part of an export: minutes at 0.8B).
 
 What cannot change without a new trace stays the source's: the operators (``--ops``), the dtype and
 the KV cache's precision. ``export --quantize`` on ``--ops ort`` defaults to an int8 KV cache; an
